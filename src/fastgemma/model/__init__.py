@@ -1,0 +1,20 @@
+"""Architecture config, decoder and the helper that allocates it without touching memory twice."""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig, preset, read_config_json  # noqa: F401
+from .decoder import Gemma4Model
+
+
+def empty_model(cfg: ModelConfig, device, dtype) -> Gemma4Model:
+    """Allocate uninitialised parameters directly on `device` in `dtype` (built on the meta device
+    first: no fp32 copy anywhere). Buffers are computed; every parameter must then be filled."""
+    with torch.device("meta"):
+        model = Gemma4Model(cfg).to(dtype)
+    model.inv_freq_sliding = model.inv_freq_sliding.float()  # RoPE frequencies stay fp32
+    model.inv_freq_full = model.inv_freq_full.float()
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_buffers()
+    return model.requires_grad_(False).eval()

@@ -1,0 +1,120 @@
+"""Decode steps: one token per call, tokens kept on the device (no host sync per token).
+
+- EagerStep: model.forward with a host position (torch attention over the live cache).
+- StaticStep: model.step (writes first, attends through model.step_attention), device positions.
+- GraphStep: StaticStep captured once in a torch.cuda.CUDAGraph and replayed; the graph advances
+  its own position and feeds its token back, so a decode loop is N replays and nothing else.
+All return the next token ids [B, 1]; `last_logits` holds the fp32 logits [B, V] of the last call.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def argmax_sampler(model, hidden):
+    """hidden [B, 1, hidden] -> ids [B, 1], logits [B, V] fp32."""
+    logits = model.compute_logits(hidden[:, -1])
+    return logits.argmax(-1, keepdim=True), logits
+
+
+class EagerStep:
+    name = "eager"
+
+    def __init__(self, model, cache, sampler=argmax_sampler):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.last_logits = None
+
+    def prepare(self):
+        pass
+
+    def begin(self, pos: int):
+        """Called after prefill: the next step decodes at position `pos`."""
+        self.pos, self.emitted = pos, []
+
+    def __call__(self, tok):
+        p = torch.full_like(tok, self.pos)
+        h = self.model(tok, p, self.cache, start=self.pos)
+        self.pos += 1
+        nxt, self.last_logits = self.sampler(self.model, h)
+        self.emitted.append(nxt)
+        return nxt
+
+    def tokens(self):
+        """[B, n] ids emitted since begin()."""
+        return torch.cat(self.emitted, 1)
+
+
+class StaticStep:
+    name = "static"
+
+    def __init__(self, model, cache, sampler=argmax_sampler):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        dev = cache.ring_pos.device
+        b = cache.batch
+        self.tok = torch.zeros(b, 1, dtype=torch.long, device=dev)   # static input
+        self.pos = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(b, cache.max_context, dtype=torch.long, device=dev)  # emitted ids
+        self.count = torch.zeros(1, dtype=torch.long, device=dev)
+        self.n = 0
+        self.last_logits = None
+
+    def prepare(self):
+        pass
+
+    def begin(self, pos: int):
+        self.pos.fill_(pos)
+        self.count.zero_()
+        self.n = 0
+
+    def _body(self):
+        h = self.model.step(self.tok, self.pos, self.cache)
+        nxt, logits = self.sampler(self.model, h)
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+        self.out.index_copy_(1, self.count, nxt)
+        self.count.add_(1)
+        return nxt, logits
+
+    def __call__(self, tok):
+        self.tok.copy_(tok)
+        nxt, self.last_logits = self._body()
+        self.n += 1
+        return nxt
+
+    def tokens(self):
+        return self.out[:, : self.n]
+
+
+class GraphStep(StaticStep):
+    """Captured once in prepare() (the warm-up); replay() per token. The input token buffer is
+    overwritten by the graph's own output, so a plain decode loop never copies anything in."""
+    name = "cuda_graph"
+
+    def __init__(self, model, cache, sampler=argmax_sampler, warmup_iters: int = 2):
+        super().__init__(model, cache, sampler)
+        if cache.ring_pos.device.type != "cuda":
+            raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=eager on a CPU")
+        self.warmup_iters = warmup_iters
+        self.graph = None
+
+    def prepare(self):
+        if self.graph is not None:
+            return
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up kernels and autotuners outside the capture
+            for _ in range(self.warmup_iters):
+                self._body()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out_tok, self.out_logits = self._body()
+        self.cache.reset()  # capture wrote into the cache at a dummy position
+
+    def __call__(self, tok):
+        if tok is not self.out_tok:
+            self.tok.copy_(tok)
+        self.graph.replay()
+        self.n += 1
+        self.last_logits = self.out_logits
+        return self.out_tok

@@ -1,0 +1,241 @@
+"""The Gemma 4 (and Gemma 3) text decoder over a static KV cache.
+
+`forward` returns final-norm hidden states; `compute_logits` is the head seam (tied embedding,
+softcap), where pruned heads and fused argmax plug in. Parameter names follow transformers'
+(`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...) so checkpoints map by stripping a prefix.
+
+Two ways through the cache, one layer code:
+- `forward(..., start=int)`: prompt chunks and eager decode. Sliding layers attend over
+  cat(ring, new) and write afterwards (any chunk length); full layers write, then attend over the
+  first start+T slots.
+- `step(...)`: the static decode/verify step (T <= cache.step_rows): every write lands before the
+  attention, which goes through `self.step_attention` (torch twin or Triton kernel), with no host
+  integers, so the whole step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, LayerSpec
+from .layers import MLP, RMSNorm, apply_rope, gelu_tanh, rope_cos_sin, rope_inv_freq
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        h, d = cfg.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, spec.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_eps, cfg.norm_offset)
+        if spec.stores_kv:
+            self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=False)
+            self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=False)
+            self.k_norm = RMSNorm(d, cfg.rms_eps, cfg.norm_offset)
+            # Gemma 4 normalises v without a weight; Gemma 3 leaves v alone
+            self.v_norm = RMSNorm(d, cfg.rms_eps, with_scale=False) if cfg.v_norm else nn.Identity()
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+
+    def q(self, x, cos, sin):
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))  # [B, T, H, D]
+        return apply_rope(self.q_norm(q), cos, sin)
+
+    def kv(self, x, cos, sin):
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))  # [B, T, Hkv, D]
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(self.k_norm(k), cos, sin), self.v_norm(v)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        h = cfg.hidden_size
+        self.spec = spec
+        self.self_attn = Attention(cfg, spec)
+        self.mlp = MLP(h, spec.intermediate_size)
+        norm = lambda: RMSNorm(h, cfg.rms_eps, cfg.norm_offset)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.ple = bool(cfg.ple_dim)
+        if self.ple:
+            self.per_layer_input_gate = nn.Linear(h, cfg.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(cfg.ple_dim, h, bias=False)
+            self.post_per_layer_input_norm = norm()
+        self.register_buffer("layer_scalar", torch.ones(1), persistent=cfg.layer_scalar)
+
+    def forward(self, x, p, attend):
+        """x [B, T, hidden]; p [B, T, ple_dim] this layer's PLE input; attend(layer, a) -> [B, T, H*D]."""
+        a = self.input_layernorm(x)
+        x = x + self.post_attention_layernorm(self.self_attn.o_proj(attend(self, a)))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.ple:
+            g = gelu_tanh(self.per_layer_input_gate(x)) * p
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return x * self.layer_scalar
+
+
+def _visible(q_pos, kv_pos, window: int):
+    """[B, T] x [B, S] -> bool [B, 1, T, S]: 0 <= kv <= q and kv > q - window."""
+    q, k = q_pos[:, :, None], kv_pos[:, None, :]
+    m = (k <= q) & (k >= 0) & (k > q - window)
+    return m[:, None]
+
+
+def sdpa(q, k, v, mask, scale: float):
+    """q [B, T, H, D], k/v [B, S, Hkv, D], mask bool [B, 1, T, S] -> [B, T, H*D]."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).flatten(2)
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.specs = cfg.layer_specs()
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        if cfg.ple_dim:
+            n = cfg.num_layers * cfg.ple_dim
+            self.embed_tokens_per_layer = nn.Embedding(cfg.ple_vocab_size, n)  # 262144 x 10752, gather only
+            self.per_layer_model_projection = nn.Linear(h, n, bias=False)
+            self.per_layer_projection_norm = RMSNorm(cfg.ple_dim, cfg.rms_eps, cfg.norm_offset)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, s) for s in self.specs)
+        self.norm = RMSNorm(h, cfg.rms_eps, cfg.norm_offset)
+        self.register_buffer("inv_freq_sliding", torch.empty(cfg.head_dim // 2), persistent=False)
+        self.register_buffer("inv_freq_full", torch.empty(cfg.global_head_dim // 2), persistent=False)
+        self.init_buffers()
+        self.step_attention = None  # set by the builder: fn(q, k, v, q_pos, slot_pos, window, scale)
+        self.logits_head = None     # optional head override: fn(hidden) -> logits (pruned / quantised)
+
+    def init_buffers(self):
+        """(Re)compute non-persistent buffers: after building on the meta device and to_empty()."""
+        c = self.config
+        if self.inv_freq_sliding.is_meta:
+            return
+        self.inv_freq_sliding.copy_(rope_inv_freq(c.head_dim, c.rope_local_theta))
+        self.inv_freq_full.copy_(rope_inv_freq(c.global_head_dim, c.rope_global_theta,
+                                               c.rope_global_partial, c.rope_global_factor))
+        if not c.layer_scalar:
+            for layer in self.layers:
+                layer.layer_scalar.fill_(1.0)
+
+    # ---- embeddings ----------------------------------------------------------------------------
+    def embed(self, ids):
+        """ids [B, T] -> x0 [B, T, hidden], ple [B, T, L, ple_dim] (or None)."""
+        w = self.embed_tokens.weight
+        # transformers casts sqrt(hidden) to the weight dtype first (50.5 in bf16 for 2560)
+        x0 = F.embedding(ids, w) * torch.tensor(self.config.embed_scale, dtype=w.dtype, device=w.device)
+        if not self.config.ple_dim:
+            return x0, None
+        c = self.config
+        wt = self.embed_tokens_per_layer.weight
+        tok = F.embedding(ids, wt) * torch.tensor(c.ple_dim ** 0.5, dtype=wt.dtype, device=wt.device)
+        ctx = self.per_layer_model_projection(x0) * (c.hidden_size ** -0.5)
+        ctx = self.per_layer_projection_norm(ctx.unflatten(-1, (c.num_layers, c.ple_dim)))
+        return x0, (ctx + tok.unflatten(-1, (c.num_layers, c.ple_dim))) * (2.0 ** -0.5)
+
+    def rope(self, pos, dtype):
+        return {True: rope_cos_sin(pos, self.inv_freq_sliding, dtype),
+                False: rope_cos_sin(pos, self.inv_freq_full, dtype)}
+
+    # ---- prompt chunks and eager decode --------------------------------------------------------
+    def forward(self, ids, pos, cache, start: int, need: str = "all"):
+        """ids, pos [B, T] with pos = start .. start+T-1 on every row.
+        need="all": hidden [B, T, hidden]; "last": [B, 1, hidden] (the KV-shared layers run on the
+        last position only); "none": None (a prompt chunk before the last: the KV-shared layers,
+        which write nothing, are skipped)."""
+        c = self.config
+        T = ids.shape[1]
+        x, ple = self.embed(ids)
+        rope = self.rope(pos, x.dtype)
+        ring_slots = pos[:, -min(T, cache.ring):] % cache.ring
+        full_len = start + T
+        arange = torch.arange(full_len, device=ids.device)[None].expand(ids.shape[0], -1)
+        window = cache.window
+        shared = {}
+        bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        q_pos = pos
+
+        def attend(layer, a):
+            s = layer.spec
+            cos, sin = rope_q[s.sliding]
+            q = layer.self_attn.q(a, cos, sin)
+            if s.stores_kv:
+                k, v = layer.self_attn.kv(a, *rope[s.sliding])
+                if s.sliding:
+                    k_all = torch.cat([cache.k[s.index], k], 1)
+                    v_all = torch.cat([cache.v[s.index], v], 1)
+                    kv_pos = torch.cat([cache.ring_pos, pos.to(torch.int32)], 1)
+                    n = ring_slots.shape[1]
+                    cache.k[s.index][bidx, ring_slots] = k[:, -n:]
+                    cache.v[s.index][bidx, ring_slots] = v[:, -n:]
+                else:
+                    cache.k[s.index][bidx, pos] = k
+                    cache.v[s.index][bidx, pos] = v
+                    k_all, v_all, kv_pos = cache.k[s.index][:, :full_len], cache.v[s.index][:, :full_len], arange
+                shared[s.sliding] = (k_all, v_all, kv_pos)
+            k_all, v_all, kv_pos = shared[s.sliding]
+            mask = _visible(q_pos, kv_pos, window if s.sliding else full_len + 1)
+            return sdpa(q, k_all, v_all, mask, c.attn_scale)
+
+        rope_q = rope
+        for i, layer in enumerate(self.layers):
+            if i == c.first_shared_layer and need != "all":
+                if need == "none":
+                    break
+                # shared layers write no KV: only the last position matters for the next token
+                x, ple, q_pos = x[:, -1:], ple[:, -1:] if ple is not None else None, pos[:, -1:]
+                rope_q = {k: (cs[:, -1:], sn[:, -1:]) for k, (cs, sn) in rope.items()}
+            x = layer(x, ple[:, :, i] if ple is not None else None, attend)
+        cache.ring_pos[bidx, ring_slots] = pos[:, -ring_slots.shape[1]:].to(torch.int32)
+        if need == "none":
+            return None
+        if need == "last":
+            x = x[:, -1:]
+        return self.norm(x)
+
+    # ---- the static step (CUDA-graph capturable) -----------------------------------------------
+    def step(self, ids, pos, cache):
+        """ids, pos [B, T] (T <= cache.step_rows), all on the device. Writes every store layer's
+        K/V for these rows, then attends through self.step_attention. Returns hidden [B, T, hidden]."""
+        c = self.config
+        x, ple = self.embed(ids)
+        rope = self.rope(pos, x.dtype)
+        bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        slots = pos % cache.ring
+        cache.ring_pos[bidx, slots] = pos.to(torch.int32)
+        attn = self.step_attention
+        window = cache.window
+
+        def attend(layer, a):
+            s = layer.spec
+            cos, sin = rope[s.sliding]
+            q = layer.self_attn.q(a, cos, sin)
+            if s.stores_kv:
+                k, v = layer.self_attn.kv(a, cos, sin)
+                idx = slots if s.sliding else pos
+                cache.k[s.index][bidx, idx] = k
+                cache.v[s.index][bidx, idx] = v
+            src = s.kv_source
+            if s.sliding:
+                o = attn(q, cache.k[src], cache.v[src], pos, cache.ring_pos, window, c.attn_scale)
+            else:
+                o = attn(q, cache.k[src], cache.v[src], pos, None, 0, c.attn_scale)
+            return o.flatten(2)
+
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ple[:, :, i] if ple is not None else None, attend)
+        return self.norm(x)
+
+    # ---- head ----------------------------------------------------------------------------------
+    def compute_logits(self, hidden):
+        """hidden [..., hidden] -> fp32 logits [..., V], softcapped (tanh is monotonic: argmax can skip it)."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden)
+        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

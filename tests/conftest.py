@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny random Gemma 4 in transformers, saved to disk, and the same weights in fastgemma."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest
+import torch
+
+from fastgemma.model.config import GEMMA4_TINY
+
+TINY = GEMMA4_TINY
+
+
+def hf_text_config(cfg=TINY, **kw):
+    """transformers' Gemma4TextConfig with the same architecture as a fastgemma ModelConfig."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, global_head_dim=cfg.global_head_dim,
+        layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window,
+        num_kv_shared_layers=cfg.num_kv_shared_layers, hidden_size_per_layer_input=cfg.ple_dim,
+        vocab_size_per_layer_input=cfg.ple_vocab_size, final_logit_softcapping=cfg.final_logit_softcap,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_eps,
+        use_double_wide_mlp=cfg.double_wide_mlp, attn_implementation="eager", **kw,
+    )
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0):
+    """Every parameter and the layer scalars random, so a missed norm offset or scale shows."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            d = p.shape[0]
+            base = d ** -0.25 if (".q_norm." in name or ".k_norm." in name) else 1.0
+            p.copy_(base * (1 + 0.2 * torch.randn(p.shape, generator=g)))
+        elif "embed" in name:
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    for name, b in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    return model
+
+
+def make_hf_causal(cfg=TINY, seed=0):
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(seed)
+    m = Gemma4ForCausalLM(hf_text_config(cfg)).float().eval()
+    return randomize_(m, seed)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_dir(tmp_path_factory):
+    """A Gemma4ForCausalLM checkpoint written by transformers, sharded into several files."""
+    d = tmp_path_factory.mktemp("hf_tiny")
+    m = make_hf_causal()
+    m.save_pretrained(d, max_shard_size="200KB")
+    return d, m
