@@ -10,24 +10,14 @@ import pytest
 import torch
 
 from fastgemma.model.config import GEMMA4_TINY
+from fastgemma.model.hf_config import to_hf_text_config
 
 TINY = GEMMA4_TINY
 
 
 def hf_text_config(cfg=TINY, **kw):
     """transformers' Gemma4TextConfig with the same architecture as a fastgemma ModelConfig."""
-    from transformers import Gemma4TextConfig
-
-    return Gemma4TextConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, global_head_dim=cfg.global_head_dim,
-        layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window,
-        num_kv_shared_layers=cfg.num_kv_shared_layers, hidden_size_per_layer_input=cfg.ple_dim,
-        vocab_size_per_layer_input=cfg.ple_vocab_size, final_logit_softcapping=cfg.final_logit_softcap,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_eps,
-        use_double_wide_mlp=cfg.double_wide_mlp, attn_implementation="eager", **kw,
-    )
+    return to_hf_text_config(cfg, attn_implementation="eager", **kw)
 
 
 @torch.no_grad()

@@ -114,7 +114,8 @@ def _split_kernel(
     if SPLIT:
         # scratch o [B*Hkv, num_splits, R, D] fp32, lse [B*Hkv, num_splits, R] (log2 domain)
         row = (pid_bh * num_splits + pid_split) * R + r
-        tl.store(lse_ptr + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=row_ok)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=row_ok)
         tl.store(o_ptr + row[:, None] * D + d[None, :], o,
                  mask=(row_ok & has)[:, None] & d_ok[None, :])
     else:
@@ -152,12 +153,14 @@ def _combine_kernel(
              res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def _tiles(D: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) per head dim. D=512, BLOCK_N=32: K+V bf16 tiles 64 KiB per
-    stage, 2 stages 128 KiB of Hopper's 228 KiB shared memory; D=256 uses BLOCK_N=64 for the same."""
-    if D <= 256:
-        return 64, 4, 2
-    return 32, 4, 2
+def _tiles(D: int, block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). D=512 takes BLOCK_N=32 so K+V bf16 tiles stay 64 KiB per
+    stage like D=256 at 64. Compiled for sm_90: BLOCK_M*D <= 8192 at 4 warps uses <= 220 regs,
+    76-100 KiB shared, no spills; larger tiles (verify rows x D=512) spill at 4 warps, so 8
+    (BLOCK_M=64, D=512: 244 regs, 192 KiB shared)."""
+    block_n = 64 if D <= 256 else 32
+    num_warps = 4 if block_m * triton.next_power_of_2(D) <= 8192 else 8
+    return block_n, num_warps, 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,7 +194,7 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
     R = G * T
     block_m = min(64, max(16, triton.next_power_of_2(R)))  # tl.dot needs M >= 16
     row_tiles = triton.cdiv(R, block_m)
-    block_n, num_warps, num_stages = _tiles(D)
+    block_n, num_warps, num_stages = _tiles(D, block_m)
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, row_tiles, S, block_n, _num_sms(q.device))
     num_splits = max(1, int(num_splits))
@@ -240,11 +243,11 @@ def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scal
     seen = vis.any(dim=1)[:, :, None, None]  # [B, S, 1, 1]
     k = torch.where(seen, k_cache.float(), 0.0)
     v = torch.where(seen, v_cache.float(), 0.0)
-    qf = q.float().view(B, T, Hkv, G, D)
+    qf = q.float().reshape(B, T, Hkv, G, D)
     s = torch.einsum("btkgd,bskd->bkgts", qf, k) * scale  # [B, Hkv, G, T, S]
     s = s.masked_fill(~vis[:, None, None], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
+    p = torch.exp(s - torch.where(m == float("-inf"), 0.0, m))  # empty row: p = 0, not NaN
     l = p.sum(dim=-1, keepdim=True)
     o = torch.einsum("bkgts,bskd->btkgd", p / torch.where(l > 0, l, 1.0), v)
     return o.reshape(B, T, H, D).to(q.dtype)

@@ -17,4 +17,6 @@ def empty_model(cfg: ModelConfig, device, dtype) -> Gemma4Model:
     model = model.to_empty(device=device)
     with torch.no_grad():
         model.init_buffers()
+        for layer in model.layers:
+            layer.layer_scalar.fill_(1.0)  # a checkpoint may overwrite it
     return model.requires_grad_(False).eval()

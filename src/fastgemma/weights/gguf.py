@@ -105,9 +105,19 @@ def cache_root() -> Path:
 def _write_json_atomic(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+        _share(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _share(path: Path) -> None:
+    """mkdtemp/mkstemp make 0700/0600 entries; the cache is shared, so 0755/0644 (one level deep)."""
+    for p in [path, *path.iterdir()] if path.is_dir() else [path]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
 
 
 def _read_json(path: Path) -> dict:
@@ -263,7 +273,8 @@ def gemma3_config(reader) -> dict:
     elif isinstance(pattern, list):  # per-layer bools, true = sliding
         layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
     else:
-        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        full = lambda i: (i + 1) % pattern == 0  # noqa: E731
+        layer_types = ["full_attention" if full(i) else "sliding_attention" for i in range(layers)]
 
     full_rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1_000_000.0))}
     if get("rope.scaling.type") == "linear":  # Gemma 3 4B-27B: factor 8 on global layers
@@ -278,6 +289,8 @@ def gemma3_config(reader) -> dict:
         query_pre_attn_scalar = head_dim
 
     tok = lambda key, default: _field(reader, f"tokenizer.ggml.{key}", default)  # noqa: E731
+    # transformers copies the GGUF's special ids into the config; unk only when the file has one
+    special = {"unk_token_id": unk} if (unk := tok("unknown_token_id", None)) is not None else {}
     return dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -299,6 +312,7 @@ def gemma3_config(reader) -> dict:
         bos_token_id=tok("bos_token_id", 2),
         eos_token_id=tok("eos_token_id", 1),
         pad_token_id=tok("padding_token_id", 0),
+        **special,
     )
 
 
@@ -340,10 +354,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return _DTYPES[dtype]
 
 
-def _valid_entry(out: Path) -> bool:
+def _valid_entry(out: Path, digest: str) -> bool:
+    """A finished entry of this converter version for this source; stats files, reads no tensor."""
     manifest = _read_json(out / "manifest.json")
     files = manifest.get("files")
     if manifest.get("converter_version") != CONVERTER_VERSION or not files:
+        return False
+    if manifest.get("source", {}).get("sha256") != digest:
         return False
     return all((out / n).is_file() and (out / n).stat().st_size == size for n, size in files.items())
 
@@ -360,7 +377,7 @@ def convert_gguf(
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     digest = file_sha256(path, root)
     out = root / "hf" / f"{digest[:16]}-v{CONVERTER_VERSION}-{_dtype_name(dtype)}"
-    if _valid_entry(out):
+    if _valid_entry(out, digest):
         return out
     _check_transformers()
 
@@ -368,6 +385,8 @@ def convert_gguf(
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
     try:
         _convert_into(path, tmp, digest, dtype, progress)
+        if _valid_entry(out, digest):  # a concurrent converter finished first
+            return out
         if out.exists():  # an invalid entry (older version, damaged): set it aside first
             stale = out.with_name(f".stale-{out.name}-{os.getpid()}")
             os.rename(out, stale)
@@ -375,7 +394,7 @@ def convert_gguf(
         try:
             os.rename(tmp, out)
         except OSError:
-            if not _valid_entry(out):  # not a concurrent converter finishing first
+            if not _valid_entry(out, digest):  # not a concurrent converter finishing first
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -409,8 +428,10 @@ def _convert_into(path: Path, out: Path, digest: str, dtype: torch.dtype, progre
         if t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores 1 + w
         if tuple(w.shape) != shapes.get(name):
-            raise GGUFError(f"{path}: tensor {t.name} has shape {tuple(w.shape)}, config implies {shapes.get(name)}")
-        state[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
+            want = shapes.get(name)
+            raise GGUFError(f"{path}: tensor {t.name} has shape {tuple(w.shape)}, the config implies {want}")
+        # F32 tensors come back as read-only views of the memmap: copy those, not the rest
+        state[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(dtype)
         quant_types[t.tensor_type.name] = quant_types.get(t.tensor_type.name, 0) + 1
         bar.update()
     if missing := sorted(set(shapes) - set(state)):
@@ -430,15 +451,30 @@ def _convert_into(path: Path, out: Path, digest: str, dtype: torch.dtype, progre
     manifest = {
         "format": FORMAT,
         "converter_version": CONVERTER_VERSION,
-        "source": {"name": path.name, "path": str(path.resolve()), "sha256": digest, "bytes": path.stat().st_size},
+        "source": {
+            "name": path.name,
+            "path": str(path.resolve()),
+            "sha256": digest,
+            "bytes": path.stat().st_size,
+            "general.name": _field(reader, "general.name"),
+        },
         "architecture": ARCH,
         "dtype": _dtype_name(dtype),
-        "tensors": {"count": len(state), "params": sum(v.numel() for v in state.values()), "gguf_types": quant_types},
+        "tensors": {
+            "count": len(state),
+            "params": sum(v.numel() for v in state.values()),
+            "gguf_types": quant_types,
+        },
         "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()},
-        "versions": {"transformers": transformers.__version__, "gguf": _version("gguf", gguf), "torch": torch.__version__},
+        "versions": {
+            "transformers": transformers.__version__,
+            "gguf": _version("gguf", gguf),
+            "torch": torch.__version__,
+        },
         "convert_seconds": round(time.perf_counter() - t0, 1),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _share(out)
 
 
 def _version(dist: str, module) -> str:

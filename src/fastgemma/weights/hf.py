@@ -76,9 +76,9 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 def plan_load(cfg: ModelConfig, header: dict, expected: dict[str, tuple[int, ...]], report: LoadReport):
     """Map checkpoint keys to model names; raise naming every missing, unexpected or misshaped key."""
-    prefix = next((p for p in _PREFIXES if any(k.startswith(p + "embed_tokens.") for k in header)), None)
+    prefix = next((p for p in _PREFIXES if any(k.startswith(p + "layers.") for k in header)), None)
     if prefix is None:
-        raise CheckpointError(f"{report.path}: no embed_tokens weight under {list(_PREFIXES)}: not a Gemma text checkpoint")
+        raise CheckpointError(f"{report.path}: no decoder layers under {list(_PREFIXES)}: not a Gemma text checkpoint")
     shared = {s.index for s in cfg.layer_specs() if not s.stores_kv}
     plan, unexpected, shapes = {}, [], []
     for key, (f, shape) in header.items():

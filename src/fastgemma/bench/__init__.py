@@ -1,0 +1,1 @@
+"""Benchmark entries that compare several engine variants side by side in one process."""

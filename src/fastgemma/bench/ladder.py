@@ -1,0 +1,206 @@
+"""The bf16 decode ladder on one GPU, in one process: transformers (outside reference), our eager
+path, the static step, CUDA graphs, graphs + Triton attention. Same synthetic weights for all.
+
+    python -m fastgemma.bench.ladder --model gemma4_e4b --prompts 4 --prompt-len 256 --new 512
+
+Prints a markdown table last; --out writes the rows as JSONL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from ..engine.cache import KVCache
+from ..engine.generator import Generator
+from ..engine.steps import EagerStep, GraphStep, StaticStep
+from ..kernels.decode_attention import decode_attention, decode_attention_ref
+from ..model.config import preset
+from ..weights.synthetic import synthetic_model
+
+
+def copy_bandwidth(device, nbytes=2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        b.copy_(a)
+    e1.record()
+    e1.synchronize()
+    s = e0.elapsed_time(e1) / 1e3 / 10
+    del a, b
+    return 2 * (nbytes // 2) * 2 / s
+
+
+def decode_bytes(model) -> int:
+    """Bytes a decode step reads from weights: every matrix except the PLE table (one row gathered)
+    and the token embedding (one row), plus the tied head (the whole embedding)."""
+    n = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        n += p.numel() * p.element_size()
+    return n + model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+
+
+def kernels_per_step(step, tok):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(tok)
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA" and "Memcpy" not in e.key
+               and "Memset" not in e.key)
+
+
+def top1(ref_logits, logits, thresh=0.1):
+    top2 = ref_logits.topk(2, -1).values
+    margin = top2[:, 0] - top2[:, 1]
+    agree = ref_logits.argmax(-1) == logits.argmax(-1)
+    conf = margin > thresh
+    return agree.float().mean().item(), (agree[conf].float().mean().item() if conf.any() else float("nan"))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma4_e4b")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--max-context", type=int, default=0)
+    ap.add_argument("--variants", default="eager,static_torch,graph_torch,graph_triton")
+    ap.add_argument("--hf-new", type=int, default=64, help="tokens for transformers' own eager figure (0: skip)")
+    ap.add_argument("--hf-check", type=int, default=1, help="compare logits with transformers over the decode")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args(argv)
+    dev = a.device
+    cuda = dev.startswith("cuda")
+    cfg = preset(a.model)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    model = synthetic_model(cfg, dev, torch.bfloat16, seed=0)
+    sync()
+    build_s = time.time() - t0
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    bw = copy_bandwidth(dev) if cuda else float("nan")
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    nbytes = decode_bytes(model)
+    print(f"{gpu} | build {build_s:.1f}s | weights {weights_gb:.2f} GB | "
+          f"decode reads {nbytes / 1e9:.2f} GB/token | copy bw {bw / 1e12:.2f} TB/s | "
+          f"ceiling {bw / nbytes:.0f} tok/s", flush=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    max_ctx = a.max_context or (a.prompt_len + a.new + 16)
+    rows, ref_tokens, ref_forced = [], None, None
+    for name in a.variants.split(","):
+        cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=torch.bfloat16)
+        model.step_attention = decode_attention if name.endswith("triton") else decode_attention_ref
+        step = {"eager": EagerStep, "static_torch": StaticStep, "graph_torch": GraphStep,
+                "graph_triton": GraphStep, "static_triton": StaticStep}[name](model, cache)
+        gen = Generator(model, cache, step)
+        try:
+            step.prepare()
+            gen.generate(prompts[0][:32], 8)  # warm-up (JIT, autotune), untimed
+            sync()
+            t = time.perf_counter()
+            outs = [gen.generate(p, a.new) for p in prompts]
+            sync()
+            wall = time.perf_counter() - t
+        except Exception as e:  # report and go on with the other variants
+            print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        n_tok = sum(len(o.tokens) for o in outs)
+        steps = [s for o in outs for s in o.step_s]
+        step_ms = statistics.median(steps) * 1e3
+        forced = gen.forced(prompts[0], outs[0].tokens if ref_tokens is None else ref_tokens)
+        if ref_tokens is None:
+            ref_tokens, ref_forced = outs[0].tokens, forced
+        same = [o.tokens == r for o, r in zip(outs, ref_outs)] if rows else [True] * len(outs)
+        if not rows:
+            ref_outs = [o.tokens for o in outs]
+        prefix = statistics.mean(next((i for i, (x, y) in enumerate(zip(o.tokens, r)) if x != y), len(r))
+                                 for o, r in zip(outs, ref_outs))
+        agree, agree_conf = top1(ref_forced, forced)
+        k = None
+        try:
+            if isinstance(step, GraphStep):
+                k = "1 graph"
+            elif cuda:
+                step.begin(a.prompt_len)
+                k = kernels_per_step(step, torch.tensor([[5]], device=dev))
+        except Exception as e:
+            k = f"? ({type(e).__name__})"
+        row = dict(variant=name, tps=n_tok / wall, step_ms=step_ms, ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3,
+                   mbu=nbytes / (step_ms / 1e3) / bw, identity_rate=sum(same) / len(same), prefix_mean=prefix,
+                   top1_agree=agree, top1_agree_confident=agree_conf, kernels=k,
+                   vram_peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del step, gen, cache
+        if cuda:
+            torch.cuda.empty_cache()
+    hf_row = hf_reference(model, prompts, a, ref_forced, ref_tokens) if (a.hf_new or a.hf_check) else None
+    if a.out:
+        with open(a.out, "w") as f:
+            for r in rows + ([hf_row] if hf_row else []):
+                f.write(json.dumps(r) + "\n")
+    print(f"\n{cfg.name} bf16 synthetic, {a.prompts} prompts x {a.prompt_len} tokens -> {a.new} new, "
+          f"{gpu}, copy bw {bw / 1e12:.2f} TB/s, ceiling {bw / nbytes:.0f} tok/s")
+    print("| variant | tok/s | step ms | TTFT ms | MBU | identity | prefix | top1 | top1 conf | kernels/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['tps']:.1f} | {r['step_ms']:.2f} | {r['ttft_ms']:.1f} | {r['mbu']:.2f} | "
+              f"{r['identity_rate']:.2f} | {r['prefix_mean']:.0f} | {r['top1_agree']:.4f} | "
+              f"{r['top1_agree_confident']:.4f} | {r['kernels']} |")
+    if hf_row:
+        print(f"| transformers {hf_row.get('transformers')} eager | {hf_row.get('tps', float('nan')):.1f} | | | | | | "
+              f"{hf_row.get('top1_agree', float('nan')):.4f} | {hf_row.get('top1_agree_confident', float('nan')):.4f} | "
+              f"max abs diff {hf_row.get('max_abs_diff', float('nan')):.3g} |")
+
+
+@torch.inference_mode()
+def hf_reference(model, prompts, a, ref_forced, ref_tokens):
+    """transformers on the same weights: teacher-forced logits over our eager decode (max abs diff,
+    top-1 agreement) and its own eager generate speed."""
+    import transformers
+
+    from ..model.hf_config import hf_model_sharing_weights
+
+    row = {"variant": "transformers", "transformers": transformers.__version__}
+    try:
+        hf = hf_model_sharing_weights(model, "sdpa")
+        if a.hf_check and ref_forced is not None:
+            seq = torch.tensor([prompts[0] + ref_tokens[:-1]], device=model.embed_tokens.weight.device)
+            logits = hf(seq, logits_to_keep=len(ref_tokens)).logits[0].float()
+            row["max_abs_diff"] = (logits - ref_forced).abs().max().item()
+            row["top1_agree"], row["top1_agree_confident"] = top1(logits, ref_forced)
+            del logits
+        if a.hf_new:
+            ids = torch.tensor([prompts[0]], device=model.embed_tokens.weight.device)
+            hf.generate(ids[:, :16], max_new_tokens=4, do_sample=False)
+            sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            out = hf.generate(ids, max_new_tokens=a.hf_new, min_new_tokens=a.hf_new, do_sample=False)
+            sync()
+            row["tps"] = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"
+        print(f"transformers reference FAILED: {row['error']}", flush=True)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    main()

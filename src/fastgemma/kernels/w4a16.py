@@ -1,0 +1,474 @@
+"""INT4 weights x 16-bit activations (W4A16): packing, a Triton GEMV / skinny-GEMM kernel, torch twin.
+
+Format: asymmetric round-to-nearest int4 per group of G consecutive k (G in 32 / 64 / 128):
+    w[n, k] ~= q[n, k] * scales[k // G, n] + zeros[k // G, n],   q in 0..15
+`zeros` is the group minimum stored as a float (a tinygemm / HQQ style float zero point, no integer
+code), so dequantization is one FMA and the RTN error is <= scale / 2 per element.
+
+Layout of one W [N, K] (nn.Linear layout), K % G == 0:
+    qweight  uint8 [N, K/2]  byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4     N*K/2 bytes
+    scales   [K/G, N]        weight dtype (bf16 on the GPU; fp32 for fp32 models)  N*K/G*2 bytes (bf16)
+    zeros    [K/G, N]        same dtype as scales                                  N*K/G*2 bytes (bf16)
+Rows of qweight are contiguous along K: 16 bytes = 32 consecutive k of one row, and K/2 % 16 == 0
+(G >= 32), so every row and every K block starts 16-byte aligned: weight loads can be 128-bit.
+scales / zeros are group-major: BLOCK_N rows of one group are 2*BLOCK_N contiguous bytes.
+E4B: 4.644B matrix params (tied head included) -> 2.32 GB int4 + 145 MB scale/zero at g128
+(290 MB g64, 580 MB g32); the body alone (3.973B) -> 1.99 GB + 124 MB; bf16 reads 9.29 GB.
+
+Kernels (one program = BLOCK_N rows x one K slice x one row tile of x; grid from shapes only):
+- `_gemv_kernel` (M = 1, or any M with block_m = 1): CUDA-core dot products, a [BLOCK_N, NG, G/2]
+  fp32 accumulator reduced once at the end.
+- `_mma_kernel` (M = 2..16, block_m >= 16): dequantize to x's dtype and tl.dot with fp32 accumulators.
+- split_k > 1: fp32 partials [split_k, M, N] summed in a fixed order by `_splitk_reduce_kernel`
+  (deterministic; no atomics, so greedy identity holds run to run).
+Tiles come from `CONFIGS` (E4B shapes on the H200) or `default_config`; `resolve_config` fits them
+to the shape. `bench_shapes` times every E4B shape against cuBLAS bf16 and can sweep candidates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+GROUP_SIZES = (32, 64, 128)
+MAX_DECODE_M = 16
+_SMS = 132  # H200; the default heuristic's target for program counts
+_INTERPRET = bool(triton.knobs.runtime.interpret)  # read where @triton.jit reads it: at import
+
+
+# ---------------------------------------------------------------------------------------------
+# packing (torch)
+
+
+def check_group_size(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes q [N, K] (uint8, 0..15) -> qweight [N, K/2] uint8, low nibble = even k."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even K, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return (q[..., 0::2] & 0xF) | (q[..., 1::2] << 4)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight [N, K/2] uint8 -> codes [N, K] uint8."""
+    return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(-2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype | None = None):
+    """RTN asymmetric int4. w [N, K] -> (codes [N, K] uint8, scales [K/G, N], zeros [K/G, N]).
+
+    Codes are computed from the *stored* (rounded) scale and zero, so |w - dequant| <= scale / 2
+    except at a clamped group end, where bf16 rounding of scale / zero adds ~2^-8 of the range.
+    """
+    check_group_size(group_size)
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"int4 group_size {group_size} does not divide K={K}")
+    if scale_dtype is None:
+        scale_dtype = w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    wg = w.detach().float().reshape(N, K // group_size, group_size)
+    lo, hi = wg.amin(-1), wg.amax(-1)  # [N, K/G]
+    scales = ((hi - lo) / 15).to(scale_dtype)
+    zeros = lo.to(scale_dtype)
+    s = scales.float().unsqueeze(-1)
+    z = zeros.float().unsqueeze(-1)
+    # a constant group (or a range that underflows the scale dtype) gets scale 0 and codes 0
+    q = torch.where(s > 0, torch.round((wg - z) / torch.where(s > 0, s, 1.0)), 0.0)
+    q = q.clamp_(0, 15).to(torch.uint8).reshape(N, K)
+    return q, scales.t().contiguous(), zeros.t().contiguous()
+
+
+def dequantize_int4(qweight, scales, zeros, group_size: int, dtype: torch.dtype = torch.float32):
+    """qweight [N, K/2], scales / zeros [K/G, N] -> W [N, K], computed in fp32, returned in dtype."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    q = unpack_int4(qweight).float().reshape(N, K // group_size, group_size)
+    w = q * scales.t().float().unsqueeze(-1) + zeros.t().float().unsqueeze(-1)
+    return w.reshape(N, K).to(dtype)
+
+
+def w4a16_torch(x, qweight, scales, zeros, group_size: int, config=None):
+    """Torch twin: x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (W rounded to x's dtype first,
+    as the tl.dot path does; cuBLAS / CPU matmul accumulate in fp32). `config` is ignored."""
+    return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@triton.jit
+def _dequant(w, s, z):
+    # w: int32 codes 0..15. OR-ing them into the mantissa of 2^23 and subtracting 2^23 converts
+    # exactly without I2F, a quarter-rate pipe; int4 at 4.3 TB/s is ~33 weights / clk / SM on the H200
+    f = (w | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return f * s + z
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    N, stride_xm, stride_qn, stride_om, stride_os,
+    K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    HG: tl.constexpr = GROUP // 2  # bytes per group and row
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_g = tl.arange(0, NG)
+    offs_b = tl.arange(0, HG)
+    # [BLOCK_N, NG, HG] bytes: BLOCK_N * BLOCK_K / 2 per iteration, 16-byte vectors along K
+    w_ptrs = (qw_ptr + pid_k * (K_SPLIT // 2) + offs_n[:, None, None] * stride_qn
+              + offs_g[None, :, None] * HG + offs_b[None, None, :])
+    g0 = pid_k * (K_SPLIT // GROUP)
+    s_ptrs = s_ptr + (g0 + offs_g)[None, :] * N + offs_n[:, None]  # [BLOCK_N, NG]
+    z_ptrs = z_ptr + (g0 + offs_g)[None, :] * N + offs_n[:, None]
+    x_ptrs = x_ptr + pid_m * stride_xm + pid_k * K_SPLIT + offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+
+    acc = tl.zeros((BLOCK_N, NG, HG), dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_ok[:, None, None], other=0).to(tl.int32)
+        s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        # [NG, GROUP] -> even / odd k, matching the low / high nibbles
+        x_even, x_odd = tl.split(tl.reshape(tl.load(x_ptrs).to(tl.float32), (NG, HG, 2)))
+        acc += _dequant(w & 0xF, s, z) * x_even[None, :, :] + _dequant(w >> 4, s, z) * x_odd[None, :, :]
+        w_ptrs += BLOCK_K // 2
+        s_ptrs += NG * N
+        z_ptrs += NG * N
+        x_ptrs += BLOCK_K
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, stride_xm, stride_qn, stride_om, stride_os,
+    K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    NG: tl.constexpr = BLOCK_K // GROUP
+    HG: tl.constexpr = GROUP // 2
+    HK: tl.constexpr = BLOCK_K // 2  # bytes per row and iteration = pairs of k
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_g = tl.arange(0, NG)
+    offs_b = tl.arange(0, HG)
+    w_ptrs = (qw_ptr + pid_k * (K_SPLIT // 2) + offs_n[:, None, None] * stride_qn
+              + offs_g[None, :, None] * HG + offs_b[None, None, :])
+    g0 = pid_k * (K_SPLIT // GROUP)
+    s_ptrs = s_ptr + (g0 + offs_g)[None, :] * N + offs_n[:, None]
+    z_ptrs = z_ptr + (g0 + offs_g)[None, :] * N + offs_n[:, None]
+    x_ptrs = x_ptr + pid_k * K_SPLIT + offs_m[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        w = tl.load(w_ptrs, mask=n_ok[:, None, None], other=0).to(tl.int32)
+        s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HK, 2)))
+        # [BLOCK_N, NG, HG] -> [BLOCK_N, HK]: column h is the pair (2h, 2h + 1) of this K block
+        w_lo = tl.reshape(_dequant(w & 0xF, s, z), (BLOCK_N, HK)).to(x.dtype)
+        w_hi = tl.reshape(_dequant(w >> 4, s, z), (BLOCK_N, HK)).to(x.dtype)
+        acc = tl.dot(w_lo, tl.trans(x_even), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(w_hi, tl.trans(x_odd), acc, input_precision=DOT_PRECISION)
+        w_ptrs += HK
+        s_ptrs += NG * N
+        z_ptrs += NG * N
+        x_ptrs += BLOCK_K
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    # ws [SPLIT_K, M, N] fp32 -> out [M, N], summed in split order (deterministic)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sk in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + sk * MN + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+
+@dataclass(frozen=True)
+class W4A16Config:
+    """Tile sizes of one launch. block_m == 1 -> `_gemv_kernel` (grid over rows of x);
+    block_m >= 16 -> `_mma_kernel`. block_k is a power-of-two multiple of the group size."""
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m: int = 1
+
+
+def _gemv(bn, bk, split=1, warps=None, stages=3):
+    # default warps: one 16-byte weight vector per thread and iteration
+    warps = warps or max(1, min(8, bn * bk // 2 // 16 // 32))
+    return W4A16Config(bn, bk, split, warps, stages, 1)
+
+
+def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
+    return W4A16Config(bn, bk, split, warps, stages, bm)
+
+
+# (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
+# Starting points from program counts (>= 2 waves of 132 SMs where N allows), not yet timed on the
+# H200: `bench_shapes(sweep=True)` prints lines to paste here.
+CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
+    (1, 2048, 2560): _gemv(4, 512),      # q (sliding): 512 programs x 5 iterations
+    (1, 4096, 2560): _gemv(8, 512),      # q (full, head_dim 512): 512
+    (1, 512, 2560): _gemv(2, 512),       # k / v (sliding): 256, 1 warp
+    (1, 1024, 2560): _gemv(4, 512),      # k / v (full): 256
+    (1, 3072, 2560): _gemv(4, 512),      # q|k|v merged (sliding): 768
+    (1, 6144, 2560): _gemv(8, 512),      # q|k|v merged (full): 768
+    (1, 2560, 2048): _gemv(4, 512),      # o (sliding): 640 x 4 iterations
+    (1, 2560, 4096): _gemv(4, 512),      # o (full): 640 x 8
+    (1, 10240, 2560): _gemv(8, 512),     # gate / up: 1280
+    (1, 20480, 2560): _gemv(8, 512),     # gate|up merged: 2560
+    (1, 2560, 10240): _gemv(4, 1024),    # down: 640 x 10
+    (1, 256, 2560): _gemv(2, 512),       # PLE gate (skipped by default): 128
+    (1, 2560, 256): _gemv(4, 256),       # PLE projection: 640 x 1
+    (1, 10752, 2560): _gemv(8, 512),     # W_plm: 1344
+    (1, 262144, 2560): _gemv(16, 512),   # tied head, if a head transform uses int4: 16384
+    (16, 2048, 2560): _mma(16, 512),     # 128 programs
+    (16, 4096, 2560): _mma(16, 512),     # 256
+    (16, 512, 2560): _mma(16, 512, 5),   # 32 N tiles x 5 splits
+    (16, 1024, 2560): _mma(16, 512, 5),  # 64 x 5
+    (16, 3072, 2560): _mma(16, 512),     # 192
+    (16, 6144, 2560): _mma(32, 512),     # 192
+    (16, 2560, 2048): _mma(16, 512),     # 160
+    (16, 2560, 4096): _mma(16, 512, 2),  # 160 x 2
+    (16, 10240, 2560): _mma(32, 512),    # 320
+    (16, 20480, 2560): _mma(64, 256),    # 320
+    (16, 2560, 10240): _mma(16, 512, 2), # 160 x 2
+    (16, 256, 2560): _mma(16, 256, 10),  # 16 x 10
+    (16, 2560, 256): _mma(16, 256),      # 160
+    (16, 10752, 2560): _mma(32, 512),    # 336
+    (16, 262144, 2560): _mma(64, 256),   # 4096
+}
+
+
+def m_bucket(M: int) -> int:
+    return 1 if M == 1 else (MAX_DECODE_M if M <= MAX_DECODE_M else 64)
+
+
+def default_config(M: int, N: int, K: int) -> W4A16Config:
+    """Shapes missing from CONFIGS: halve BLOCK_N until there are ~2 waves of programs."""
+    bucket = m_bucket(M)
+    if bucket == 1:
+        bn = 8
+        while bn > 2 and triton.cdiv(N, bn) < 2 * _SMS:
+            bn //= 2
+        return _gemv(bn, 512)
+    if bucket == MAX_DECODE_M:
+        bn = 32 if N >= 8192 else 16
+        split = max(1, min(8, (2 * _SMS) // triton.cdiv(N, bn)))
+        return _mma(bn, 512, split)
+    return _mma(64, 256, 1, 4, 3, 64)
+
+
+def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config | None = None) -> W4A16Config:
+    """The config a launch uses: `config`, else CONFIGS[(m_bucket, N, K)], else default_config,
+    fitted to the shape: block_k -> the largest G * 2^j <= block_k dividing K; split_k -> the
+    largest divisor of K / block_k <= split_k (so no K masks are needed). K / split_k is a
+    constexpr of the kernels: one compile per (K, split, tiles), so warm up before graph capture."""
+    cfg = config or CONFIGS.get((m_bucket(M), N, K)) or default_config(M, N, K)
+    for name in ("block_n", "block_m"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"W4A16Config.{name} must be a power of two, got {v}")
+    if cfg.block_m != 1 and cfg.block_m < 16:
+        raise ValueError(f"W4A16Config.block_m must be 1 (GEMV) or >= 16 (tl.dot), got {cfg.block_m}")
+    if cfg.block_m >= 16 and cfg.block_n < 16:
+        raise ValueError(f"tl.dot needs block_n >= 16, got {cfg.block_n}")
+    bk = group_size
+    while bk * 2 <= cfg.block_k and K % (bk * 2) == 0:
+        bk *= 2
+    blocks = K // bk
+    split = max(d for d in range(1, min(cfg.split_k, blocks) + 1) if blocks % d == 0)
+    if (bk, split) == (cfg.block_k, cfg.split_k):
+        return cfg
+    return dataclasses.replace(cfg, block_k=bk, split_k=split)
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+
+def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config | None = None):
+    """x [M, K] (fp16 / bf16 / fp32) @ W^T -> [M, N] in x's dtype; W given as (qweight, scales,
+    zeros) from `quantize_int4` + `pack_int4`. No host sync; the grid depends on shapes only."""
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError("w4a16_matmul runs on CUDA tensors (or with TRITON_INTERPRET=1); "
+                           "use w4a16_torch on the CPU")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    M, K = x.shape
+    N = qweight.shape[0]
+    if qweight.dtype != torch.uint8 or qweight.shape[1] * 2 != K:
+        raise ValueError(f"qweight must be uint8 [N, K/2] = [{N}, {K // 2}], "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    if scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
+        raise ValueError(f"scales / zeros must be [K/G, N] = [{K // group_size}, {N}], "
+                         f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        raise ValueError("qweight, scales and zeros must be contiguous")
+    if N * K // 2 >= 2**31:
+        raise ValueError(f"int32 offsets: N * K / 2 must stay below 2^31, got {N} x {K}")
+    if M == 0:
+        return x.new_empty(0, N)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = resolve_config(M, N, K, group_size, config)
+    split = cfg.split_k
+    k_split = K // split
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    dst = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    stride_os = 0 if split == 1 else M * N
+    if cfg.block_m == 1:
+        grid = (triton.cdiv(N, cfg.block_n), split, M)
+        _gemv_kernel[grid](
+            x, qweight, scales, zeros, dst, N, x.stride(0), qweight.stride(0), N, stride_os,
+            K_SPLIT=k_split, GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
+        _mma_kernel[grid](
+            x, qweight, scales, zeros, dst, M, N, x.stride(0), qweight.stride(0), N, stride_os,
+            K_SPLIT=k_split, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, out, M * N, SPLIT_K=split, BLOCK=block)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmark (CUDA only; not a test)
+
+E4B_SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K)
+    "q": (2048, 2560), "k/v": (512, 2560), "o": (2560, 2048),
+    "q_full": (4096, 2560), "k/v_full": (1024, 2560), "o_full": (2560, 4096),
+    "qkv": (3072, 2560), "qkv_full": (6144, 2560),
+    "gate/up": (10240, 2560), "gate|up": (20480, 2560), "down": (2560, 10240),
+    "ple_gate": (256, 2560), "ple_proj": (2560, 256), "w_plm": (10752, 2560),
+}
+
+
+def candidates(M: int, N: int, K: int) -> list[W4A16Config]:
+    """The grid `bench_shapes(sweep=True)` tries (before resolve_config fits it to the shape)."""
+    if M == 1:
+        return [_gemv(bn, bk, sk, w, st) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024)
+                for sk in (1, 2, 4) for w in (None, 4) for st in (2, 4)]
+    bm = 16 if M <= MAX_DECODE_M else 64
+    return [_mma(bn, bk, sk, w, st, bm) for bn in (16, 32, 64) for bk in (256, 512)
+            for sk in (1, 2, 5) for w in (2, 4) for st in (2, 4)]
+
+
+def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = None, dtype=torch.bfloat16,
+                 sweep: bool = False, graph: bool = True, rep_ms: int = 50, device: str = "cuda") -> list[dict]:
+    """Time each E4B shape: int4 kernel vs cuBLAS bf16 (F.linear), weights rotated out of L2.
+
+    graph=True times inside CUDA graphs (do_bench_cudagraph; the decode path), False times eager
+    launches (do_bench). sweep=True also tries `candidates` and prints CONFIGS lines for the best.
+    Returns one dict per (shape, M). Needs a CUDA device.
+    """
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_shapes needs a CUDA device")
+    dev = torch.device(device)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    shapes = shapes or E4B_SHAPES
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def timed_us(fn):
+        if graph:
+            return 1e3 * do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+        return 1e3 * do_bench(fn, rep=rep_ms, return_mode="median")
+
+    def rotating(bufs, call):
+        state = {"i": 0}
+
+        def fn():
+            state["i"] = (state["i"] + 1) % len(bufs)
+            return call(*bufs[state["i"]])
+        return fn
+
+    rows, best_lines = [], []
+    print(f"{torch.cuda.get_device_name(dev)}  group {group_size}  {dtype}  "
+          f"{'graph' if graph else 'eager'}  (us, GB/s of weight + scale bytes)")
+    print(f"{'shape':>10} {'N':>6} {'K':>6} {'M':>3} | {'int4 us':>8} {'GB/s':>6} | {'bf16 us':>8} {'GB/s':>6} "
+          f"| {'x':>5} | {'err':>8} | config")
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, device=dev, dtype=dtype, generator=gen) * 0.02
+        q, s, z = quantize_int4(w, group_size)
+        qw = pack_int4(q)
+        q_bytes = qw.numel() + 2 * s.numel() * s.element_size()
+        # enough copies that one pass over them is > 2 x L2
+        n_q = max(2, math.ceil(2 * l2 / q_bytes))
+        n_w = max(2, math.ceil(2 * l2 / (w.numel() * w.element_size())))
+        qbufs = [(qw.clone(), s.clone(), z.clone()) for _ in range(n_q)]
+        wbufs = [(w.clone(),) for _ in range(n_w)]
+        for M in ms:
+            x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)
+            ref = w4a16_torch(x, qw, s, z, group_size).float()
+            err = ((w4a16_matmul(x, qw, s, z, group_size).float() - ref).abs().max() / ref.abs().max()).item()
+            t_ref = timed_us(rotating(wbufs, lambda w_: F.linear(x, w_)))
+            cfgs = [resolve_config(M, N, K, group_size)]
+            if sweep:
+                cfgs += [resolve_config(M, N, K, group_size, c) for c in candidates(M, N, K)]
+                cfgs = list(dict.fromkeys(cfgs))
+            results = []
+            for cfg in cfgs:
+                try:
+                    t = timed_us(rotating(qbufs, lambda a, b, c, cfg=cfg: w4a16_matmul(x, a, b, c, group_size, cfg)))
+                except Exception as e:  # out of resources for a candidate: skip it
+                    print(f"    skip {cfg}: {type(e).__name__}")
+                    continue
+                results.append((t, cfg))
+            t_tab, cfg_tab = results[0]
+            t_best, cfg_best = min(results, key=lambda r: r[0])
+            row = dict(shape=name, N=N, K=K, M=M, int4_us=t_tab, bf16_us=t_ref, config=cfg_tab,
+                       best_us=t_best, best_config=cfg_best, max_rel_err=err)
+            rows.append(row)
+            print(f"{name:>10} {N:>6} {K:>6} {M:>3} | {t_tab:8.2f} {q_bytes / t_tab / 1e3:6.0f} | "
+                  f"{t_ref:8.2f} {2 * N * K / t_ref / 1e3:6.0f} | {t_ref / t_tab:5.2f} | {err:8.1e} | {cfg_tab}")
+            if sweep:
+                print(f"{'best':>10} {'':>6} {'':>6} {M:>3} | {t_best:8.2f} {q_bytes / t_best / 1e3:6.0f} | {cfg_best}")
+                key = (m_bucket(M), N, K)
+                best_lines.append(f"    {key}: W4A16Config{dataclasses.astuple(cfg_best)},  # {name}")
+        del qbufs, wbufs
+    if sweep:
+        print("\n# CONFIGS entries (block_n, block_k, split_k, num_warps, num_stages, block_m):")
+        print("\n".join(best_lines))
+    return rows

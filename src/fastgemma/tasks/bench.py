@@ -1,0 +1,78 @@
+"""bench: decode the workload's prompts one at a time and report speed.
+
+Warm-up requests (their own prompts, never the benchmark's) run first and are excluded; then the
+timed loop: wall time from the first prompt in to the last token out, prefill included.
+tps = output tokens / that wall time. With eval=ppl the same loaded model is scored afterwards.
+"""
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from ..metrics.latency import latency_summary
+from ..metrics.memory import copy_bandwidth_gbs, mbu, reset_peak, vram_peak_gb, weight_bytes_per_step
+from ..metrics.timing import sync
+
+
+def workload_prompts(ctx, limit=None):
+    f, wl = ctx.factory, ctx.workload
+    c = f.config
+    tok = f.tokenizer() if wl.prompts_file else None
+    prompts = wl.prompts(c.vocab_size, c.bos_id, special=(c.pad_id, *c.eos_ids), tokenizer=tok)
+    if limit:
+        prompts = prompts[:limit]
+    return prompts
+
+
+def run(ctx):
+    f, wl = ctx.factory, ctx.workload
+    model = f.model
+    c = model.config
+    prompts = workload_prompts(ctx)
+    warm = wl.warmup_prompts(c.vocab_size, c.bos_id, special=(c.pad_id, *c.eos_ids))
+    max_ctx = wl.max_context(prompts + warm)
+    engine = f.engine(max_ctx)
+    gen = engine.generator
+    for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
+        gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
+
+    dev = f.device
+    reset_peak(dev)
+    sync(dev)
+    gens, out_tokens = [], 0
+    bar = tqdm(prompts, desc=f"bench {wl.name}", unit="prompt", disable=_disable(ctx, len(prompts)), dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for p in bar:
+        g = gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
+        gens.append(g)
+        out_tokens += len(g.tokens)
+        bar.set_postfix(tok_s=f"{out_tokens / (time.perf_counter() - t0):.1f}", refresh=False)
+    sync(dev)
+    wall = time.perf_counter() - t0
+    bar.close()
+
+    metrics, cdf = latency_summary(gens, wall)
+    metrics.update(vram_peak_gb(dev))
+    per_step = weight_bytes_per_step(model)
+    per_token = per_step / (metrics["tokens_per_step"] or 1)
+    copy = copy_bandwidth_gbs(dev)
+    metrics.update(weight_bytes_per_token=int(per_token), copy_bw_gbs=copy, mbu=mbu(per_token, metrics["tps"], copy))
+    details = {"workload": wl.describe(), "max_context": max_ctx, "kv_cache_bytes": engine.cache.nbytes(),
+               "weight_bytes_per_step": per_step, "cdf": cdf, "step": engine.step.__class__.__name__,
+               "mbu_note": None if copy else "mbu and copy_bw_gbs are measured on a CUDA GPU only (null here)"}
+    del engine
+    if ctx.evaluation is not None:
+        from .ppl import score
+
+        m, d = score(ctx)
+        metrics.update(m)
+        details["eval"] = d
+    return metrics, details
+
+
+def _disable(ctx, n: int):
+    """Progress bars: forced on/off by `progress`, else shown on a terminal for more than one item."""
+    if ctx.progress is not None:
+        return not ctx.progress
+    return None if n > 1 else True

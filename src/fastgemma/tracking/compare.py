@@ -1,0 +1,139 @@
+"""Records -> comparable rows: merge the records of one configuration, label them, tabulate.
+
+Records of one configuration (same choices apart from task/eval/logger/experiment, same device)
+merge into one row, later metrics winning: a bench record and a ppl record of the same stack meet
+on one row. A row's label lists the technique choices that differ from the baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .record import METRICS
+
+TECHNIQUES = ("window", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
+CONTEXT = ("model", "weights", "workload")
+NOT_CONFIG = {"task", "eval", "logger", "experiment"}
+TABLE_METRICS = ("tps", "ppl", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "tokens_per_step", "vram_peak_gb",
+                 "mbu", "identity_rate", "top1_agree", "top1_agree_confident")
+
+
+@dataclass
+class Row:
+    choices: dict
+    device: str
+    metrics: dict = field(default_factory=dict)
+    cdf: dict = field(default_factory=dict)
+    runs: list = field(default_factory=list)
+
+    @property
+    def context(self) -> tuple:
+        return tuple(self.choices.get(k) for k in CONTEXT) + (self.device,)
+
+    def label(self, baseline: dict) -> str:
+        diff = [f"{g}={self.choices[g]}" for g in TECHNIQUES if g in self.choices and self.choices[g] != baseline.get(g)]
+        return " ".join(diff) or "baseline"
+
+    def differs(self, baseline: dict) -> list[str]:
+        return [g for g in TECHNIQUES if g in self.choices and self.choices[g] != baseline.get(g)]
+
+
+def _key(rec: dict, drop=()) -> tuple:
+    ch = {k: v for k, v in rec.get("choices", {}).items()
+          if k not in NOT_CONFIG and k not in drop and not k.startswith("hydra")}
+    dev = (rec.get("hardware") or {}).get("gpu_name") or (rec.get("hardware") or {}).get("device") or "?"
+    return tuple(sorted(ch.items())), dev
+
+
+def merge(records: list[dict]) -> tuple[list[Row], list[dict]]:
+    """-> (rows of successful bench/ppl/identity records, failed records). Perplexity does not
+    depend on the workload: a ppl record joins every row of its stack, whatever their workload."""
+    rows: dict[tuple, Row] = {}
+    failed, ppl_recs = [], []
+    for rec in sorted(records, key=lambda r: r.get("time") or ""):
+        if rec.get("task") not in ("bench", "ppl", "identity"):
+            continue
+        if rec.get("status") != "ok":
+            failed.append(rec)
+            continue
+        if rec["task"] == "ppl":
+            ppl_recs.append(rec)
+            continue
+        key = _key(rec)
+        row = rows.setdefault(key, Row(dict(key[0]), key[1]))
+        row.metrics.update({k: v for k, v in rec.get("metrics", {}).items() if v is not None})
+        cdf = (rec.get("details") or {}).get("cdf")
+        if cdf:
+            row.cdf = cdf
+        row.runs.append(rec.get("run_id"))
+    for rec in ppl_recs:
+        key = _key(rec, drop=("workload",))
+        m = {k: v for k, v in rec.get("metrics", {}).items() if v is not None}
+        hits = [r for k, r in rows.items() if (tuple(x for x in k[0] if x[0] != "workload"), k[1]) == key]
+        if not hits:
+            hits = [rows.setdefault(key, Row(dict(key[0]), key[1]))]
+        for r in hits:
+            r.metrics.update(m)
+            r.runs.append(rec.get("run_id"))
+    return list(rows.values()), failed
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return str(v)
+
+
+def markdown_table(rows: list[Row], baseline: dict) -> str:
+    cols = [m for m in TABLE_METRICS if any(r.metrics.get(m) is not None for r in rows)]
+    ctx_cols = [k for k in CONTEXT if len({r.choices.get(k) for r in rows}) > 1]
+    head = ["config", *ctx_cols, *( ["device"] if len({r.device for r in rows}) > 1 else []), *cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    base_tps = {}
+    for r in rows:
+        if not r.differs(baseline) and r.metrics.get("tps"):
+            base_tps[r.context] = r.metrics["tps"]
+    for r in sorted(rows, key=lambda r: (r.context, -(r.metrics.get("tps") or 0))):
+        cells = [r.label(baseline), *(str(r.choices.get(k, "")) for k in ctx_cols)]
+        if "device" in head:
+            cells.append(r.device)
+        for m in cols:
+            v = _fmt(r.metrics.get(m))
+            if m == "tps" and v and r.context in base_tps and r.differs(baseline):
+                v += f" (x{r.metrics['tps'] / base_tps[r.context]:.2f})"
+            cells.append(v)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def failed_table(failed: list[dict]) -> str:
+    if not failed:
+        return ""
+    lines = ["| run | task | choices | error |", "|---|---|---|---|"]
+    for rec in failed:
+        ch = " ".join(f"{k}={v}" for k, v in rec.get("choices", {}).items() if k in TECHNIQUES + CONTEXT)
+        err = (rec.get("error") or "").replace("|", "/").splitlines()[0][:160] if rec.get("error") else ""
+        lines.append(f"| {rec.get('run_id')} | {rec.get('task')} | {ch} | {err} |")
+    return "\n".join(lines)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points (tps, ppl) no other point beats on both (higher tps, lower ppl)."""
+    front = []
+    for i, (t, p) in enumerate(points):
+        if not any((t2 >= t and p2 <= p) and (t2 > t or p2 < p) for j, (t2, p2) in enumerate(points) if j != i):
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def marginal_gains(rows: list[Row], baseline: dict) -> list[tuple[str, float]]:
+    """(technique label, tps gain over the baseline row of the same context) for rows that change
+    exactly one technique group."""
+    base = {r.context: r for r in rows if not r.differs(baseline) and r.metrics.get("tps")}
+    out = []
+    for r in rows:
+        d = r.differs(baseline)
+        if len(d) == 1 and r.context in base and r.metrics.get("tps"):
+            out.append((f"{d[0]}={r.choices[d[0]]}", r.metrics["tps"] / base[r.context].metrics["tps"] - 1))
+    return sorted(out, key=lambda x: -x[1])

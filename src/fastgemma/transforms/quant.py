@@ -1,0 +1,231 @@
+"""Weight quantization of the body's nn.Linear layers (the `quant` group): bf16 | int4 | nf4.
+
+Each transform swaps modules in place after the model is built and returns the model;
+`describe()` reports what it did. Only nn.Linear layers are touched: the tied embedding / LM head
+is an nn.Embedding (and any Linear sharing its weight is left alone), so a head transform owns it.
+Merge projections (q|k|v, gate|up) before quantizing: Int4Linear has no `.weight` to concatenate.
+"""
+from __future__ import annotations
+
+import fnmatch
+import warnings
+
+import torch
+import torch.nn as nn
+
+from fastgemma.kernels.w4a16 import (
+    GROUP_SIZES, W4A16Config, check_group_size, pack_int4, quantize_int4, w4a16_matmul, w4a16_torch,
+)
+
+_BACKENDS = {"triton": w4a16_matmul, "torch": w4a16_torch}
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"int4 backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+
+
+class Int4Linear(nn.Module):
+    """W4A16 linear: packed int4 weight [N, K/2] uint8 + per-group scales / zeros [K/G, N]
+    (layout in fastgemma.kernels.w4a16). forward(x [..., K]) -> [..., N] in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: bool = False,
+                 backend: str = "triton", dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        check_group_size(group_size)
+        _check_backend(backend)
+        if in_features % group_size:
+            raise ValueError(f"int4 group_size {group_size} does not divide K={in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.backend = group_size, backend
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.zeros(in_features // group_size, out_features, dtype=dtype, device=device))
+        self.register_buffer("zeros", torch.zeros(in_features // group_size, out_features, dtype=dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.config: W4A16Config | None = None  # tile override; None -> the kernel's dispatch table
+        self._matmul = _BACKENDS[backend]
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group_size: int, backend: str = "triton") -> "Int4Linear":
+        w = linear.weight
+        mod = cls(linear.in_features, linear.out_features, group_size, linear.bias is not None,
+                  backend, dtype=w.dtype, device=w.device)
+        q, scales, zeros = quantize_int4(w, group_size)
+        mod.qweight.copy_(pack_int4(q))
+        mod.scales = scales
+        mod.zeros = zeros
+        if linear.bias is not None:
+            mod.bias = linear.bias.detach().clone()
+        return mod
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros,
+                         self.group_size, self.config)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, backend={self.backend}")
+
+
+# ---------------------------------------------------------------------------------------------
+# selection and swapping
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return pattern in name or fnmatch.fnmatchcase(name, pattern)
+
+
+def _select(model: nn.Module, skip, who: str):
+    """-> (targets [(name, Linear)], skipped names). Skips names matching a pattern and Linears
+    whose weight is another module's parameter (a tied head); warns for patterns matching nothing."""
+    tied = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    targets, skipped, used = [], [], set()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        hits = [p for p in skip if _matches(name, p)]
+        if hits or id(mod.weight) in tied:
+            used.update(hits)
+            skipped.append(name)
+        else:
+            targets.append((name, mod))
+    for p in skip:
+        if p not in used:
+            warnings.warn(f"{who}: skip pattern {p!r} matches no nn.Linear in the model", stacklevel=3)
+    return targets, skipped
+
+
+def _swap(model: nn.Module, new: dict[int, nn.Module]) -> nn.Module:
+    # by identity, so a Linear shared by several parents is replaced everywhere
+    for parent in list(model.modules()):
+        for cname, child in list(parent.named_children()):
+            if id(child) in new:
+                setattr(parent, cname, new[id(child)])
+    return new.get(id(model), model)
+
+
+def _dense_bytes(mod: nn.Linear) -> int:
+    return mod.weight.numel() * mod.weight.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# transforms
+
+
+class NoQuant:
+    """quant=bf16: the model keeps its dense weights."""
+
+    def __init__(self):
+        self._info: dict = {"quant": "bf16"}
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        self._info = {"quant": "bf16", "quantized_params": 0,
+                      "weight_bytes": sum(_dense_bytes(m) for m in lins)}
+        return model
+
+    def describe(self) -> dict:
+        return dict(self._info)
+
+
+class Int4Quant:
+    """quant=int4: every nn.Linear whose qualified name matches no `skip` pattern (substring or
+    fnmatch) becomes an Int4Linear (W4A16, RTN asymmetric, group `group_size` along K)."""
+
+    def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton"):
+        check_group_size(group_size)
+        _check_backend(backend)
+        self.group_size, self.backend = group_size, backend
+        self.skip = tuple(skip or ())
+        self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend}
+
+    @torch.no_grad()
+    def apply(self, model: nn.Module) -> nn.Module:
+        targets, skipped = _select(model, self.skip, "Int4Quant")
+        # validate every layer before touching any, so a bad group size leaves the model intact
+        for name, mod in targets:
+            if mod.in_features % self.group_size:
+                raise ValueError(f"int4 group_size {self.group_size} does not divide K={mod.in_features} "
+                                 f"of layer '{name}' ({mod.out_features}x{mod.in_features}); "
+                                 f"pick a group size in {GROUP_SIZES} that divides it or add it to skip")
+        new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend) for _, mod in targets}
+        self._info = {
+            "quant": "int4", "group_size": self.group_size, "backend": self.backend,
+            "quantized_layers": len(targets),
+            "quantized_params": sum(m.weight.numel() for _, m in targets),
+            "weight_bytes": sum(m.weight_bytes() for m in new.values()),
+            "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets),
+            "skipped": skipped,
+        }
+        return _swap(model, new)
+
+    def describe(self) -> dict:
+        return dict(self._info)
+
+
+class Nf4Quant:
+    """quant=nf4: bitsandbytes Linear4bit (NF4, blocks of 64, compute dtype = the model's dtype).
+    A memory / quality baseline (bitsandbytes 0.50 GEMV is slower than bf16 at one row on the H200)."""
+
+    def __init__(self, skip=("per_layer_input_gate",), compress_statistics: bool = False):
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise ImportError("quant=nf4 needs the bitsandbytes package, which is not installed: "
+                              "pip install 'fastgemma[nf4]'") from e
+        self._bnb = bnb
+        self.skip = tuple(skip or ())
+        self.compress_statistics = compress_statistics
+        self._info: dict = {"quant": "nf4"}
+
+    @torch.no_grad()
+    def apply(self, model: nn.Module) -> nn.Module:
+        bnb = self._bnb
+        targets, skipped = _select(model, self.skip, "Nf4Quant")
+        for name, mod in targets:
+            if mod.weight.device.type != "cuda":
+                raise ValueError(f"quant=nf4 needs the model on a CUDA device (bitsandbytes quantizes "
+                                 f"there); layer '{name}' is on {mod.weight.device}")
+        new = {}
+        for _, mod in targets:
+            w = mod.weight
+            q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                  compute_dtype=w.dtype, compress_statistics=self.compress_statistics,
+                                  quant_type="nf4", device="meta")
+            # Params4bit quantizes on its first move to a CUDA device
+            q.weight = bnb.nn.Params4bit(w.data, requires_grad=False, quant_type="nf4",
+                                         compress_statistics=self.compress_statistics).to(w.device)
+            if mod.bias is not None:
+                q.bias = nn.Parameter(mod.bias.data, requires_grad=False)
+            new[id(mod)] = q
+        self._info = {
+            "quant": "nf4", "compress_statistics": self.compress_statistics,
+            "quantized_layers": len(targets),
+            "quantized_params": sum(m.weight.numel() for _, m in targets),
+            "weight_bytes": sum(_nf4_bytes(q) for q in new.values()),
+            "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets),
+            "skipped": skipped,
+        }
+        return _swap(model, new)
+
+    def describe(self) -> dict:
+        return dict(self._info)
+
+
+def _nf4_bytes(q: nn.Module) -> int:
+    # packed nibbles + absmax (fp32 per 64, or uint8 + a second level when compress_statistics)
+    n = q.weight.numel() * q.weight.element_size()
+    qs = getattr(q.weight, "quant_state", None)
+    while qs is not None:
+        absmax = getattr(qs, "absmax", None)
+        n += 0 if absmax is None else absmax.numel() * absmax.element_size()
+        qs = getattr(qs, "state2", None)
+    return n

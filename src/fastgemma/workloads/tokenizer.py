@@ -1,0 +1,55 @@
+"""Tokenizer access: a checkpoint's own (transformers), or a byte tokenizer for synthetic weights.
+
+ByteTokenizer: id = byte + 3 after BOS. It lets text prompts and text corpora run on the tiny and
+synthetic models (vocab >= 259), so the text paths are tested without a downloaded tokenizer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ByteTokenizer:
+    offset = 3
+
+    def __init__(self, vocab_size: int, bos_id: int = 2, eos_id: int = 1):
+        if vocab_size < 256 + self.offset:
+            raise ValueError(f"tokenizer=bytes needs a vocabulary of >= {256 + self.offset} ids, the model has {vocab_size}")
+        self.vocab_size, self.bos_token_id, self.eos_token_id = vocab_size, bos_id, eos_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + self.offset for b in text.encode("utf-8")]
+        return [self.bos_token_id] + ids if add_special_tokens else ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        data = bytes(t - self.offset for t in ids if self.offset <= t < 256 + self.offset)
+        return data.decode("utf-8", errors="replace")
+
+
+def make_tokenizer(spec: str | None, weights_dir, vocab_size: int, bos_id: int, eos_id: int):
+    """spec: "auto" (the weights' own, else None), "bytes", "none", or a directory with a tokenizer."""
+    from ..weights.hf import load_tokenizer
+
+    if spec in (None, "none"):
+        return None
+    if spec == "bytes":
+        return ByteTokenizer(vocab_size, bos_id, eos_id)
+    if spec == "auto":
+        return load_tokenizer(weights_dir) if weights_dir else None
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path} does not exist (tokenizer= takes auto, bytes, none or a directory)")
+    tok = load_tokenizer(path)
+    if tok is None:
+        raise FileNotFoundError(f"{path} holds no tokenizer.json / tokenizer.model / tokenizer_config.json")
+    return tok
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Text -> ids with BOS (transformers' Gemma tokenizers add it themselves)."""
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    return list(ids)
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """Text -> ids without special tokens (corpus bodies, which the caller splits and prefixes)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))

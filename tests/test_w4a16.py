@@ -1,0 +1,149 @@
+"""W4A16: packing, RTN error bound, Triton kernels (CPU interpreter) vs the torch twin on odd shapes.
+
+bf16 runs only through the GEMV kernel here: the interpreter computes tl.dot on bf16 wrongly
+(errors ~1e10), so the tl.dot path is checked in fp32 / fp16 and in bf16 on the GPU.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it at decoration
+
+import pytest
+import torch
+
+from fastgemma.kernels.w4a16 import (
+    CONFIGS, E4B_SHAPES, GROUP_SIZES, W4A16Config, dequantize_int4, pack_int4, quantize_int4,
+    resolve_config, unpack_int4, w4a16_matmul, w4a16_torch,
+)
+
+N, K = 100, 384  # neither a multiple of the N tiles nor of 256; K = 3 x 128
+GEMV = W4A16Config(block_n=32, block_k=256, num_warps=4)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative to max |ref|
+
+
+def _weights(G, n=N, k=K, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    q, s, z = quantize_int4(w, G)
+    return w, pack_int4(q), s, z
+
+
+def _err(y, ref):
+    d = (y.float() - ref.float()).abs()
+    return d.max().item(), (d.max() / ref.float().abs().max()).item()
+
+
+def test_pack_roundtrip_exact():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (7, 96), generator=g, dtype=torch.uint8)
+    p = pack_int4(q)
+    assert p.shape == (7, 48) and p.dtype == torch.uint8
+    assert torch.equal(unpack_int4(p), q)
+    raw = torch.randint(0, 256, (5, 64), generator=g, dtype=torch.uint8)
+    assert torch.equal(pack_int4(unpack_int4(raw)), raw)
+    # byte j = q[2j] (low nibble) | q[2j + 1] << 4
+    assert pack_int4(torch.tensor([[0x1, 0x2]], dtype=torch.uint8)).item() == 0x21
+
+
+@pytest.mark.parametrize("G", GROUP_SIZES)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_quantize_error_bound(G, wdtype):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 512, generator=g)
+    w[3, :G] = 0.25  # a constant group: scale 0, exact
+    w[5, 7] = 40.0   # an outlier widens one group
+    w = w.to(wdtype)
+    q, s, z = quantize_int4(w, G)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert s.shape == z.shape == (512 // G, 64)
+    assert s.dtype == (torch.bfloat16 if wdtype == torch.bfloat16 else torch.float32)
+    deq = dequantize_int4(pack_int4(q), s, z, G)
+    err = (w.float() - deq).abs().reshape(64, -1, G)
+    sg = s.t().float().unsqueeze(-1)
+    if wdtype == torch.float32:
+        bound = sg / 2 * (1 + 1e-5) + 1e-6
+    else:  # a clamped group end also carries the bf16 rounding of scale and zero
+        bound = sg / 2 + 2.0**-8 * (z.t().float().abs().unsqueeze(-1) + 15 * sg) + 1e-6
+    print(f"\nG={G} {wdtype}: max err / scale = {(err / sg.clamp_min(1e-12)).max():.4f}")
+    assert (err <= bound).all()
+    assert err[3, 0].max() == 0
+
+
+def test_quantize_rejects_bad_group():
+    with pytest.raises(ValueError, match="one of"):
+        quantize_int4(torch.randn(4, 96), 48)
+    with pytest.raises(ValueError, match="K=96"):
+        quantize_int4(torch.randn(4, 96), 64)
+
+
+# (M, config): the dispatch path (None) plus overrides for GEMV over rows, split-K, N tails
+CASES = [
+    (1, GEMV),
+    (3, GEMV),  # the GEMV kernel also serves M > 1: one program row per row of x
+    (3, W4A16Config(block_n=64, block_k=128, block_m=16)),
+    (8, W4A16Config(block_n=32, block_k=128, split_k=3, block_m=16)),
+    (16, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("G", GROUP_SIZES)
+@pytest.mark.parametrize("M,config", CASES)
+def test_kernel_matches_twin(M, config, G, dtype):
+    w, qw, s, z = _weights(G)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    y = w4a16_matmul(x, qw, s, z, G, config)
+    ref = w4a16_torch(x, qw, s, z, G)
+    exact = x.double() @ dequantize_int4(qw, s, z, G).double().t()
+    cfg = resolve_config(M, N, K, G, config)
+    assert y.shape == (M, N) and y.dtype == dtype
+    abs_e, rel_e = _err(y, ref)
+    _, rel_x = _err(y, exact)
+    print(f"\nM={M} G={G} {dtype} {cfg}: vs twin max abs {abs_e:.2e} rel {rel_e:.2e}; vs fp64 rel {rel_x:.2e}")
+    assert rel_e < TOL[dtype] and rel_x < TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [GEMV, W4A16Config(block_n=16, block_k=128, split_k=3, num_warps=4)])
+def test_gemv_bf16(config):
+    # the production dtype (bf16 x, bf16 scales) through the GEMV kernel, which has no tl.dot
+    w, qw, s, z = _weights(64, dtype=torch.bfloat16)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(3)).bfloat16()
+    y = w4a16_matmul(x, qw, s, z, 64, config)
+    exact = x.double() @ dequantize_int4(qw, s, z, 64).double().t()
+    abs_e, rel_e = _err(y, exact)
+    print(f"\nbf16 GEMV {config}: max abs {abs_e:.2e} rel {rel_e:.2e}")
+    assert y.dtype == torch.bfloat16 and rel_e < TOL[torch.bfloat16]
+
+
+def test_int4_close_to_dense():
+    # what int4 RTN costs on Gaussian weights, for scale: ~8-10 % of the output norm at g128
+    for G in GROUP_SIZES:
+        w, qw, s, z = _weights(G, n=256, k=512)
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
+        ref = x @ w.t()
+        rel = ((w4a16_torch(x, qw, s, z, G) - ref).norm() / ref.norm()).item()
+        print(f"\nG={G}: int4 vs fp32 weights, relative output error {rel:.3f}")
+        assert rel < 0.12
+
+
+def test_resolve_config_fits_every_e4b_shape():
+    for N_, K_ in E4B_SHAPES.values():
+        for M in (1, 2, 8, 16, 64):
+            for G in GROUP_SIZES:
+                c = resolve_config(M, N_, K_, G)
+                assert c.block_k % G == 0 and K_ % c.block_k == 0
+                assert (K_ // c.block_k) % c.split_k == 0
+                assert c.block_m == 1 if M == 1 else c.block_m >= 16
+    assert all(k[0] in (1, 16, 64) for k in CONFIGS)
+    # an override wins over the table, fitted to the shape (1024 does not divide 2560)
+    c = resolve_config(1, 2048, 2560, 128, W4A16Config(block_n=2, block_k=1024, split_k=4))
+    assert (c.block_n, c.block_k, c.split_k) == (2, 512, 1)
+    with pytest.raises(ValueError, match="block_m"):
+        resolve_config(4, 2048, 2560, 128, W4A16Config(block_n=16, block_k=512, block_m=4))
+
+
+def test_launcher_checks_shapes():
+    _, qw, s, z = _weights(128)
+    with pytest.raises(ValueError, match="qweight"):
+        w4a16_matmul(torch.randn(1, K + 128), qw, s, z, 128)
+    with pytest.raises(ValueError, match="scales"):
+        w4a16_matmul(torch.randn(1, K), qw, s, z, 64)
