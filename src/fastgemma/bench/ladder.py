@@ -19,7 +19,20 @@ from ..engine.generator import Generator
 from ..engine.steps import EagerStep, GraphStep, StaticStep
 from ..kernels.decode_attention import decode_attention, decode_attention_ref
 from ..model.config import preset
+from ..transforms.fuse import MergeProjections
 from ..weights.synthetic import synthetic_model
+
+# variant -> (step class, attention, torch.compile, merged q|k|v and gate|up); merged ones go last
+VARIANTS = {
+    "eager": (EagerStep, "torch", False, False),
+    "static_torch": (StaticStep, "torch", False, False),
+    "static_triton": (StaticStep, "triton", False, False),
+    "graph_torch": (GraphStep, "torch", False, False),
+    "graph_triton": (GraphStep, "triton", False, False),
+    "graph_triton_merged": (GraphStep, "triton", False, True),
+    "compiled_triton_merged": (GraphStep, "triton", True, True),
+    "compiled_torch_merged": (GraphStep, "torch", True, True),
+}
 
 
 def copy_bandwidth(device, nbytes=2 << 30) -> float:
@@ -103,14 +116,20 @@ def main(argv=None):
     prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     max_ctx = a.max_context or (a.prompt_len + a.new + 16)
     rows, ref_tokens, ref_forced = [], None, None
+    merged = False
     for name in a.variants.split(","):
+        cls, attn, compiled, merge = VARIANTS[name]
+        if merge and not merged:
+            MergeProjections().apply(model)
+            merged = True
         cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=torch.bfloat16)
-        model.step_attention = decode_attention if name.endswith("triton") else decode_attention_ref
-        step = {"eager": EagerStep, "static_torch": StaticStep, "graph_torch": GraphStep,
-                "graph_triton": GraphStep, "static_triton": StaticStep}[name](model, cache)
-        gen = Generator(model, cache, step)
+        model.step_attention = decode_attention if attn == "triton" else decode_attention_ref
         try:
+            step = cls(model, cache) if cls is EagerStep else cls(model, cache, compile=compiled)
+            gen = Generator(model, cache, step)
+            t_prep = time.perf_counter()
             step.prepare()
+            print(f"{name}: prepare {time.perf_counter() - t_prep:.1f}s", flush=True)
             gen.generate(prompts[0][:32], 8)  # warm-up (JIT, autotune), untimed
             sync()
             t = time.perf_counter()

@@ -144,7 +144,8 @@ def _gemv_kernel(
         z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
         # [NG, GROUP] -> even / odd k, matching the low / high nibbles
         x_even, x_odd = tl.split(tl.reshape(tl.load(x_ptrs).to(tl.float32), (NG, HG, 2)))
-        acc += _dequant(w & 0xF, s, z) * x_even[None, :, :] + _dequant(w >> 4, s, z) * x_odd[None, :, :]
+        acc += _dequant(w & 0xF, s, z) * x_even[None, :, :]  # two FMAs, not mul + fma + add
+        acc += _dequant(w >> 4, s, z) * x_odd[None, :, :]
         w_ptrs += BLOCK_K // 2
         s_ptrs += NG * N
         z_ptrs += NG * N
@@ -238,8 +239,9 @@ def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
 
 
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
-# Starting points from program counts (>= 2 waves of 132 SMs where N allows), not yet timed on the
-# H200: `bench_shapes(sweep=True)` prints lines to paste here.
+# Starting points from program counts (>= 2 waves of 132 SMs where N allows) and ptxas for sm_90a
+# (GEMV: 64-80 registers, 16-byte loads; tl.dot path: block_k 512 spills, 256 uses ~150 registers),
+# not yet timed on the H200: `bench_shapes(sweep=True)` prints lines to paste here.
 CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (1, 2048, 2560): _gemv(4, 512),      # q (sliding): 512 programs x 5 iterations
     (1, 4096, 2560): _gemv(8, 512),      # q (full, head_dim 512): 512
@@ -256,20 +258,20 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (1, 2560, 256): _gemv(4, 256),       # PLE projection: 640 x 1
     (1, 10752, 2560): _gemv(8, 512),     # W_plm: 1344
     (1, 262144, 2560): _gemv(16, 512),   # tied head, if a head transform uses int4: 16384
-    (16, 2048, 2560): _mma(16, 512),     # 128 programs
-    (16, 4096, 2560): _mma(16, 512),     # 256
-    (16, 512, 2560): _mma(16, 512, 5),   # 32 N tiles x 5 splits
-    (16, 1024, 2560): _mma(16, 512, 5),  # 64 x 5
-    (16, 3072, 2560): _mma(16, 512),     # 192
-    (16, 6144, 2560): _mma(32, 512),     # 192
-    (16, 2560, 2048): _mma(16, 512),     # 160
-    (16, 2560, 4096): _mma(16, 512, 2),  # 160 x 2
-    (16, 10240, 2560): _mma(32, 512),    # 320
-    (16, 20480, 2560): _mma(64, 256),    # 320
-    (16, 2560, 10240): _mma(16, 512, 2), # 160 x 2
+    (16, 2048, 2560): _mma(16, 256),     # 128 programs
+    (16, 4096, 2560): _mma(16, 256),     # 256
+    (16, 512, 2560): _mma(16, 256, 5),   # 32 N tiles x 5 splits
+    (16, 1024, 2560): _mma(16, 256, 5),  # 64 x 5
+    (16, 3072, 2560): _mma(16, 256),     # 192
+    (16, 6144, 2560): _mma(32, 256),     # 192
+    (16, 2560, 2048): _mma(16, 256),     # 160
+    (16, 2560, 4096): _mma(16, 256, 2),  # 160 x 2
+    (16, 10240, 2560): _mma(32, 256),    # 320
+    (16, 20480, 2560): _mma(64, 256),    # 320 (BLOCK_N 64: wgmma)
+    (16, 2560, 10240): _mma(16, 256, 2), # 160 x 2
     (16, 256, 2560): _mma(16, 256, 10),  # 16 x 10
     (16, 2560, 256): _mma(16, 256),      # 160
-    (16, 10752, 2560): _mma(32, 512),    # 336
+    (16, 10752, 2560): _mma(32, 256),    # 336
     (16, 262144, 2560): _mma(64, 256),   # 4096
 }
 
@@ -289,7 +291,7 @@ def default_config(M: int, N: int, K: int) -> W4A16Config:
     if bucket == MAX_DECODE_M:
         bn = 32 if N >= 8192 else 16
         split = max(1, min(8, (2 * _SMS) // triton.cdiv(N, bn)))
-        return _mma(bn, 512, split)
+        return _mma(bn, 256, split)
     return _mma(64, 256, 1, 4, 3, 64)
 
 
@@ -385,17 +387,16 @@ E4B_SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K)
 
 
 def candidates(M: int, N: int, K: int) -> list[W4A16Config]:
-    """The grid `bench_shapes(sweep=True)` tries (before resolve_config fits it to the shape)."""
+    """The grid `bench_shapes(sweep=True)` tries (before resolve_config fits it to the shape).
+    Kept to ~16 per shape: each distinct (K / split_k, tiles) is one compile."""
     if M == 1:
-        return [_gemv(bn, bk, sk, w, st) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024)
-                for sk in (1, 2, 4) for w in (None, 4) for st in (2, 4)]
+        return [_gemv(bn, bk, sk) for bn in (2, 4, 8, 16) for bk in (512, 1024) for sk in (1, 2)]
     bm = 16 if M <= MAX_DECODE_M else 64
-    return [_mma(bn, bk, sk, w, st, bm) for bn in (16, 32, 64) for bk in (256, 512)
-            for sk in (1, 2, 5) for w in (2, 4) for st in (2, 4)]
+    return [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
 
 
 def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = None, dtype=torch.bfloat16,
-                 sweep: bool = False, graph: bool = True, rep_ms: int = 50, device: str = "cuda") -> list[dict]:
+                 sweep: bool = False, graph: bool = True, rep_ms: int = 20, device: str = "cuda") -> list[dict]:
     """Time each E4B shape: int4 kernel vs cuBLAS bf16 (F.linear), weights rotated out of L2.
 
     graph=True times inside CUDA graphs (do_bench_cudagraph; the decode path), False times eager

@@ -37,14 +37,21 @@ class Attention(nn.Module):
             self.v_norm = RMSNorm(d, cfg.rms_eps, with_scale=False) if cfg.v_norm else nn.Identity()
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
 
-    def q(self, x, cos, sin):
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))  # [B, T, H, D]
-        return apply_rope(self.q_norm(q), cos, sin)
-
-    def kv(self, x, cos, sin):
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))  # [B, T, Hkv, D]
+    def project(self, x, cos, sin):
+        """x [B, T, hidden] -> q [B, T, H, D], and k, v [B, T, Hkv, D] (None on KV-shared layers)."""
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        if not hasattr(self, "k_proj"):
+            return apply_rope(self.q_norm(q), cos, sin), None, None
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return apply_rope(self.k_norm(k), cos, sin), self.v_norm(v)
+        return self.finish(q, k, v, cos, sin)
+
+    def finish(self, q, k, v, cos, sin):
+        """q/k norms, RoPE, v norm: the reference for the fused kernel."""
+        q = apply_rope(self.q_norm(q), cos, sin)
+        if k is None:
+            return q, None, None
+        return q, apply_rope(self.k_norm(k), cos, sin), self.v_norm(v)
 
 
 class DecoderLayer(nn.Module):
@@ -73,6 +80,10 @@ class DecoderLayer(nn.Module):
             g = gelu_tanh(self.per_layer_input_gate(x)) * p
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return x * self.layer_scalar
+
+
+def _rounded(x: float, dtype) -> float:
+    return float(torch.tensor(x, dtype=dtype))
 
 
 def _visible(q_pos, kv_pos, window: int):
@@ -125,13 +136,14 @@ class Gemma4Model(nn.Module):
     def embed(self, ids):
         """ids [B, T] -> x0 [B, T, hidden], ple [B, T, L, ple_dim] (or None)."""
         w = self.embed_tokens.weight
-        # transformers casts sqrt(hidden) to the weight dtype first (50.5 in bf16 for 2560)
-        x0 = F.embedding(ids, w) * torch.tensor(self.config.embed_scale, dtype=w.dtype, device=w.device)
+        # transformers casts sqrt(hidden) to the weight dtype first (50.5 in bf16 for 2560);
+        # a host-side rounding keeps the step free of host-to-device copies (CUDA-graph safe)
+        x0 = F.embedding(ids, w) * _rounded(self.config.embed_scale, w.dtype)
         if not self.config.ple_dim:
             return x0, None
         c = self.config
         wt = self.embed_tokens_per_layer.weight
-        tok = F.embedding(ids, wt) * torch.tensor(c.ple_dim ** 0.5, dtype=wt.dtype, device=wt.device)
+        tok = F.embedding(ids, wt) * _rounded(c.ple_dim ** 0.5, wt.dtype)
         ctx = self.per_layer_model_projection(x0) * (c.hidden_size ** -0.5)
         ctx = self.per_layer_projection_norm(ctx.unflatten(-1, (c.num_layers, c.ple_dim)))
         return x0, (ctx + tok.unflatten(-1, (c.num_layers, c.ple_dim))) * (2.0 ** -0.5)
@@ -160,10 +172,9 @@ class Gemma4Model(nn.Module):
 
         def attend(layer, a):
             s = layer.spec
-            cos, sin = rope_q[s.sliding]
-            q = layer.self_attn.q(a, cos, sin)
+            cos, sin = rope_q[s.sliding] if not s.stores_kv else rope[s.sliding]
+            q, k, v = layer.self_attn.project(a, cos, sin)
             if s.stores_kv:
-                k, v = layer.self_attn.kv(a, *rope[s.sliding])
                 if s.sliding:
                     k_all = torch.cat([cache.k[s.index], k], 1)
                     v_all = torch.cat([cache.v[s.index], v], 1)
@@ -212,9 +223,8 @@ class Gemma4Model(nn.Module):
         def attend(layer, a):
             s = layer.spec
             cos, sin = rope[s.sliding]
-            q = layer.self_attn.q(a, cos, sin)
+            q, k, v = layer.self_attn.project(a, cos, sin)
             if s.stores_kv:
-                k, v = layer.self_attn.kv(a, cos, sin)
                 idx = slots if s.sliding else pos
                 cache.k[s.index][bidx, idx] = k
                 cache.v[s.index][bidx, idx] = v

@@ -25,13 +25,25 @@ def workload_prompts(ctx, limit=None):
     return prompts
 
 
+def check_context(ctx, prompts, max_new: int) -> int:
+    """The cache size this job needs, refused up front when the model cannot hold it."""
+    c = ctx.factory.config
+    longest = max(len(p.ids) for p in prompts)
+    need = longest + max_new
+    if need > c.max_position_embeddings:
+        raise ValueError(f"workload {ctx.workload.name}: the longest prompt ({longest} tokens) + {max_new} new "
+                         f"tokens = {need} exceeds model {c.name}'s max_position_embeddings "
+                         f"{c.max_position_embeddings}; use shorter prompts (workload.lengths=[...])")
+    return need
+
+
 def run(ctx):
     f, wl = ctx.factory, ctx.workload
     model = f.model
     c = model.config
     prompts = workload_prompts(ctx)
     warm = wl.warmup_prompts(c.vocab_size, c.bos_id, special=(c.pad_id, *c.eos_ids))
-    max_ctx = wl.max_context(prompts + warm)
+    max_ctx = check_context(ctx, prompts + warm, wl.max_new_tokens)
     engine = f.engine(max_ctx)
     gen = engine.generator
     for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
@@ -60,7 +72,7 @@ def run(ctx):
     metrics.update(weight_bytes_per_token=int(per_token), copy_bw_gbs=copy, mbu=mbu(per_token, metrics["tps"], copy))
     details = {"workload": wl.describe(), "max_context": max_ctx, "kv_cache_bytes": engine.cache.nbytes(),
                "weight_bytes_per_step": per_step, "cdf": cdf, "step": engine.step.__class__.__name__,
-               "mbu_note": None if copy else "mbu and copy_bw_gbs are measured on a CUDA GPU only (null here)"}
+               "mbu_note": None if copy else "vram_peak_gb, copy_bw_gbs, mbu: null, measured on a CUDA GPU only"}
     del engine
     if ctx.evaluation is not None:
         from .ppl import score

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 
 from ..metrics.identity import IdentityTally, top2
-from .bench import workload_prompts
+from .bench import check_context, workload_prompts
 
 
 def run(ctx):
@@ -18,7 +18,7 @@ def run(ctx):
     ref_f = f.reference()
     ctx_ref = type(ctx)(**{**ctx.__dict__, "factory": ref_f})
     prompts = workload_prompts(ctx_ref, limit)
-    max_ctx = max(len(p.ids) for p in prompts) + n_new
+    max_ctx = check_context(ctx_ref, prompts, n_new)
     disable = (not ctx.progress) if ctx.progress is not None else (None if len(prompts) > 1 else True)
 
     ref = ref_f.engine(max_ctx)

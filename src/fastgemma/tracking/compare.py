@@ -24,6 +24,7 @@ class Row:
     metrics: dict = field(default_factory=dict)
     cdf: dict = field(default_factory=dict)
     runs: list = field(default_factory=list)
+    ppl_time: str = ""  # time of the record its ppl came from: the latest measurement wins
 
     @property
     def context(self) -> tuple:
@@ -61,6 +62,8 @@ def merge(records: list[dict]) -> tuple[list[Row], list[dict]]:
         key = _key(rec)
         row = rows.setdefault(key, Row(dict(key[0]), key[1]))
         row.metrics.update({k: v for k, v in rec.get("metrics", {}).items() if v is not None})
+        if rec.get("metrics", {}).get("ppl") is not None:
+            row.ppl_time = rec.get("time") or ""
         cdf = (rec.get("details") or {}).get("cdf")
         if cdf:
             row.cdf = cdf
@@ -72,7 +75,9 @@ def merge(records: list[dict]) -> tuple[list[Row], list[dict]]:
         if not hits:
             hits = [rows.setdefault(key, Row(dict(key[0]), key[1]))]
         for r in hits:
-            r.metrics.update(m)
+            if (rec.get("time") or "") >= r.ppl_time:
+                r.metrics.update(m)
+                r.ppl_time = rec.get("time") or ""
             r.runs.append(rec.get("run_id"))
     return list(rows.values()), failed
 

@@ -1,9 +1,10 @@
 """Trackers. Every one writes the same record; they differ in where it goes.
 
 - JsonlLogger: append to the results JSONL.
-- WandbLogger: the JSONL line too, plus a W&B run (mode offline by default: no server needed,
-  `wandb sync <dir>/wandb/offline-run-*` uploads later; online when asked; disabled). The config
-  choices are the run's W&B config and its tags (`quant=int4`); metrics go to the summary.
+- WandbLogger: the JSONL line too, plus a W&B run for each job that succeeded (mode offline by
+  default: no server needed, `wandb sync <dir>/wandb/offline-run-*` uploads later; online when
+  asked; disabled). The config choices are the run's W&B config and its tags (`quant=int4`);
+  metrics go to the summary. A failed job's record stays in record.json and the JSONL.
 - DisabledLogger: nothing beyond the run directory's record.json.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ class WandbLogger(JsonlLogger):
 
     def log(self, record: dict) -> dict:
         out = super().log(record)
-        if self.mode == "disabled":
+        if self.mode == "disabled" or record.get("status") != "ok":  # failures: record.json + JSONL only
             return out
         import wandb
 
@@ -61,7 +62,7 @@ class WandbLogger(JsonlLogger):
         run = wandb.init(
             project=self.project, entity=self.entity, dir=str(wdir), mode=self.mode, group=self.group,
             name=self.run_name or record.get("run_id"), job_type=record.get("task"),
-            tags=[t[:64] for t in tags], reinit="finish_previous",
+            tags=[t[:64] for t in tags], reinit="finish_previous", settings=wandb.Settings(quiet=True),
             config=_clean({"choices": choices, **choices, "task": record.get("task"),
                            "config": record.get("config"), "hardware": record.get("hardware"),
                            "software": record.get("software")}),
@@ -71,7 +72,7 @@ class WandbLogger(JsonlLogger):
             run.summary.update({**metrics, "status": record.get("status"), "run_id": record.get("run_id")})
             if record.get("error"):
                 run.summary["error"] = record["error"][:2000]
-            out["wandb_dir"] = str(getattr(run, "dir", wdir))
+            out["wandb_dir"] = str(Path(run.dir).parent) if getattr(run, "dir", None) else str(wdir)
             out["wandb_id"] = run.id
         finally:
             run.finish(exit_code=0 if record.get("status") == "ok" else 1)

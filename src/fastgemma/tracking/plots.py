@@ -27,6 +27,7 @@ def tps_vs_ppl(rows, baseline: dict, path: Path) -> Path | None:
     front = pareto_front([(t, p) for _, t, p in pts])
     ax.plot([pts[i][1] for i in front], [pts[i][2] for i in front], color="tab:red", lw=1.5, zorder=2,
             label="Pareto front")
+    ax.margins(x=0.15, y=0.1)
     ax.set_xlabel("tps (output tokens / s)")
     ax.set_ylabel("perplexity")
     ax.set_title("Speed vs quality")

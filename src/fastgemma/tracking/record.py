@@ -74,11 +74,14 @@ def result_line(record: dict) -> str:
     """The one console line: task, non-baseline-looking choices, then the metrics that are set."""
     ch = record["choices"]
     keys = ("model", "weights", "window", "quant", "lm_head", "spec", "graphs", "attention", "sampler", "workload")
+    if record["task"] in ("ppl", "generate"):  # the prompt set plays no part in these
+        keys = keys[:-1]
     head = " ".join(f"{k}={ch[k]}" for k in keys if k in ch)
     m = record["metrics"]
     body = " ".join(f"{k}={_fmt(m[k])}" for k in METRICS if m.get(k) is not None)
     status = "" if record["status"] == "ok" else f" status={record['status']}"
-    return f"[{record['task']}] {head} | {body}{status}"
+    note = (record.get("details") or {}).get("mbu_note")
+    return f"[{record['task']}] {head} | {body}{status}" + (f" ({note})" if note else "")
 
 
 def _fmt(v):

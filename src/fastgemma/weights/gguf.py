@@ -33,12 +33,24 @@ so 1 is subtracted from every `*norm.weight`, in fp32 after dequantization and b
 `dtype`, exactly as transformers' Gemma2TensorProcessor does. Loading the directory with
 `Gemma3ForCausalLM.from_pretrained(dir)` therefore equals `from_pretrained(gguf_dir, gguf_file=...)`.
 
+Config keys a Gemma 3 GGUF lacks take llama.cpp's fixed Gemma 3 values (every 6th layer full
+attention, sliding RoPE base 10000, query_pre_attn_scalar = head_dim, or hidden/heads for the
+62-layer 27B). transformers' GGUF path uses its class defaults instead, which agree for every
+Gemma 3 but the 27B (it keeps 256), and it ignores rope.scaling (Gemma 3 4B-27B: linear x8 on
+full layers), which this converter honours.
+Gemma 3 270M (PyPI file): V 262144, H 640, I 2048, 18 layers (full: 5, 11, 17), 4 heads, 1 KV
+head, head_dim 256, window 512, RoPE 1e6 full / 1e4 sliding, query_pre_attn_scalar 256, tied head,
+rms_norm_eps 9.999999974752427e-07 (1e-6 stored as float32, kept as transformers reads it).
+
 Cache: `$FASTGEMMA_CACHE`, else `$XDG_CACHE_HOME/fastgemma`, else `~/.cache/fastgemma`:
     gguf/<model file>.gguf                       PyPI models, assembled once (sha256-checked)
     hf/<sha256[:16]>-v<CONVERTER_VERSION>-<dtype>/   converted directories
     sha256.json                                  {path: {size, mtime_ns, sha256}}: no rehash
 A directory appears only by renaming a finished temp directory (hf/.tmp-*), so a crash leaves no
-half-written entry; a cache hit stats files and reads no tensor.
+half-written entry (at most an ignored .tmp-* to delete); a cache hit stats files, reads no tensor.
+
+API: `convert_gguf(path, cache_dir=None, dtype=torch.float32, progress=True) -> dir`,
+`pypi_model_path("gemma3-270m") -> .gguf`, `resolve_gguf("gemma3-270m" | "x.gguf") -> dir`.
 """
 
 import hashlib
@@ -427,8 +439,7 @@ def _convert_into(path: Path, out: Path, digest: str, dtype: torch.dtype, progre
         w = dequantize(t.data, t.tensor_type)  # fp32 numpy, HF [out, in] order
         if t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp stores 1 + w
-        if tuple(w.shape) != shapes.get(name):
-            want = shapes.get(name)
+        if tuple(w.shape) != (want := shapes.get(name)):
             raise GGUFError(f"{path}: tensor {t.name} has shape {tuple(w.shape)}, the config implies {want}")
         # F32 tensors come back as read-only views of the memmap: copy those, not the rest
         state[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(dtype)

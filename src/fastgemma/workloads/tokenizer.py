@@ -26,7 +26,8 @@ class ByteTokenizer:
 
 
 def make_tokenizer(spec: str | None, weights_dir, vocab_size: int, bos_id: int, eos_id: int):
-    """spec: "auto" (the weights' own, else None), "bytes", "none", or a directory with a tokenizer."""
+    """spec: "auto" (the checkpoint's own; the byte tokenizer for synthetic weights, which have none),
+    "bytes", "none", or a directory with a tokenizer."""
     from ..weights.hf import load_tokenizer
 
     if spec in (None, "none"):
@@ -34,7 +35,9 @@ def make_tokenizer(spec: str | None, weights_dir, vocab_size: int, bos_id: int, 
     if spec == "bytes":
         return ByteTokenizer(vocab_size, bos_id, eos_id)
     if spec == "auto":
-        return load_tokenizer(weights_dir) if weights_dir else None
+        if weights_dir is None:  # synthetic weights: any text maps to ids, none of it means anything
+            return ByteTokenizer(vocab_size, bos_id, eos_id)
+        return load_tokenizer(weights_dir)
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist (tokenizer= takes auto, bytes, none or a directory)")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Leave-one-out from the full stack (experiment=frontier): the stack once, then the stack with each
+# technique put back to its baseline choice, so each run shows what that technique was worth.
+#   bash sweeps/leave_one_out.sh [overrides for every run]
+set -u
+source "$(dirname "$0")/_common.sh"
+common=(task=bench eval=ppl experiment=frontier "$@")
+sweep "${common[@]}"                                          # the full stack
+sweep "${common[@]}" window=native
+sweep "${common[@]}" quant=bf16
+sweep "${common[@]}" graphs=eager
+sweep "${common[@]}" attention=torch
+finish

@@ -1,0 +1,70 @@
+"""report: table, Pareto front, marginal gains and PNGs from hand-made records (failed ones listed)."""
+from __future__ import annotations
+
+from fgcli_helpers import run_job
+
+from fastgemma.tracking.compare import marginal_gains, merge, pareto_front
+from fastgemma.tracking.jsonl import append_jsonl
+from fastgemma.tracking.record import new_record
+
+BASE = {"model": "gemma4_e4b", "weights": "synthetic", "window": "native", "quant": "bf16", "lm_head": "full",
+        "spec": "none", "graphs": "eager", "attention": "torch", "sampler": "argmax", "workload": "challenge"}
+
+
+def _rec(task, metrics, status="ok", error=None, **choices):
+    r = new_record(task, {**BASE, "task": task, **choices}, [], None, {}, None)
+    r.update(status=status, error=error, metrics=metrics, hardware={"gpu_name": "H200", "device": "cuda:0"})
+    if "tps" in metrics:
+        r["details"] = {"cdf": {"itl_ms": [metrics["itl"] * (1 + i / 200) for i in range(101)]}}
+    return r
+
+
+def _records():
+    return [
+        _rec("bench", {"tps": 100.0, "itl": 10.0}),
+        _rec("ppl", {"ppl": 2.30}, workload="smoke"),  # ppl joins every workload of its stack
+        _rec("bench", {"tps": 120.0, "itl": 8.0}, window="w192"),
+        _rec("ppl", {"ppl": 2.35}, window="w192"),
+        _rec("bench", {"tps": 250.0, "itl": 4.0}, quant="int4"),
+        _rec("ppl", {"ppl": 2.40}, quant="int4"),
+        _rec("bench", {"tps": 90.0, "itl": 11.0}, window="w128"),
+        _rec("ppl", {"ppl": 2.60}, window="w128"),
+        _rec("bench", {"tps": 300.0, "itl": 3.0}, quant="int4", graphs="cuda_graph"),
+        _rec("bench", {}, status="error", error="BuildError: graphs=cuda_graph needs a CUDA GPU", graphs="cuda_graph"),
+    ]
+
+
+def test_merge_pareto_and_gains():
+    rows, failed = merge(_records())
+    assert len(rows) == 5 and len(failed) == 1
+    by = {r.label(BASE): r.metrics for r in rows}
+    assert by["baseline"]["ppl"] == 2.30 and by["quant=int4"]["ppl"] == 2.40
+    gains = {k: round(v, 6) for k, v in marginal_gains(rows, BASE)}
+    assert gains == {"quant=int4": 1.5, "window=w192": 0.2, "window=w128": -0.1}  # two-group rows have no bar
+    pts = [(100, 2.30), (120, 2.35), (250, 2.40), (90, 2.60)]
+    assert pareto_front(pts) == [0, 1, 2]
+
+
+def test_report_task_writes_table_and_pngs(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    for r in _records():
+        append_jsonl(path, r)
+    rec = run_job(["task=report", f"task.inputs=[{path}]", f"task.out={tmp_path / 'rep'}"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    out = capsys.readouterr().out
+    assert "| config |" in out and "| quant=int4 | 250 (x2.50) | 2.4 |" in out
+    assert "## Failed runs" in out and "needs a CUDA GPU" in out
+    for png in ("tps_vs_ppl", "marginal_gain", "latency_cdf"):
+        data = (tmp_path / "rep" / f"{png}.png").read_bytes()
+        assert data[:4] == b"\x89PNG" and len(data) > 5000, png
+    assert not (tmp_path / "results" / "results.jsonl").exists()  # report itself adds no record
+
+
+def test_report_without_records_says_so(tmp_path, capsys):
+    import pytest
+
+    empty = tmp_path / "none.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit):
+        run_job(["task=report", f"task.inputs=[{empty}]"], tmp_path)
+    assert "no bench/ppl/identity records" in capsys.readouterr().err

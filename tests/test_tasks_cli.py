@@ -1,0 +1,161 @@
+"""Tasks on the tiny model (synthetic fp32 weights on a CPU): bench, identity, generate, bad input,
+every experiment file, and the CLI end to end (a 2x2 multirun; a sweep with a crashing job)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fgcli_helpers import CONF, TINY, cli, compose_cfg, results, run_job
+
+BENCH_METRICS = ("tps", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "step_ms", "tokens_per_step",
+                 "vram_peak_gb", "weight_bytes_per_token", "mbu")
+
+
+def test_bench_smoke_writes_one_record(tmp_path, capsys):
+    rec = run_job(TINY + ["task=bench"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    m = rec["metrics"]
+    for k in BENCH_METRICS:
+        assert k in m, k
+    assert m["tps"] > 0 and m["output_tokens"] == 3 * 16 and m["tokens_per_step"] == 1
+    assert m["itl_ms_p50"] <= m["itl_ms_p99"]
+    # CPU: nothing is made up for what was not measured
+    assert m["vram_peak_gb"] is None and m["mbu"] is None and m["copy_bw_gbs"] is None
+    assert m["weight_bytes_per_token"] > 0
+    assert len(rec["details"]["cdf"]["itl_ms"]) == 101
+    assert rec["choices"]["model"] == "gemma4_tiny" and rec["choices"]["quant"] == "bf16"
+    assert rec["software"]["torch"] and "git_commit" in rec["software"]
+    assert rec["hardware"]["device"] == "cpu"
+    on_disk = json.loads((tmp_path / "outputs" / "run" / "record.json").read_text())
+    assert on_disk["run_id"] == rec["run_id"]
+    assert [r["run_id"] for r in results(tmp_path)] == [rec["run_id"]]
+    out = capsys.readouterr().out
+    assert "[bench]" in out and "tps=" in out
+
+
+def test_weight_bytes_per_token_counts_the_head_and_one_ple_row(tmp_path):
+    import torch
+
+    from fastgemma.metrics.memory import weight_bytes_per_step
+    from fastgemma.model.config import preset
+    from fastgemma.weights.synthetic import synthetic_model
+
+    cfg = preset("gemma4_tiny")
+    m = synthetic_model(cfg, "cpu", torch.float32)
+    every = sum(p.numel() for p in m.parameters()) * 4
+    every += sum(b.numel() * 4 for n, b in m.named_buffers() if "inv_freq" not in n)  # layer scalars
+    ple = m.embed_tokens_per_layer.weight
+    assert weight_bytes_per_step(m) == every - ple.numel() * 4 + ple.shape[1] * 4
+
+
+def test_identity_of_the_baseline_and_the_static_step_is_exact(tmp_path):
+    rec = run_job(TINY + ["task=identity", "graphs=static"], tmp_path)
+    m = rec["metrics"]
+    assert rec["status"] == "ok", rec["error"]
+    # fp32, same weights, same math: the static step must reproduce the eager reference
+    assert m["identity_rate"] == 1.0 and m["identity_prefix_mean"] == 16
+    assert m["top1_agree"] == 1.0 and m["top1_agree_confident"] == 1.0
+
+
+def test_identity_of_a_lossy_window_is_a_rate(tmp_path):
+    rec = run_job(TINY + ["task=identity", "window=w128", "task.max_new_tokens=24"], tmp_path)
+    m = rec["metrics"]
+    for k in ("identity_rate", "identity_prefix_mean", "top1_agree", "top1_agree_confident"):
+        assert m[k] is not None, k
+    assert 0 <= m["identity_rate"] <= 1 and 0 <= m["top1_agree"] <= 1 and m["identity_prefix_mean"] <= 24
+
+
+def test_generate_text_and_ids(tmp_path, capsys):
+    rec = run_job(TINY + ["task=generate", "task.prompt=Hello", "task.max_new_tokens=5"], tmp_path, "a")
+    assert rec["status"] == "ok" and len(rec["details"]["output_ids"]) == 5
+    assert rec["details"]["prompt_ids"][0] == 2  # BOS from the byte tokenizer of synthetic weights
+    rec = run_job(TINY + ["task=generate", "task.ids=[2,10,11,12]", "task.max_new_tokens=4", "tokenizer=none"],
+                  tmp_path, "b")
+    assert rec["details"]["output_text"] is None
+    out = capsys.readouterr().out
+    assert "prompt (6 tokens): Hello" in out and "prompt (4 tokens): [2, 10, 11, 12]" in out
+
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# the CPU twins of CUDA-only choices, and an int4 layout the tiny model's 64/16-wide layers allow
+CPU_SHRINK = {("graphs", "cuda_graph"): ["graphs=static"], ("attention", "triton"): ["attention=torch"],
+              ("quant", "int4"): ["quant.backend=torch", "quant.group_size=32",
+                                  "quant.skip=[per_layer_input_gate,per_layer_projection]"]}
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_runs_on_the_tiny_model(experiment, tmp_path):
+    over = TINY + [f"experiment={experiment}", "workload.num_prompts=1", "workload.warmup=0"]
+    choices = compose_cfg(over).hydra.runtime.choices
+    for (g, c), extra in CPU_SHRINK.items():
+        if choices[g] == c:
+            over += extra
+    rec = run_job(over, tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["choices"]["experiment"] == experiment and rec["metrics"]["tps"] > 0
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["task=ppl", "eval.corpus=/no/such/corpus.txt"], "corpus file /no/such/corpus.txt does not exist"),
+    (["graphs=cuda_graph"], "graphs=cuda_graph needs a CUDA GPU"),
+    (["attention=triton", "graphs=static"], "attention=triton needs a CUDA GPU"),
+    (["device=cuda"], "device=cuda asked for, but no CUDA GPU"),
+    (["weights=hf"], "weights=hf needs weights.path"),
+    (["model=checkpoint"], "weights=synthetic needs a model preset"),
+])
+def test_bad_input_gives_one_clear_message(overrides, message, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available() and "CUDA" in message:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exc:
+        run_job(TINY + overrides, tmp_path)
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fastgemma: error: ") and message in err[0], err
+    rec = results(tmp_path)[-1]  # the failure is recorded too
+    assert rec["status"] == "error" and message in rec["error"]
+
+
+def test_malformed_jsonl_names_its_line(tmp_path, capsys):
+    bad = tmp_path / "ppl.jsonl"
+    bad.write_text('{"context_ids": [2, 5], "target_ids": [6, 7]}\n\n{"context_ids": [2, 5], "target_ids": [6,\n')
+    with pytest.raises(SystemExit):
+        run_job(TINY + ["task=ppl", f"eval.jsonl={bad}"], tmp_path)
+    assert f"{bad}:3: not valid JSON" in capsys.readouterr().err
+
+
+def test_multirun_2x2_writes_four_records_then_report(tmp_path):
+    """The CLI end to end: 4 jobs, 4 records with distinct choices, and a report drawn from them."""
+    r = cli(["-m", "model=gemma4_tiny", "workload=smoke", "device=cpu", "logger=jsonl", "progress=false",
+             "workload.warmup=0", "eval=ppl", "eval.max_tokens=200",
+             "window=native,w128", "graphs=eager,static"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = results(tmp_path)
+    assert len(recs) == 4 and all(x["status"] == "ok" for x in recs)
+    combos = {(x["choices"]["window"], x["choices"]["graphs"]) for x in recs}
+    assert combos == {("native", "eager"), ("native", "static"), ("w128", "eager"), ("w128", "static")}
+    assert len({x["run_dir"] for x in recs}) == 4
+    assert r.stdout.count("[bench]") == 4
+
+    rep = run_job(["task=report", f"task.out={tmp_path / 'report'}",
+                   f"task.inputs=[{tmp_path / 'results' / 'results.jsonl'}]"], tmp_path, "report")
+    assert rep["status"] == "ok", rep["error"]
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| baseline |" in md and "| window=w128 graphs=static |" in md
+    for png in ("tps_vs_ppl", "marginal_gain", "latency_cdf"):
+        data = (tmp_path / "report" / f"{png}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+
+
+def test_a_crashed_job_loses_no_other_record(tmp_path):
+    r = cli(["-m", "model=gemma4_tiny", "workload=smoke", "device=cpu", "logger=jsonl", "progress=false",
+             "workload.num_prompts=1", "workload.warmup=0", "graphs=cuda_graph,eager,static"], tmp_path)
+    recs = results(tmp_path)
+    status = {x["choices"]["graphs"]: x["status"] for x in recs}
+    if status.get("cuda_graph") == "ok":
+        pytest.skip("this machine has a GPU")
+    assert status == {"cuda_graph": "error", "eager": "ok", "static": "ok"}
+    assert r.returncode == 1
+    assert "3 records, 2 ok, 1 failed" in r.stderr and "needs a CUDA GPU" in r.stderr
