@@ -159,3 +159,22 @@ def test_a_crashed_job_loses_no_other_record(tmp_path):
     assert status == {"cuda_graph": "error", "eager": "ok", "static": "ok"}
     assert r.returncode == 1
     assert "3 records, 2 ok, 1 failed" in r.stderr and "needs a CUDA GPU" in r.stderr
+
+
+def test_challenge_workload_follows_the_contest_profile():
+    import statistics
+
+    from hydra.utils import instantiate
+
+    wl = instantiate(compose_cfg(["workload=challenge"]).workload)
+    lens = wl.prompt_lengths()
+    assert len(lens) == 128 and wl.max_new_tokens == 512 and wl.warmup == 4 and wl.ignore_eos
+    assert statistics.median(lens) == 230 and abs(statistics.mean(lens) - 272) < 2
+    assert min(lens) >= 80 and max(lens) <= 1500
+    prompts = wl.prompts(vocab_size=262144, bos_id=2, special=(0, 1, 106))
+    assert [len(p.ids) for p in prompts] == lens and all(p.ids[0] == 2 for p in prompts)
+    assert all(t not in (0, 1, 106) for p in prompts for t in p.ids[1:])
+    again = wl.prompts(vocab_size=262144, bos_id=2, special=(0, 1, 106))
+    assert [p.ids for p in again] == [p.ids for p in prompts]  # seeded
+    warm = {tuple(p.ids) for p in wl.warmup_prompts(262144, 2)}
+    assert len(warm) == 4 and not warm & {tuple(p.ids) for p in prompts}  # never the benchmark's own

@@ -335,6 +335,8 @@ def build_context(cfg: DictConfig, choices: dict, out_dir, job_num: int | None =
     if task == "report":
         return RunContext(task, params, None, None, None, progress, Path(out_dir), seed, choices)
     device = resolve_device(cfg.device, job_num)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # streams, events and graph capture use the current device
     dtype = resolve_dtype(cfg.dtype, device)
     parts = build_parts(cfg, choices)
     check_device(parts, device, choices)

@@ -17,21 +17,23 @@ import torch
 from ..engine.cache import KVCache
 from ..engine.generator import Generator
 from ..engine.steps import EagerStep, GraphStep, StaticStep
-from ..kernels.decode_attention import decode_attention, decode_attention_ref
+from ..kernels.decode_attention import decode_attention_op, decode_attention_ref
 from ..model.config import preset
 from ..transforms.fuse import MergeProjections
 from ..weights.synthetic import synthetic_model
 
-# variant -> (step class, attention, torch.compile, merged q|k|v and gate|up); merged ones go last
+# variant -> (step class, attention, torch.compile, merged q|k|v and gate|up, int4 g128 body);
+# the transforms are irreversible, so merged variants come after unmerged ones and int4 last
 VARIANTS = {
-    "eager": (EagerStep, "torch", False, False),
-    "static_torch": (StaticStep, "torch", False, False),
-    "static_triton": (StaticStep, "triton", False, False),
-    "graph_torch": (GraphStep, "torch", False, False),
-    "graph_triton": (GraphStep, "triton", False, False),
-    "graph_triton_merged": (GraphStep, "triton", False, True),
-    "compiled_triton_merged": (GraphStep, "triton", True, True),
-    "compiled_torch_merged": (GraphStep, "torch", True, True),
+    "eager": (EagerStep, "torch", False, False, False),
+    "static_torch": (StaticStep, "torch", False, False, False),
+    "static_triton": (StaticStep, "triton", False, False, False),
+    "graph_torch": (GraphStep, "torch", False, False, False),
+    "graph_triton": (GraphStep, "triton", False, False, False),
+    "graph_triton_merged": (GraphStep, "triton", False, True, False),
+    "compiled_triton_merged": (GraphStep, "triton", True, True, False),
+    "compiled_torch_merged": (GraphStep, "torch", True, True, False),
+    "graph_triton_merged_int4": (GraphStep, "triton", False, True, True),
 }
 
 
@@ -61,6 +63,9 @@ def decode_bytes(model) -> int:
         if "embed_tokens" in name:
             continue
         n += p.numel() * p.element_size()
+    for mod in model.modules():  # quantised layers keep packed weights and scales as buffers
+        if hasattr(mod, "weight_bytes"):
+            n += mod.weight_bytes()
     return n + model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
 
 
@@ -116,14 +121,20 @@ def main(argv=None):
     prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     max_ctx = a.max_context or (a.prompt_len + a.new + 16)
     rows, ref_tokens, ref_forced = [], None, None
-    merged = False
+    merged = quantized = False
     for name in a.variants.split(","):
-        cls, attn, compiled, merge = VARIANTS[name]
+        cls, attn, compiled, merge, int4 = VARIANTS[name]
         if merge and not merged:
             MergeProjections().apply(model)
             merged = True
+        if int4 and not quantized:
+            from ..transforms.quant import Int4Quant
+
+            Int4Quant(group_size=128).apply(model)
+            quantized = True
+            nbytes = decode_bytes(model)
         cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=torch.bfloat16)
-        model.step_attention = decode_attention if attn == "triton" else decode_attention_ref
+        model.step_attention = decode_attention_op if attn == "triton" else decode_attention_ref
         try:
             step = cls(model, cache) if cls is EagerStep else cls(model, cache, compile=compiled)
             gen = Generator(model, cache, step)

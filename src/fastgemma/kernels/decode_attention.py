@@ -251,3 +251,15 @@ def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scal
     l = p.sum(dim=-1, keepdim=True)
     o = torch.einsum("bkgts,bskd->btkgd", p / torch.where(l > 0, l, 1.0), v)
     return o.reshape(B, T, H, D).to(q.dtype)
+
+
+# Registered as an opaque op so torch.compile traces around the kernel instead of into its launcher.
+@torch.library.custom_op("fastgemma::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
+                        slot_pos: torch.Tensor | None, window: int, scale: float = 1.0) -> torch.Tensor:
+    return decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window, scale)
+
+
+@decode_attention_op.register_fake
+def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

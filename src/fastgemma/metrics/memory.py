@@ -53,9 +53,9 @@ def weight_bytes_per_step(model) -> int:
     return total
 
 
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float | None:
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 28, iters: int = 10) -> float | None:
     """Device-to-device copy, (read + write) bytes / s in GB/s: the median of `iters` copies of a
-    buffer far larger than L2. None on a CPU (not measured there)."""
+    256 MiB buffer (far larger than any L2; 512 MiB held briefly). None on a CPU (not measured there)."""
     if device.type != "cuda":
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

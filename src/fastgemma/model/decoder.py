@@ -14,6 +14,8 @@ Two ways through the cache, one layer code:
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,7 +85,16 @@ class DecoderLayer(nn.Module):
 
 
 def _rounded(x: float, dtype) -> float:
-    return float(torch.tensor(x, dtype=dtype))
+    """x rounded to dtype, in pure Python (traceable by torch.compile, no device work)."""
+    if dtype == torch.float32:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    if dtype == torch.float16:
+        return struct.unpack("e", struct.pack("e", x))[0]
+    if dtype == torch.bfloat16:  # round-to-nearest-even on the top 16 bits of the fp32 pattern
+        b = struct.unpack("I", struct.pack("f", x))[0]
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return struct.unpack("f", struct.pack("I", b))[0]
+    return x
 
 
 def _visible(q_pos, kv_pos, window: int):
