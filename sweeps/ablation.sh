@@ -11,7 +11,8 @@ source "$(dirname "$0")/_common.sh"
 common=(task=bench eval=ppl "$@")
 sweep "${common[@]}"                                          # the baseline
 sweep window=w256,w192,w188,w160,w128 "${common[@]}"
+sweep fuse=merged "${common[@]}"
 sweep quant=int4 "${common[@]}"
-sweep graphs=static,cuda_graph "${common[@]}"
+sweep graphs=static,cuda_graph,compiled "${common[@]}"
 sweep attention=triton graphs=cuda_graph "${common[@]}"
 finish

@@ -1,10 +1,28 @@
-"""Shared fixtures: a tiny random Gemma 4 in transformers, saved to disk, and the same weights in fastgemma."""
+"""Shared setup: Triton's CPU interpreter for every kernel test, and a tiny random Gemma 4 in
+transformers, saved to disk, with the same weights in fastgemma."""
 from __future__ import annotations
 
 import os
 
+# read when @triton.jit decorates, so before any fastgemma kernel module is imported
+os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+import triton.runtime.interpreter as _interp  # noqa: E402
+
+_patch_lang_tensor = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor_np24(tensor, scope):
+    # triton 3.6 + numpy >= 2.4: the interpreter's int(array of shape (1,)) raises, which breaks
+    # `range` with runtime bounds (triton-lang/triton#9171, fixed upstream by #9172)
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+if _interp._patch_lang_tensor.__name__ == "_patch_lang_tensor":
+    _interp._patch_lang_tensor = _patch_lang_tensor_np24
 
 import pytest
 import torch

@@ -79,7 +79,7 @@ def test_generate_text_and_ids(tmp_path, capsys):
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 # the CPU twins of CUDA-only choices, and an int4 layout the tiny model's 64/16-wide layers allow
-CPU_SHRINK = {("graphs", "cuda_graph"): ["graphs=static"], ("attention", "triton"): ["attention=torch"],
+CPU_SHRINK = {("graphs", "cuda_graph"): ["graphs=static"], ("graphs", "compiled"): ["graphs=static"], ("attention", "triton"): ["attention=torch"],
               ("quant", "int4"): ["quant.backend=torch", "quant.group_size=32",
                                   "quant.skip=[per_layer_input_gate,per_layer_projection]"]}
 

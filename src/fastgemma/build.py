@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from .engine.cache import KVCache
 from .model.config import ModelConfig
 
-TECHNIQUES = ("window", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
+TECHNIQUES = ("window", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
 # where a CUDA-only choice has a twin that runs anywhere
 CPU_TWINS = {"graphs": "graphs=static", "attention": "attention=torch", "quant": "quant.backend=torch or quant=bf16"}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -141,6 +141,7 @@ class GGUFWeights(HFWeights):
 @dataclass
 class Parts:
     window: object
+    fuse: object
     quant: object
     lm_head: object
     spec: object
@@ -162,6 +163,7 @@ class Parts:
 def reference_parts() -> Parts:
     """Plain eager AR: native window, weights as loaded, full head, no speculation, torch SDPA."""
     from .transforms.attention import TorchAttention
+    from .transforms.fuse import NoFuse
     from .transforms.graphs import Eager
     from .transforms.lm_head import FullHead
     from .transforms.sampler import Argmax
@@ -175,7 +177,7 @@ def reference_parts() -> Parts:
         def describe(self):
             return {"quant": "as loaded"}
 
-    return Parts(SlidingWindow(None), _AsLoaded(), FullHead(), NoSpec(), Eager(), TorchAttention(), Argmax())
+    return Parts(SlidingWindow(None), NoFuse(), _AsLoaded(), FullHead(), NoSpec(), Eager(), TorchAttention(), Argmax())
 
 
 @dataclass
@@ -201,7 +203,7 @@ class EngineFactory:
     def model(self):
         if self._model is None:
             model, self.load_info = self.weights.load(self.model_cfg, self.device, self.dtype)
-            for group in ("quant", "lm_head", "attention"):
+            for group in ("fuse", "quant", "lm_head", "attention"):
                 model = _apply(self.parts, group, model, self.choices)
             self._model = model
         return self._model

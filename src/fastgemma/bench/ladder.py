@@ -34,6 +34,7 @@ VARIANTS = {
     "compiled_triton_merged": (GraphStep, "triton", True, True, False),
     "compiled_torch_merged": (GraphStep, "torch", True, True, False),
     "graph_triton_merged_int4": (GraphStep, "triton", False, True, True),
+    "compiled_triton_merged_int4": (GraphStep, "triton", True, True, True),
 }
 
 

@@ -473,3 +473,15 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
         print("\n# CONFIGS entries (block_n, block_k, split_k, num_warps, num_stages, block_m):")
         print("\n".join(best_lines))
     return rows
+
+
+# The launcher as an opaque op, so torch.compile traces around it (dispatch-table tiles only).
+@torch.library.custom_op("fastgemma::w4a16_matmul", mutates_args=())
+def w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    return w4a16_matmul(x, qweight, scales, zeros, group_size)
+
+
+@w4a16_matmul_op.register_fake
+def _(x, qweight, scales, zeros, group_size):
+    return x.new_empty((x.shape[0], qweight.shape[0]))

@@ -27,9 +27,9 @@ class TritonAttention:
     needs_cuda = True
 
     def apply(self, model):
-        from ..kernels.decode_attention import decode_attention
+        from ..kernels.decode_attention import decode_attention_op
 
-        model.step_attention = decode_attention
+        model.step_attention = decode_attention_op  # the kernel as an opaque op (torch.compile-safe)
         return model
 
     def describe(self) -> dict:

@@ -58,3 +58,11 @@ class MergeProjections:
 
     def describe(self) -> dict:
         return {"merge_qkv": self.qkv, "merge_gate_up": self.gate_up, "merged_modules": self.merged}
+
+
+class NoFuse:
+    def apply(self, model):
+        return model
+
+    def describe(self) -> dict:
+        return {"merge_qkv": False, "merge_gate_up": False}
