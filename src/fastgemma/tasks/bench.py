@@ -18,7 +18,7 @@ from ..metrics.timing import sync
 def workload_prompts(ctx, limit=None):
     f, wl = ctx.factory, ctx.workload
     c = f.config
-    tok = f.tokenizer() if wl.prompts_file else None
+    tok = f.tokenizer() if wl.needs_tokenizer else None
     prompts = wl.prompts(c.vocab_size, c.bos_id, special=(c.pad_id, *c.eos_ids), tokenizer=tok)
     if limit:
         prompts = prompts[:limit]

@@ -84,6 +84,32 @@ def result_line(record: dict) -> str:
     return f"[{record['task']}] {head} | {body}{status}" + (f" ({note})" if note else "")
 
 
+def result_table(record: dict) -> str:
+    """The record as a two-column markdown table: what ran (model, device, workload, eval), then
+    every metric that is set, in METRICS order (`task.table=true` prints it after the result line)."""
+    d, m, hw = record.get("details") or {}, record.get("metrics") or {}, record.get("hardware") or {}
+    model, wl, ev = d.get("model") or {}, d.get("workload") or {}, d.get("eval") or {}
+    rows = []
+    if model:
+        rows.append(("model", f"{model.get('name')} ({model.get('family')}, {model.get('params', 0):,} params, "
+                              f"{model.get('layers')} layers, vocab {model.get('vocab', 0):,})"))
+    where = hw.get("gpu_name") or f"{hw.get('cpu') or 'cpu'} ({hw.get('cpu_count')} cores)"
+    rows.append(("device", f"{d.get('device', hw.get('device'))}: {where}, {d.get('dtype', '?')}"))
+    choices = record.get("choices") or {}
+    rows.append(("choices", " ".join(f"{k}={v}" for k, v in choices.items() if k not in ("task", "logger"))))
+    if wl and record.get("task") in ("bench", "identity"):
+        rows.append(("workload", f"{wl.get('name')}: {wl.get('num_prompts')} prompts of "
+                                 f"{wl.get('prompt_len_min')}-{wl.get('prompt_len_max')} tokens, "
+                                 f"{wl.get('max_new_tokens')} new tokens each"))
+    if ev:
+        rows.append(("ppl text", f"{ev.get('source')}, windows of {ev.get('seq_len')} tokens"))
+    for k in (*METRICS, "ppl_sequences", "output_tokens", "wall_s"):
+        if m.get(k) is not None:
+            rows.append((k, _fmt(m[k])))
+    lines = ["| | |", "|---|---|"] + [f"| {k} | {str(v).replace('|', '/')} |" for k, v in rows]
+    return "\n".join(lines)
+
+
 def _fmt(v):
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"

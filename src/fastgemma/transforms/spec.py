@@ -1,9 +1,19 @@
-"""Speculative decoding choices. `none` is plain autoregressive decode: the Generator as it is.
+"""Speculative decoding choices (the `spec` group).
 
-A speculative method owns its decode loop (a drafter, a verify step, acceptance) and returns an
-object with the Generator's interface, so the plain loop never branches on it.
+- none: plain autoregressive decode, the Generator as it is.
+- mtp: the Gemma 4 MTP drafter proposes `depth` tokens per step, one verify pass over depth + 1
+  rows accepts the longest matching prefix plus the target's own next token (SpecGenerator).
+- replay: the same drafter runs (its cost is counted) but its drafts are replaced by a reference
+  greedy trace that is right with a configured per-position acceptance profile: speed figures
+  for weights whose drafter is untrained (synthetic). Verify and accept are the same code.
+
+A speculative method owns its decode loop and returns an object with the Generator's interface,
+so the plain loop never branches on it. Graph capture follows the `graphs` choice: the draft loop,
+the verify pass and the accept bookkeeping are captured when the AR step is a CUDA graph.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 from ..engine.generator import Generator
 
@@ -18,3 +28,90 @@ class NoSpec:
 
     def describe(self) -> dict:
         return {"spec": "none"}
+
+
+def _step_flags(step) -> tuple[bool, bool, int]:
+    """(capture graphs, torch.compile, warm-up iterations) as the `graphs` choice set them on the step."""
+    from ..engine.steps import GraphStep
+
+    fwd = getattr(step, "forward", None)
+    compiled = fwd is not None and hasattr(fwd, "_torchdynamo_orig_callable")
+    return isinstance(step, GraphStep), compiled, int(getattr(step, "warmup_iters", 2))
+
+
+class MtpSpec:
+    """spec=mtp: depth k drafts per step from the drafter (synthetic or a checkpoint directory)."""
+
+    needs_cuda = False
+    kind = "mtp"
+
+    def __init__(self, depth: int = 7, centroid_top_k: int | None = None, drafter: str = "synthetic",
+                 drafter_seed: int = 0):
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 15:
+            raise ValueError(f"spec depth must be an integer in [1, 15], got {depth!r}")
+        if centroid_top_k is not None and (isinstance(centroid_top_k, bool) or not isinstance(centroid_top_k, int)
+                                           or centroid_top_k < 1):
+            raise ValueError(f"centroid_top_k must be a positive integer or null, got {centroid_top_k!r}")
+        drafter = str(drafter)
+        if drafter != "synthetic" and not Path(drafter).expanduser().is_dir():
+            raise FileNotFoundError(f"spec.drafter: drafter checkpoint directory {drafter} does not exist "
+                                    "(use synthetic, or a local copy of google/gemma-4-E4B-it-assistant)")
+        self.depth, self.centroid_top_k, self.drafter, self.drafter_seed = depth, centroid_top_k, drafter, drafter_seed
+        self._drafter_info: dict = {}
+
+    def build_drafter(self, model):
+        from ..model.drafter import load_drafter, synthetic_drafter
+
+        w = model.embed_tokens.weight
+        if self.drafter == "synthetic":
+            d = synthetic_drafter(model.config, device=w.device, dtype=w.dtype, seed=self.drafter_seed)
+        else:
+            d = load_drafter(self.drafter, model.config, device=w.device, dtype=w.dtype)
+        d.set_top_k(self.centroid_top_k)
+        c = d.config
+        self._drafter_info = {"drafter_name": c.name, "drafter_hidden": c.hidden_size,
+                              "drafter_params": sum(p.numel() for p in d.parameters()),
+                              "centroid_top_k_effective": d.top_k, "drafter_bytes_per_step": d.nbytes_per_step()}
+        return d
+
+    def replay(self):
+        return None
+
+    def make_generator(self, model, cache, step, sampler, prefill_chunk: int):
+        from ..engine.speculative import SpecGenerator
+
+        graphs, compiled, warmup = _step_flags(step)
+        return SpecGenerator(model, cache, self.build_drafter(model), self.depth, step=step, sampler=sampler,
+                             prefill_chunk=prefill_chunk, replay=self.replay(), graphs=graphs, compile=compiled,
+                             warmup_iters=warmup)
+
+    def describe(self) -> dict:
+        return {"spec": self.kind, "depth": self.depth, "centroid_top_k": self.centroid_top_k,
+                "drafter": self.drafter, "drafter_seed": self.drafter_seed, **self._drafter_info}
+
+
+class ReplaySpec(MtpSpec):
+    """spec=replay: mtp's drafter cost, drafts from the reference trace with `profile`'s odds."""
+
+    kind = "replay"
+
+    def __init__(self, depth: int = 7, centroid_top_k: int | None = None, drafter: str = "synthetic",
+                 drafter_seed: int = 0, profile="frontier", replay_seed: int = 0):
+        super().__init__(depth, centroid_top_k, drafter, drafter_seed)
+        from ..engine.speculative import resolve_profile
+
+        self.profile = resolve_profile(profile)
+        self.profile_name = profile if isinstance(profile, str) else "custom"
+        self.replay_seed = replay_seed
+
+    def replay(self):
+        from ..engine.speculative import Replay
+
+        return Replay(self.profile, self.replay_seed)
+
+    def describe(self) -> dict:
+        from ..engine.speculative import expected_tokens_per_step
+
+        return {**super().describe(), "profile": self.profile_name, "profile_rates": self.profile,
+                "replay_seed": self.replay_seed,
+                "expected_tokens_per_step": round(expected_tokens_per_step(self.profile, self.depth), 3)}

@@ -15,6 +15,11 @@ from ..model import ModelConfig, empty_model
 
 def _std(name: str, p: torch.Tensor) -> tuple[float, float]:
     """(mean, std) for one parameter by its role."""
+    if name == "norm.weight":
+        # the final norm: zero-mean weights break the self-token attractor of a tied head (with
+        # weights near 1, E[t] . norm(h) ~ |E[t]|^2 through the embedding left in the residual,
+        # and a random model repeats its input token forever)
+        return 0.0, 1.0
     if name.endswith("norm.weight"):
         if ".q_norm." in name or ".k_norm." in name:
             return p.shape[0] ** -0.25, 0.1 * p.shape[0] ** -0.25

@@ -3,8 +3,10 @@
 The challenge profile (PROTOCOL.md): 128 prompts, median 230 and mean 272 tokens, about 80 to 1500.
 Lengths are the quantiles of a log-normal with that median and mean (sigma = sqrt(2 ln(mean/median))
 = 0.58), clipped to [min, max] and shuffled with the seed: the same 128 lengths on every machine.
-Token ids are uniform over the vocabulary minus the special ids, after a BOS. Warm-up prompts come
-from a separate random stream: never the benchmark's own prompts.
+Token ids are uniform over the vocabulary minus the special ids, after a BOS; or, with `corpus`,
+consecutive slices of a text through the model's tokenizer (real text for real weights: identity
+rates on random ids say little about a trained model). Warm-up prompts come from a separate random
+stream: never the benchmark's own prompts.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ class Workload:
     lengths: list[int] | None = None          # explicit prompt lengths, cycled to num_prompts
     length_profile: dict | None = None        # {median, mean, min, max}: log-normal quantiles
     prompts_file: str | None = None           # JSONL of {prompt_ids | context_ids | text}
+    corpus: str | None = None                 # with lengths / length_profile: slices of this text
+                                              # ("default": workloads.corpus.default_corpus_path())
     _file_rows: list = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -59,6 +63,20 @@ class Workload:
             if not path.is_file():
                 raise FileNotFoundError(f"workload {self.name}: prompts_file {path} does not exist")
             self._file_rows = read_prompts_jsonl(path)
+        if self.corpus is not None:
+            if self.prompts_file is not None:
+                raise ValueError(f"workload {self.name}: corpus slices take their lengths from lengths or "
+                                 "length_profile, not from a prompts_file")
+            from .corpus import default_corpus_path
+
+            path = default_corpus_path() if self.corpus == "default" else Path(self.corpus).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"workload {self.name}: corpus file {path} does not exist")
+            self.corpus = str(path)
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return bool(self.prompts_file or self.corpus)
 
     # ---- lengths -------------------------------------------------------------------------------
     def prompt_lengths(self) -> list[int]:
@@ -76,6 +94,14 @@ class Workload:
     def prompts(self, vocab_size: int, bos_id: int, special=(), tokenizer=None) -> list[Prompt]:
         if self._file_rows is not None:
             return [self._file_prompt(r, vocab_size, tokenizer) for r in self._rows()]
+        if self.corpus is not None:
+            if tokenizer is None:
+                raise ValueError(f"workload {self.name}: prompts cut from corpus {self.corpus} need a tokenizer; "
+                                 "the weights have none (set tokenizer=<dir> or tokenizer=bytes)")
+            from .corpus import read_corpus
+            from .tokenizer import encode_plain
+
+            return corpus_prompts(encode_plain(tokenizer, read_corpus(self.corpus)), self.prompt_lengths(), bos_id)
         return synthetic_prompts(self.prompt_lengths(), vocab_size, bos_id, special, seed=self.seed)
 
     def warmup_prompts(self, vocab_size: int, bos_id: int, special=()) -> list[Prompt]:
@@ -114,6 +140,8 @@ class Workload:
                      prompt_len_median=sorted(lens)[len(lens) // 2])
         if self.prompts_file:
             d["prompts_file"] = str(self.prompts_file)
+        if self.corpus:
+            d["corpus"] = str(self.corpus)
         return d
 
 
@@ -143,4 +171,16 @@ def synthetic_prompts(lengths: list[int], vocab_size: int, bos_id: int, special=
             if t not in banned:
                 ids.append(t)
         out.append(Prompt(ids[:n]))
+    return out
+
+
+def corpus_prompts(text_ids: list[int], lengths: list[int], bos_id: int) -> list[Prompt]:
+    """BOS + the next lengths[i] - 1 ids of the text, prompt after prompt (wrapping around at its end)."""
+    if not text_ids:
+        raise ValueError("corpus prompts: the text has no tokens")
+    out, at = [], 0
+    for n in lengths:
+        body = [text_ids[(at + j) % len(text_ids)] for j in range(n - 1)]
+        at = (at + n - 1) % len(text_ids)
+        out.append(Prompt([bos_id] + body))
     return out

@@ -1,0 +1,211 @@
+"""Speculative decoding on one GPU, in one process: tok/s vs depth k and vs acceptance profile, with
+the sliding window native vs 188, on the int4 stack (merged q|k|v and gate|up, W4A16 g128 body,
+int4 head + fused argmax, Triton split-KV attention, CUDA graphs). Same synthetic weights for all.
+
+    python -m fastgemma.bench.spec --prompts 4 --prompt-len 256 --new 512
+
+Rows per window: the AR baseline (GraphStep), `mtp` (the untrained synthetic drafter's own drafts:
+the cost floor, ~1 token per step), then `replay` for each depth and profile: the drafter runs k
+steps per verify (its cost counted) and its drafts follow the reference trace with the profile's
+per-position odds. Reference traces are primed once per (window, depth), untimed. Step time is
+split into draft / verify / accept with CUDA events between the three graphs (a separate pass).
+Prints one JSON line per row (--out: JSONL), then a markdown table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from ..engine.cache import KVCache
+from ..engine.generator import Generator
+from ..engine.speculative import PROFILES, Replay, SpecGenerator, acceptance_summary, expected_tokens_per_step
+from ..engine.steps import GraphStep, StaticStep
+from ..model.config import preset
+from ..model.drafter import synthetic_drafter
+from ..weights.synthetic import synthetic_model
+
+
+def build_stack(cfg, dev, head: str, dtype=torch.bfloat16):
+    """Synthetic weights -> merged projections -> int4 body -> head -> Triton attention (on a CPU,
+    a smoke test of this script: the torch twins of every kernel)."""
+    from ..transforms.attention import TorchAttention, TritonAttention
+    from ..transforms.fuse import MergeProjections
+    from ..transforms.lm_head import FullHead, Int4Head, Int8Head
+    from ..transforms.quant import Int4Quant
+    from ..transforms.sampler import FusedArgmax
+
+    cuda = dev.startswith("cuda")
+    backend = "triton" if cuda else "torch"
+    model = synthetic_model(cfg, dev, dtype, seed=0)
+    heads = {"full": FullHead, "int8": Int8Head, "int4": Int4Head}
+    gs = 128 if cfg.hidden_size % 128 == 0 else 32
+    skip = ("per_layer_input_gate",) + (("per_layer_projection",) if cfg.ple_dim % gs else ())
+    parts = [MergeProjections(), Int4Quant(group_size=gs, skip=skip, backend=backend),
+             heads[head]() if head == "full" else heads[head](backend=backend) if head == "int8"
+             else heads[head](group_size=gs, backend=backend),
+             TritonAttention() if cuda else TorchAttention()]
+    for t in parts:
+        model = t.apply(model) or model
+    desc = {type(t).__name__: (t.describe() if hasattr(t, "describe") else {}) for t in parts}
+    return model, FusedArgmax(backend), desc
+
+
+def sync():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed(gen, prompts, new: int) -> tuple[list, float]:
+    sync()
+    t = time.perf_counter()
+    outs = [gen.generate(p, new) for p in prompts]
+    sync()
+    return outs, time.perf_counter() - t
+
+
+def summarize(name, window, k, profile, outs, wall, ar_tokens=None) -> dict:
+    steps = [s for o in outs for s in o.step_s]
+    per = [n for o in outs for n in o.tokens_per_step]
+    n_tok = sum(len(o.tokens) for o in outs)
+    row = dict(spec=name, window=window, depth=k, profile=profile, tps=n_tok / wall,
+               tokens_per_step=sum(per) / len(per) if per else None,
+               step_ms=statistics.median(steps) * 1e3 if steps else None,
+               ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3)
+    row.update(acceptance_summary(outs))
+    if profile:
+        row["expected_tokens_per_step"] = expected_tokens_per_step(PROFILES.get(profile, [0.0]), k)
+    row["replay_mismatch"] = sum(getattr(o, "replay_mismatch", 0) for o in outs)
+    if ar_tokens is not None:
+        row["identity_rate"] = sum(o.tokens == r for o, r in zip(outs, ar_tokens)) / len(outs)
+    return row
+
+
+def split_ms(gen, prompt, new) -> dict:
+    """Median draft / verify / accept ms per step over one request (events between the graphs)."""
+    gen.split_timing = True
+    try:
+        gen.generate(prompt, new)
+    finally:
+        gen.split_timing = False
+    return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in gen.last_split_s.items() if v}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gemma4_e4b")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--depths", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--profiles", default="frontier,stock,chat", help=f"names from {sorted(PROFILES)}")
+    ap.add_argument("--windows", default="native,188", help="native or a number of keys")
+    ap.add_argument("--head", default="int4", choices=["full", "int8", "int4"])
+    ap.add_argument("--mtp-depth", type=int, default=7, help="depth of the untrained-drafter cost row (0: skip)")
+    ap.add_argument("--centroid-top-k", type=int, default=0, help="0: the drafter's own (32)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the step bodies before capture (slow)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
+    a = ap.parse_args(argv)
+    dev = a.device
+    cuda = dev.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("fastgemma.bench.spec measures CUDA graphs on a GPU; no CUDA device here")
+    if a.compile:  # one specialisation per (window, depth) generator
+        for key in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, key):
+                setattr(torch._dynamo.config, key, 256)
+    cfg = preset(a.model)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    t0 = time.time()
+    model, sampler, stack = build_stack(cfg, dev, a.head, dtype)
+    drafter = synthetic_drafter(cfg, dev, dtype, seed=0)
+    drafter.set_top_k(a.centroid_top_k or None)
+    sync()
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
+          f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, {drafter.nbytes_per_step() / 1e6:.1f} MB "
+          f"read per draft step (top-{drafter.top_k} centroids)", flush=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    max_ctx = a.prompt_len + a.new + 16
+    depths = [int(x) for x in a.depths.split(",") if x]
+    profiles = [p for p in a.profiles.split(",") if p]
+    rows = []
+
+    def emit(row):
+        row.update(gpu=gpu, model=cfg.name, head=a.head, compile=a.compile, prompts=a.prompts,
+                   prompt_len=a.prompt_len, new=a.new)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for wname in a.windows.split(","):
+        window = None if wname == "native" else int(wname)
+        wlabel = window or cfg.sliding_window
+        cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
+        step = (GraphStep if cuda else StaticStep)(model, cache, sampler, compile=a.compile)
+        ar = Generator(model, cache, step, sampler=sampler)
+        step.prepare()
+        ar.generate(prompts[0][:32], 8)
+        outs, wall = timed(ar, prompts, a.new)
+        ar_tokens = [o.tokens for o in outs]
+        base = summarize("none", wlabel, 0, None, outs, wall)
+        emit(base)
+        del step, ar, cache
+        if cuda:
+            torch.cuda.empty_cache()
+
+        plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
+        for kind, k in plan:
+            cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
+            replay = Replay(profiles[0]) if kind == "replay" else None
+            gen = SpecGenerator(model, cache, drafter, k, sampler=sampler, replay=replay, graphs=cuda,
+                                compile=a.compile)
+            t = time.perf_counter()
+            gen.prepare()
+            prep_s = time.perf_counter() - t
+            t = time.perf_counter()
+            if replay is not None:
+                for p in prompts:
+                    gen.prime(p, a.new)
+            prime_s = time.perf_counter() - t
+            for prof in (profiles if replay is not None else [None]):
+                if prof:
+                    gen.set_profile(prof)
+                gen.generate(prompts[0], a.new)  # warm-up
+                outs, wall = timed(gen, prompts, a.new)
+                row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
+                row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
+                           prepare_s=prep_s, prime_s=prime_s)
+                emit(row)
+            del gen, cache
+            if cuda:
+                torch.cuda.empty_cache()
+
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(json.dumps({"stack": stack}) + "\n")
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+    def f(x, nd=2):
+        return "" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+    print(f"\n{cfg.name} synthetic, merged + int4 g128 body + {a.head} head + fused argmax + Triton attention + "
+          f"CUDA graphs{' + compile' if a.compile else ''}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
+    print("| window | spec | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
+          "| accept ms | step ms | identity | accept_by_pos |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
+        print(f"| {r['window']} | {r['spec']} | {r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
+              f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
+              f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "
+              f"{f(r.get('accept_ms'), 3)} | {f(r['step_ms'], 3)} | {f(r.get('identity_rate'))} | {abp} |")
+
+
+if __name__ == "__main__":
+    main()

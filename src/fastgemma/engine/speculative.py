@@ -1,0 +1,426 @@
+"""Speculative decoding with the MTP drafter: k drafts, one verify pass over k+1 rows, accept.
+
+One step, everything on the device (batch B; P = position of `tok`, the last accepted token, whose
+K/V is not in the cache yet; `hid` = the target's final-norm hidden at P-1, which predicted tok):
+  draft:  k drafter steps at the fixed RoPE position P, keys at positions < P   -> drafts [B, k]
+          (replay: drafts replaced by the reference trace, right with the profile's odds)
+  verify: model.step([tok, d1..dk], [P..P+k]) -> argmax per row t [B, k+1]    (split-KV attention)
+  accept: n = longest prefix with d_i == t_{i-1}; emit t_0..t_n (d_1..d_n and the target's own
+          t_n); tok = t_n at P+n+1, hid = row n's hidden.
+Rollback is free: the step writes every row's K/V before attending, and every slot is tagged with
+its position (full layers: slot == position; sliding: ring_pos). A rejected row's K/V sits at a
+position > every later query until the next verify, which starts at P+n+1 and rewrites it. With
+k+1 <= step_rows, a write at P+k evicts ring position P+k-(window+step_rows) <= P-window-1, which
+no later query (positions >= P) keeps. The drafter masks at P-1, so it never sees a rejected row.
+
+Host syncs: one per batch of steps, never per draft token. A batch is ceil(remaining / (k+1))
+steps (so it cannot overshoot), then the count is read; ~log(max_new) syncs per request.
+On CUDA with graphs=cuda_graph, prepare() captures the k-step draft loop as one graph, the verify
+pass as another and the accept bookkeeping as a third; on a CPU the same code runs uncaptured.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..metrics.timing import StepClock
+from .generator import Generation, GenerationError, Generator
+from .steps import argmax_sampler
+
+# conditional per-position acceptance (P(accept draft j | drafts < j accepted)) measured in the
+# Fast Gemma challenge: the frontier drafter at K=7 -> 3.85 tokens per step
+FRONTIER = (0.729, 0.759, 0.793, 0.822, 0.835, 0.836, 0.847)
+
+
+def expected_tokens_per_step(profile, k: int) -> float:
+    """1 + sum_j prod_{i<=j} p_i over the first k positions (the last rate repeats past the profile)."""
+    p = extend_profile(profile, k)
+    out, run = 1.0, 1.0
+    for x in p:
+        run *= x
+        out += run
+    return out
+
+
+def extend_profile(profile, k: int) -> list[float]:
+    p = [float(x) for x in profile]
+    if not p:
+        raise ValueError("an acceptance profile needs at least one rate")
+    bad = [x for x in p if not 0.0 <= x <= 1.0]
+    if bad:
+        raise ValueError(f"acceptance rates must be in [0, 1], got {bad}")
+    return (p + [p[-1]] * k)[:k]
+
+
+def profile_for(tokens_per_step: float, k: int, base=FRONTIER) -> list[float]:
+    """base ** a with a solved so that the expected tokens per step at depth k hit the target:
+    the frontier's shape at another drafter's quality (stock drafter 3.34 at K=6; chat 3.57 at K=7)."""
+    lo, hi = 1e-3, 1e3
+    if not 1.0 < tokens_per_step < k + 1:
+        raise ValueError(f"tokens per step {tokens_per_step} must be in (1, {k + 1}) at depth {k}")
+    for _ in range(200):
+        a = math.sqrt(lo * hi)
+        if expected_tokens_per_step([x ** a for x in base], k) > tokens_per_step:
+            lo = a
+        else:
+            hi = a
+    return [round(x ** math.sqrt(lo * hi), 4) for x in base]
+
+
+PROFILES = {
+    "frontier": list(FRONTIER),
+    "stock": profile_for(3.34, 6),   # the stock google drafter, K=6
+    "chat": profile_for(3.57, 7),    # chat-style prompts, K=7
+}
+
+
+def resolve_profile(profile) -> list[float]:
+    if isinstance(profile, str):
+        if profile not in PROFILES:
+            raise ValueError(f"unknown acceptance profile {profile!r}; known: {sorted(PROFILES)} or a list of rates")
+        return list(PROFILES[profile])
+    return extend_profile(profile, len(list(profile)))
+
+
+@dataclass
+class SpecGeneration(Generation):
+    """Generation plus acceptance counts: accept_hits[j] / accept_tries[j] is the conditional rate
+    of draft position j+1 (over steps whose drafts all lie inside the request); accepted[s] the
+    drafts step s accepted."""
+    depth: int = 0
+    accept_hits: list[int] = field(default_factory=list)
+    accept_tries: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    replay_mismatch: int = 0     # replay: emitted tokens that differ from the reference trace
+
+
+def acceptance_summary(generations) -> dict:
+    """accept_mean: accepted drafts per verify step (tokens per step - 1); accept_by_pos: the
+    conditional rate of each draft position; over the counted steps of every generation."""
+    gens = [g for g in generations if isinstance(g, SpecGeneration)]
+    if not gens:
+        return {"accept_mean": None, "accept_by_pos": None}
+    k = max(g.depth for g in gens)
+    hits, tries = [0] * k, [0] * k
+    for g in gens:
+        for j, (h, t) in enumerate(zip(g.accept_hits, g.accept_tries)):
+            hits[j] += h
+            tries[j] += t
+    steps = tries[0]  # every counted step tries draft 1
+    return {"accept_mean": round(sum(hits) / steps, 4) if steps else None,
+            "accept_by_pos": [round(h / t, 4) if t else None for h, t in zip(hits, tries)]}
+
+
+class Replay:
+    """Drafts that follow a reference greedy trace: draft j is right with the profile's conditional
+    odds, and every draft after the first miss is wrong. Uniforms are drawn per request on the host
+    (seeded) and indexed on the device by step, so a captured graph replays them without RNG state."""
+
+    def __init__(self, profile=FRONTIER, seed: int = 0):
+        self.profile = resolve_profile(profile)
+        self.seed = seed
+        self.references: dict[tuple, list[int]] = {}
+
+    def describe(self) -> dict:
+        return {"profile": self.profile, "replay_seed": self.seed}
+
+
+class SpecGenerator(Generator):
+    """generate(prompt_ids, max_new_tokens, ignore_eos) -> SpecGeneration, greedy-identical to AR."""
+
+    def __init__(self, model, cache, drafter, depth: int, *, step=None, sampler=argmax_sampler,
+                 prefill_chunk: int = 2048, replay: Replay | None = None, graphs: bool = False, compile: bool = False,
+                 warmup_iters: int = 2, eos_check_steps: int = 4):
+        # `step` (the AR step) serves forced() only: teacher-forced logits do not depend on speculation
+        super().__init__(model, cache, step, prefill_chunk=prefill_chunk, sampler=sampler)
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= cache.step_rows - 1:
+            raise GenerationError(f"speculative depth must be an integer in [1, {cache.step_rows - 1}] "
+                                  f"(verify runs depth + 1 rows, the cache's step_rows is {cache.step_rows}); got {depth!r}")
+        if graphs and cache.ring_pos.device.type != "cuda":
+            raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=static or eager on a CPU")
+        self.drafter, self.k, self.replay = drafter, depth, replay
+        self.graphs, self.compile, self.warmup_iters = graphs, compile, warmup_iters
+        self.eos_check_steps = eos_check_steps
+        self.split_timing = False      # bench: events between draft / verify / accept
+        self.last_split_s: dict[str, list[float]] = {}
+        self._graphs = None
+        self._prepared = False
+        self.attn = model.step_attention
+        if self.attn is None:
+            from ..kernels.decode_attention import decode_attention_ref
+            self.attn = decode_attention_ref
+
+        dev, B, k = self.device, cache.batch, depth
+        L = cache.max_context
+        w = model.embed_tokens.weight
+        self.L = L
+        long = dict(dtype=torch.long, device=dev)
+        self.tok = torch.zeros(B, 1, **long)                   # last accepted token, not yet in the cache
+        self.pos = torch.zeros(B, 1, **long)                   # its position P
+        self.hid = torch.zeros(B, 1, model.config.hidden_size, dtype=w.dtype, device=dev)
+        self.drafts = torch.zeros(B, k, **long)
+        self.targets = torch.zeros(B, k + 1, **long)
+        self.rows_h = torch.zeros(B, k + 1, model.config.hidden_size, dtype=w.dtype, device=dev)
+        self.out = torch.zeros(B, L + k + 1, **long)           # emitted ids; a step writes k+1, keeps n+1
+        self.count = torch.zeros(B, **long)
+        self.n_log = torch.zeros(B, L, **long)                 # drafts accepted per step
+        self.step_i = torch.zeros(1, **long)
+        self.stat_end = torch.zeros(B, 1, **long)              # steps drafting past it are left out of stats
+        self.hits = torch.zeros(B, k, **long)
+        self.tries = torch.zeros(B, k, **long)
+        self.ar_rows = torch.arange(k + 1, **long)
+        self.ar_drafts = torch.arange(1, k + 1, **long)
+        if replay is not None:
+            self.ref = torch.zeros(B, L + k + 1, **long)       # reference token at each position
+            self.ref_end = torch.zeros(B, 1, **long)            # positions >= ref_end have no reference
+            self.uniform = torch.ones(L, k, dtype=torch.float32, device=dev)
+            self.profile = torch.tensor(extend_profile(replay.profile, k), dtype=torch.float32, device=dev)
+            self.mismatch = torch.zeros(B, **long)
+        self._draft_fn = self._draft_loop
+        self._verify_fn = self._verify_rows
+        if compile:
+            # dynamic=False: one specialisation per depth; the cache writes are traced like StaticStep's
+            self._draft_fn = torch.compile(self._draft_loop, dynamic=False)
+            self._verify_fn = torch.compile(self._verify_rows, dynamic=False)
+
+    # ---- the three phases (graph-capturable: static buffers in, static buffers out) -------------
+    def _draft_loop(self, tok, hid, pos):
+        """tok, pos [B, 1], hid [B, 1, H] -> drafts [B, k]: k drafter steps at the fixed position."""
+        d = self.drafter
+        emb = self.model.embed_tokens.weight
+        rope = d.rope(pos, hid.dtype)
+        q_pos = pos - 1  # keys strictly before P: P's own K/V is not computed yet
+        out = []
+        for _ in range(self.k):
+            x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)  # [B, 1, 2 H]
+            g, hid = d(x, rope, q_pos, self.cache, self.attn)
+            tok = d.next_token(g)  # [B, 1]
+            out.append(tok)
+        return torch.cat(out, 1)
+
+    def _replay_drafts(self, drafts):
+        """drafts [B, k] -> the reference's tokens where the profile accepts, wrong after a miss."""
+        u = self.uniform.index_select(0, self.step_i)                # [1, k]
+        ok = (u < self.profile).long().cumprod(1).bool()             # [1, k]
+        idx = (self.pos + self.ar_drafts).clamp(max=self.ref.shape[1] - 1)
+        want = self.ref.gather(1, idx)                               # [B, k]
+        wrong = (want + 1) % self.model.config.vocab_size
+        return torch.where(ok, want, wrong)
+
+    def _draft(self):
+        drafts = self._draft_fn(self.tok, self.hid, self.pos)
+        if self.replay is not None:
+            drafts = self._replay_drafts(drafts)
+        self.drafts.copy_(drafts)
+
+    def _verify_rows(self, tok, drafts, pos):
+        """[tok, d1..dk] at P..P+k through the target's static step -> argmax per row, hidden."""
+        ids = torch.cat([tok, drafts], 1)                            # [B, k+1]
+        # rows past the cache (only in the last step of a request; their tokens are cut) write slot L-1
+        rows = (pos + self.ar_rows).clamp(max=self.L - 1)
+        hidden = self.model.step(ids, rows, self.cache)              # [B, k+1, H]
+        B, T, H = hidden.shape
+        t, _ = self.sampler(self.model, hidden.reshape(B * T, 1, H))  # rows as a batch: [B*T, 1]
+        return t.view(B, T), hidden
+
+    def _verify(self):
+        t, hidden = self._verify_fn(self.tok, self.drafts, self.pos)
+        self.targets.copy_(t)
+        self.rows_h.copy_(hidden)
+
+    def _accept(self):
+        k, t, d = self.k, self.targets, self.drafts
+        match = (d == t[:, :k]).long().cumprod(1)                    # [B, k]
+        n = match.sum(1)                                             # drafts accepted [B]
+        B = t.shape[0]
+        self.out.scatter_(1, self.count[:, None] + self.ar_rows, t)  # t_0..t_k; t_0..t_n are kept
+        # a last step drafting past the request's end (clamped rows, no reference) is not counted
+        inside = (self.pos + k < self.stat_end).long()               # [B, 1]
+        if self.replay is not None:
+            # emitted t_j at P+1+j should equal the reference there (bf16 numerics can drift)
+            at = self.pos + 1 + self.ar_rows
+            ref = self.ref.gather(1, at.clamp(max=self.ref.shape[1] - 1))
+            bad = (t != ref) & (self.ar_rows <= n[:, None]) & (at < self.ref_end)
+            self.mismatch.add_(bad.long().sum(1))
+        self.count.add_(n + 1)
+        self.tok.copy_(t.gather(1, n[:, None]))
+        self.hid.copy_(self.rows_h.gather(1, n[:, None, None].expand(B, 1, self.rows_h.shape[2])))
+        self.pos.add_(n[:, None] + 1)
+        self.hits.add_(match * inside)
+        self.tries[:, :1].add_(inside)
+        self.tries[:, 1:].add_(match[:, :-1] * inside)
+        self.n_log.index_copy_(1, self.step_i, n[:, None])
+        self.step_i.add_(1)
+
+    # ---- capture ---------------------------------------------------------------------------------
+    def prepare(self):
+        """CUDA: warm up (compile, autotune) on a side stream, then capture draft / verify / accept
+        as three graphs sharing one memory pool (replayed in capture order). CPU: nothing."""
+        if self._prepared:
+            return
+        self._prepared = True
+        if not self.graphs:
+            return
+        self._reset_state(0)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(self.warmup_iters):
+                self._reset_state(0)
+                self._draft()
+                self._verify()
+                self._accept()
+        torch.cuda.current_stream().wait_stream(s)
+        self._reset_state(0)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for phase in (self._draft, self._verify, self._accept):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                phase()
+            graphs.append(g)
+        self._graphs = graphs
+        self.cache.reset()  # warm-up and capture wrote K/V at dummy positions
+
+    def _reset_state(self, pos: int):
+        self.pos.fill_(pos)
+        self.count.zero_()
+        self.step_i.zero_()
+        self.hits.zero_()
+        self.tries.zero_()
+        if self.replay is not None:
+            self.mismatch.zero_()
+
+    def _phases(self):
+        if self._graphs is not None:
+            return [g.replay for g in self._graphs]
+        return [self._draft, self._verify, self._accept]
+
+    # ---- replay references -----------------------------------------------------------------------
+    def prime(self, prompt_ids, max_new_tokens: int):
+        """Record the reference trace replay drafts follow: this generator's own greedy output with
+        every draft rejected, so the trace carries the verify pass's numerics at this depth (bf16
+        GEMMs at k+1 rows round differently from one row)."""
+        if self.replay is None:
+            raise GenerationError("prime() is for spec=replay")
+        key = tuple(int(x) for x in torch.as_tensor(prompt_ids).reshape(-1).tolist())
+        saved = self.profile.clone()
+        self.profile.zero_()
+        try:
+            g = self._generate(prompt_ids, max_new_tokens, True, reference=[])
+        finally:
+            self.profile.copy_(saved)
+        self.replay.references[key] = g.tokens
+        return g.tokens
+
+    def set_profile(self, profile):
+        """Swap the acceptance profile in place (captured graphs read the buffer)."""
+        if self.replay is None:
+            raise GenerationError("set_profile() is for spec=replay")
+        self.replay.profile = resolve_profile(profile)
+        self.profile.copy_(torch.tensor(extend_profile(self.replay.profile, self.k), dtype=torch.float32))
+
+    # ---- decode ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = True) -> SpecGeneration:
+        reference = None
+        if self.replay is not None:
+            key = tuple(int(x) for x in torch.as_tensor(prompt_ids).reshape(-1).tolist())
+            reference = self.replay.references.get(key)
+            if reference is None or len(reference) < max_new_tokens:
+                warnings.warn("spec=replay: no reference trace for this prompt; priming it now (one untimed-"
+                              "quality greedy pass inside this request: call prime() first in benchmarks)",
+                              stacklevel=2)
+                reference = self.prime(prompt_ids, max_new_tokens)
+        return self._generate(prompt_ids, max_new_tokens, ignore_eos, reference)
+
+    @torch.inference_mode()
+    def _generate(self, prompt_ids, max_new_tokens, ignore_eos, reference):
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = self._prompt(prompt_ids)
+        T = ids.shape[1]
+        self._check_room(T, max_new_tokens)
+        self.prepare()
+        k = self.k
+        if reference is not None:
+            self._load_reference(T, reference, max_new_tokens)
+        clock = StepClock(self.device)
+        clock.mark()
+        h = self.prefill(ids)
+        first, _ = self.sampler(self.model, h)
+        self.tok.copy_(first)
+        self.hid.copy_(h)
+        self._reset_state(T)
+        self.stat_end.fill_(T + max_new_tokens)
+        clock.mark()
+        phases = self._phases()
+        split = self.split_timing
+        remaining = max_new_tokens - 1
+        done = steps = 0
+        eos_at = None
+        if not ignore_eos and int(first[0, 0]) in self.eos:
+            remaining = 0
+        while done < remaining:
+            batch = -(-(remaining - done) // (k + 1))
+            if not ignore_eos:
+                batch = min(batch, self.eos_check_steps)
+            for _ in range(batch):
+                for ph in phases:
+                    ph()
+                    if split:
+                        clock.mark()
+                if not split:
+                    clock.mark()
+            steps += batch
+            done = int(self.count.min())  # the one host sync per batch
+            if not ignore_eos:
+                new = self.out[0, :done].tolist()
+                hit = next((i for i, t in enumerate([int(first[0, 0])] + new) if t in self.eos), None)
+                if hit is not None:
+                    eos_at = hit
+                    break
+        times = clock.intervals()
+        ttft, rest = times[0], times[1:]
+        if split:
+            d, v, a = rest[0::3], rest[1::3], rest[2::3]
+            self.last_split_s = {"draft": d, "verify": v, "accept": a}
+            rest = [x + y + z for x, y, z in zip(d, v, a)]
+        tokens = [int(first[0, 0])] + self.out[0, :min(done, remaining)].tolist()
+        tokens = tokens[:max_new_tokens]
+        if eos_at is not None:
+            tokens = tokens[:eos_at + 1]
+        accepted = self.n_log[0, :steps].tolist()
+        per_step, kept, step_s, acc = [], 0, [], []
+        for n, s in zip(accepted, rest):  # cut the steps past the last kept token
+            if kept >= len(tokens) - 1:
+                break
+            e = min(n + 1, len(tokens) - 1 - kept)
+            per_step.append(e)
+            step_s.append(s)
+            acc.append(n)
+            kept += e
+        return SpecGeneration(
+            tokens=tokens, prompt_len=T, ttft_s=ttft, step_s=step_s, tokens_per_step=per_step, depth=k,
+            accept_hits=self.hits[0].tolist(), accept_tries=self.tries[0].tolist(), accepted=acc,
+            replay_mismatch=int(self.mismatch[0]) if self.replay is not None else 0)
+
+    def _load_reference(self, T: int, reference: list[int], max_new: int):
+        """Reference token at each absolute position: ref[T + i] = reference[i]."""
+        ref = torch.zeros(self.ref.shape, dtype=torch.long)
+        n = min(len(reference), self.ref.shape[1] - T)
+        ref[:, T:T + n] = torch.as_tensor(reference[:n], dtype=torch.long)
+        self.ref.copy_(ref)
+        self.ref_end.fill_(T + n)
+        g = torch.Generator().manual_seed(self.replay.seed * 1_000_003 + T * 7919 + sum(reference[:4]))
+        self.uniform.copy_(torch.rand(self.uniform.shape, generator=g))
+
+    def describe(self) -> dict:
+        d = {"depth": self.k, "centroid_top_k": self.drafter.top_k, "drafter": self.drafter.config.name,
+             "graphs": self.graphs, "compile": self.compile}
+        if self.replay is not None:
+            d.update(self.replay.describe())
+        return d

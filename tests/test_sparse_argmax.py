@@ -1,0 +1,174 @@
+"""Fused head GEMV + argmax: Triton kernel (CPU interpreter) vs torch twin on odd shapes, ties,
+keepsets, stored logits, bad inputs; the pruned argmax equals the full one wherever the full argmax
+is kept; the miss rate; the benchmark helper on a tiny head.
+
+The interpreter computes tl.dot on bf16 wrongly (~1e10 errors), so these run fp32 and fp16; bf16 is
+checked on the GPU (bench_head prints `ids ok`).
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it at decoration
+
+import pytest
+import torch
+
+from fastgemma.kernels.sparse_argmax import (
+    HeadArgmaxConfig, head_argmax, head_argmax_op, head_argmax_torch, head_raw_torch, softcap_torch,
+)
+from fastgemma.metrics.head import prune_miss_rate
+
+N, K, V = 203, 72, 517  # N and K match no tile; K = 2 x 32 + 8 leaves a masked tail
+GEMV = HeadArgmaxConfig(block_n=16, block_k=32, block_m=1)
+DOT = HeadArgmaxConfig(block_n=32, block_k=32, block_m=16)
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}  # abs, on logits of size ~10
+
+
+def _case(M, dtype, int8=False, keep=True, seed=0, n=N, k=K):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, k, generator=g).to(dtype)
+    if int8:
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = torch.rand(n, generator=g) * 0.02 + 0.001
+    else:
+        w, s = torch.randn(n, k, generator=g).to(dtype), None
+    ids = torch.randperm(V, generator=g)[:n].sort().values if keep else None
+    return x, w, s, ids
+
+
+def _cfg(M):
+    return GEMV if M == 1 else DOT
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("int8", [False, True], ids=["dense", "int8"])
+def test_kernel_matches_twin(M, dtype, int8):
+    x, w, s, keep = _case(M, dtype, int8, seed=M)
+    out_k = torch.full((M, V), float("-inf"))
+    out_t = out_k.clone()
+    ids_k = head_argmax(x, w, keep, scales=s, logits_out=out_k, softcap=30.0, config=_cfg(M))
+    ids_t = head_argmax_torch(x, w, keep, scales=s, logits_out=out_t, softcap=30.0)
+    assert ids_k.dtype == torch.int64 and ids_k.shape == (M,)
+    kept = torch.zeros(V, dtype=torch.bool)
+    kept[keep] = True
+    assert torch.isinf(out_k[:, ~kept]).all() and (out_k[:, ~kept] < 0).all()
+    err = (out_k[:, kept] - out_t[:, kept]).abs()
+    print(f"M={M} {dtype} int8={int8}: logits max err {err.max():.2e} mean {err.mean():.2e}")
+    assert err.max() < TOL[dtype]
+    if dtype == torch.float32:
+        assert torch.equal(ids_k, ids_t)
+    else:  # fp16: the sum order may move a near-tie across a rounding boundary
+        raw = head_raw_torch(x, w, s)
+        pos = torch.searchsorted(keep, ids_k)
+        assert (raw.gather(1, pos[:, None]).squeeze(1) >= raw.max(-1).values - TOL[dtype]).all()
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_full_head_without_keepset(M):
+    x, w, _, _ = _case(M, torch.float32, keep=False, n=300)
+    out_k, out_t = torch.empty(M, 300), torch.empty(M, 300)
+    ids_k = head_argmax(x, w, None, logits_out=out_k, softcap=30.0, config=_cfg(M))
+    ids_t = head_argmax_torch(x, w, None, logits_out=out_t, softcap=30.0)
+    assert torch.equal(ids_k, ids_t)
+    ref = softcap_torch(x @ w.T, 30.0)  # Gemma4Model.compute_logits
+    torch.testing.assert_close(out_k, ref, atol=1e-4, rtol=1e-5)
+    assert torch.equal(ids_k, ref.argmax(-1))
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_ties_go_to_the_lowest_id_across_blocks_and_reduce_chunks(M):
+    # the same best row copied into several blocks: block_p 2 makes the reduce loop take 4 chunks
+    x, w, _, keep = _case(M, torch.float32, n=120, seed=3)
+    best = (x[0] @ w.T).argmax()
+    for r in (5, 17, 64, 100, 119):
+        w[r] = w[best]
+    cfg = HeadArgmaxConfig(block_n=16, block_k=32, block_m=1 if M == 1 else 16, block_p=2)
+    ids = head_argmax(x, w, keep, config=cfg)
+    full = torch.full((M, V), float("-inf"))
+    full[:, keep] = x @ w.T
+    assert torch.equal(ids, full.argmax(-1))  # the first maximum over the whole vocabulary
+    assert torch.equal(ids, head_argmax_torch(x, w, keep))
+    assert int(ids[0]) == int(keep[min(5, int(best))])
+
+
+def test_logits_only_and_the_registered_op():
+    x, w, _, keep = _case(2, torch.float32, seed=4)
+    out = torch.full((2, V), float("-inf"))
+    assert head_argmax(x, w, keep, logits_out=out, softcap=30.0, want_ids=False, config=DOT) is None
+    ref = torch.full((2, V), float("-inf"))
+    head_argmax_torch(x, w, keep, logits_out=ref, softcap=30.0)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    buf = torch.full((2, V), float("-inf"))
+    ids = head_argmax_op(x, w, None, keep, buf, 30.0, True)
+    assert torch.equal(ids, head_argmax_torch(x, w, keep)) and torch.equal(buf.isinf(), ref.isinf())
+
+
+def test_strided_rows_of_hidden_states():
+    # the sampler passes hidden[:, -1], a view with stride T * hidden
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 4, K, generator=g)
+    _, w, _, keep = _case(1, torch.float32, seed=5)
+    x = h[:, -1]
+    assert not x.is_contiguous()
+    assert torch.equal(head_argmax(x, w, keep, config=DOT), head_argmax_torch(x.contiguous(), w, keep))
+
+
+def test_pruned_argmax_equals_full_argmax_where_kept():
+    g = torch.Generator().manual_seed(6)
+    M, Vf = 16, 400
+    x = torch.randn(M, K, generator=g)
+    E = torch.randn(Vf, K, generator=g)
+    full_ids = softcap_torch(x @ E.T, 30.0).argmax(-1)
+    keep = torch.randperm(Vf, generator=g)[:150].sort().values
+    keep = torch.unique(torch.cat([keep, full_ids[:8]]))  # half the positions hit, the rest likely miss
+    rows = E[keep]
+    for ids in (head_argmax(x, rows, keep, softcap=30.0, config=DOT), head_argmax_torch(x, rows, keep)):
+        hit = torch.isin(full_ids, keep)
+        assert hit.sum() >= 8 and (~hit).sum() >= 1
+        assert torch.equal(ids[hit], full_ids[hit])
+        assert torch.isin(ids, keep).all()  # a miss still picks the best kept id
+        best_kept = torch.full((M, Vf), float("-inf"))
+        best_kept[:, keep] = x @ rows.T
+        assert torch.equal(ids, best_kept.argmax(-1))
+    rate = prune_miss_rate(full_ids, keep)
+    assert rate == pytest.approx(float((~hit).sum()) / M)
+    assert prune_miss_rate(full_ids, set(keep.tolist())) == rate
+    assert prune_miss_rate(full_ids.tolist(), keep.tolist()) == rate
+
+
+def test_miss_rate_edges():
+    assert prune_miss_rate([1, 2, 3, 4], [1, 2, 3, 4]) == 0.0
+    assert prune_miss_rate(torch.tensor([[5, 6]]), [1]) == 1.0
+    with pytest.raises(ValueError, match="no positions"):
+        prune_miss_rate([], [1])
+    with pytest.raises(ValueError, match="keepset is empty"):
+        prune_miss_rate([1], [])
+
+
+@pytest.mark.parametrize("fn", [head_argmax, head_argmax_torch], ids=["triton", "torch"])
+def test_bad_inputs_are_refused(fn):
+    x, w, s, keep = _case(2, torch.float32)
+    with pytest.raises(ValueError, match="same K"):
+        fn(x[:, :-1], w, keep)
+    with pytest.raises(ValueError, match="dense rows must have x's dtype"):
+        fn(x.half(), w, keep)
+    with pytest.raises(ValueError, match="per-row scales"):
+        fn(x, w.to(torch.int8), keep)
+    with pytest.raises(ValueError, match="keep_ids must be int64"):
+        fn(x, w, keep.int())
+    with pytest.raises(ValueError, match="keep_ids must be int64"):
+        fn(x, w, keep[:-1])
+    with pytest.raises(ValueError, match="logits_out must be fp32"):
+        fn(x, w, keep, logits_out=torch.empty(3, V))
+    with pytest.raises(ValueError, match="N = 203 columns"):
+        fn(x, w, None, logits_out=torch.empty(2, V))
+
+
+def test_bench_head_runs_on_a_tiny_head(capsys):
+    from fastgemma.bench.head import bench_head
+
+    rows = bench_head(ms=(1,), rows=(40,), dtype=torch.float32, device="cpu", vocab=200, hidden=64,
+                      group_size=32, timer=lambda fn: (fn(), 1.0)[1])
+    assert {r["dtype"] for r in rows} == {"fp32", "int8", "int4"}
+    assert all(r["ids_ok"] in (True, None) for r in rows)
+    assert "fused (ids only)" in capsys.readouterr().out

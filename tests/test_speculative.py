@@ -1,0 +1,219 @@
+"""Speculative decoding on the tiny target + tiny drafter (fp32, CPU): token-for-token equal to the
+plain AR decode for k = 1..8 (and the 16-row limit, k = 15) with a window shorter than the context,
+so rejected rows land in wrapped ring buffers; rollback leaves the cache equivalent to one that
+never saw the rejected rows; replay's acceptance follows its profile.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import TINY
+from fastgemma.engine.cache import KVCache
+from fastgemma.engine.generator import Generator, GenerationError
+from fastgemma.engine.speculative import (
+    FRONTIER, PROFILES, Replay, SpecGeneration, SpecGenerator, acceptance_summary, expected_tokens_per_step,
+)
+from fastgemma.engine.steps import EagerStep
+from fastgemma.kernels.decode_attention import decode_attention_ref
+from fastgemma.model.drafter import synthetic_drafter
+from fastgemma.weights.synthetic import synthetic_model
+
+PROMPT = list(range(3, 23))  # 20 tokens; + 28 new = 48 positions, 3x the native window (16)
+NEW = 28
+MAX_CTX = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)  # the CPU is shared; tiny matrices gain nothing from threads
+    m = synthetic_model(TINY, dtype=torch.float32, seed=3)
+    m.step_attention = decode_attention_ref
+    return m
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return synthetic_drafter(TINY, dtype=torch.float32, seed=0)
+
+
+_AR = {}
+
+
+def ar_tokens(model, window, n=NEW, prompt=tuple(PROMPT)):
+    key = (window, n, prompt)
+    if key not in _AR:
+        cache = KVCache(TINY, 1, MAX_CTX if n <= NEW else 512, window=window, dtype=torch.float32)
+        _AR[key] = Generator(model, cache, EagerStep(model, cache)).generate(list(prompt), n).tokens
+    return _AR[key]
+
+
+def spec(model, drafter, k, window=None, replay=None, max_ctx=MAX_CTX):
+    cache = KVCache(TINY, 1, max_ctx, window=window, dtype=torch.float32)
+    return SpecGenerator(model, cache, drafter, k, replay=replay)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_mtp_equals_ar(model, drafter, k):
+    """The untrained drafter's drafts are almost all rejected: every step rolls back k rows."""
+    g = spec(model, drafter, k).generate(PROMPT, NEW)
+    assert g.tokens == ar_tokens(model, None)
+    assert sum(g.tokens_per_step) == NEW - 1 and len(g.step_s) == len(g.tokens_per_step)
+    assert len(g.accept_hits) == k and 0 < g.accept_tries[0] <= len(g.accepted)
+
+
+def leading_draws(gen, steps, profile):
+    """Drafts each step's replay draws accept: the leading run of (u < p) over the depth."""
+    p = torch.tensor(gen.profile.tolist())
+    return (gen.uniform[:steps] < p).long().cumprod(1).sum(1).tolist()
+
+
+@pytest.mark.parametrize("k", [*range(1, 9), 15])
+def test_replay_equals_ar(model, drafter, k):
+    """Drafts accepted and rejected at every depth, window override 12 < context; what the verify
+    pass accepts is exactly what the replay draws said (nothing accepted by accident)."""
+    gen = spec(model, drafter, k, window=12, replay=Replay("frontier", seed=k))
+    ar = ar_tokens(model, 12)
+    if k == 15:
+        assert gen.prime(PROMPT, NEW) == ar  # the reference trace, from the verify pass itself
+    else:
+        gen.replay.references[tuple(PROMPT)] = ar  # fp32: the AR trace is the same
+    g = gen.generate(PROMPT, NEW)
+    assert g.tokens == ar
+    assert g.replay_mismatch == 0
+    assert sum(g.tokens_per_step) == NEW - 1
+    assert g.accepted[:-1] == leading_draws(gen, len(g.accepted), FRONTIER)[:-1]
+    if k > 1:
+        assert max(g.tokens_per_step) > 2, g.tokens_per_step
+
+
+def test_full_acceptance_emits_k_plus_1(model, drafter):
+    k = 5
+    gen = spec(model, drafter, k, replay=Replay([1.0]))
+    gen.prime(PROMPT, NEW)
+    g = gen.generate(PROMPT, NEW)
+    assert g.tokens == ar_tokens(model, None)
+    assert g.tokens_per_step[:-1] == [k + 1] * (len(g.tokens_per_step) - 1)
+    assert g.accepted[:-1] == [k] * (len(g.accepted) - 1)
+    assert g.accept_hits == g.accept_tries  # every counted step accepted every draft
+
+
+def test_eos_stops_like_ar(model, drafter):
+    ref = ar_tokens(model, None)
+    eos = ref[9]
+    cut = ref[: ref.index(eos) + 1]
+    cache = KVCache(TINY, 1, MAX_CTX, dtype=torch.float32)
+    ar = Generator(model, cache, EagerStep(model, cache))
+    ar.eos = {eos}
+    assert ar.generate(PROMPT, NEW, ignore_eos=False).tokens == cut
+    gen = spec(model, drafter, 3, replay=Replay("frontier"))
+    gen.prime(PROMPT, NEW)
+    gen.eos = {eos}
+    g = gen.generate(PROMPT, NEW, ignore_eos=False)
+    assert g.tokens == cut and sum(g.tokens_per_step) == len(cut) - 1
+
+
+@torch.no_grad()
+def test_rollback_is_free(model, drafter):
+    """k = 15 (16 verify rows, the cache's step_rows) rejected rows before every step: the target's
+    hidden and the drafter's output equal those of a cache that never saw a rejected row, across
+    several laps of the window-12 ring (28 slots)."""
+    k, W, T = 15, 12, 30
+    caches = [KVCache(TINY, 1, 128, window=W, dtype=torch.float32) for _ in range(2)]
+    ids = torch.tensor([PROMPT + PROMPT[:T - len(PROMPT)]])
+    hs = [Generator(model, c).prefill(ids) for c in caches]
+    tok = model.compute_logits(hs[0]).argmax(-1)
+    junk = torch.randint(5, TINY.vocab_size, (1, k), generator=torch.Generator().manual_seed(0))
+    emb = model.embed_tokens.weight
+    for P in range(T, T + 40):
+        pos = torch.tensor([[P]])
+        model.step(torch.cat([tok, junk], 1), P + torch.arange(k + 1)[None], caches[0])  # all rejected
+        outs = []
+        for c, h in zip(caches, hs):
+            x = torch.cat([drafter.embed_input(tok, emb), h], -1)
+            g, hp = drafter(x, drafter.rope(pos, h.dtype), pos - 1, c, decode_attention_ref)
+            outs.append((g, hp, model.step(tok, pos, c)))
+        for a, b in zip(*outs):
+            assert (a - b).abs().max().item() < 1e-5, f"position {P}"
+        hs = [outs[0][2], outs[1][2]]
+        tok = model.compute_logits(hs[1]).argmax(-1)
+        junk = (junk * 7 + 3) % TINY.vocab_size
+
+
+@torch.no_grad()
+def test_replay_acceptance_follows_the_profile(model, drafter):
+    """The replay draws and the accept bookkeeping over ~4,000 steps against a target that always
+    continues the reference (draft and accept phases only; the model-level tests above show the
+    verify pass accepts exactly the drawn drafts): conditional rates within 4 sigma of the profile."""
+    k, profile = 4, [0.8, 0.65, 0.5, 0.9]
+    gens = []
+    for s in range(2):
+        gen = spec(model, drafter, k, replay=Replay(profile, seed=s), max_ctx=4096)
+        n_new = 4096 - 8 - k - 2
+        trace = torch.randint(5, TINY.vocab_size, (n_new,), generator=torch.Generator().manual_seed(s)).tolist()
+        gen._load_reference(8, trace, n_new)
+        gen._reset_state(8)
+        gen.stat_end.fill_(8 + n_new)
+        while int(gen.pos) + 2 * k + 2 < 8 + n_new and int(gen.step_i) < 2000:
+            gen.drafts.copy_(gen._replay_drafts(gen.drafts))
+            at = gen.pos + 1 + gen.ar_rows
+            gen.targets.copy_(gen.ref.gather(1, at))  # the target continues the reference
+            gen._accept()
+        steps = int(gen.step_i)
+        assert gen.n_log[0, :steps].tolist() == leading_draws(gen, steps, profile)
+        assert int(gen.mismatch) == 0
+        gens.append(SpecGeneration(tokens=[], prompt_len=8, ttft_s=0.0, depth=k, accept_hits=gen.hits[0].tolist(),
+                                   accept_tries=gen.tries[0].tolist(), accepted=gen.n_log[0, :steps].tolist()))
+    summary = acceptance_summary(gens)
+    hits = [sum(g.accept_hits[j] for g in gens) for j in range(k)]
+    tries = [sum(g.accept_tries[j] for g in gens) for j in range(k)]
+    for j, (p, h, t) in enumerate(zip(profile, hits, tries)):
+        sigma = math.sqrt(p * (1 - p) / t)
+        print(f"position {j + 1}: {h}/{t} = {h / t:.3f} vs {p} (sigma {sigma:.3f})")
+        assert abs(h / t - p) < 4 * sigma
+        assert summary["accept_by_pos"][j] == round(h / t, 4)
+    mean = 1 + summary["accept_mean"]
+    want = expected_tokens_per_step(profile, k)
+    print(f"tokens per step {mean:.3f} vs expected {want:.3f}")
+    assert abs(mean - want) < 0.05
+
+
+def test_profiles_hit_the_published_figures():
+    assert expected_tokens_per_step(FRONTIER, 7) == pytest.approx(3.85, abs=0.005)
+    assert expected_tokens_per_step(PROFILES["stock"], 6) == pytest.approx(3.34, abs=0.005)
+    assert expected_tokens_per_step(PROFILES["chat"], 7) == pytest.approx(3.57, abs=0.005)
+    with pytest.raises(ValueError, match="unknown acceptance profile"):
+        Replay("nope")
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        Replay([0.5, 1.5])
+
+
+def test_bad_depth_is_refused(model, drafter):
+    for k in (0, 16, True):
+        with pytest.raises(GenerationError, match="depth"):
+            spec(model, drafter, k)
+
+
+def test_spec_group_builds_through_the_factory():
+    """spec=replay from the real config: the builder hands the cache window and the static step to
+    the speculative generator, and its tokens equal the reference engine's."""
+    from fgcli_helpers import TINY as TINY_CLI, compose_cfg
+    from hydra.core.hydra_config import HydraConfig
+
+    from fastgemma.build import build_context
+
+    cfg = compose_cfg([*TINY_CLI, "spec=replay", "spec.depth=3", "graphs=static", "window=w128"])
+    HydraConfig.instance().set_config(cfg)
+    ctx = build_context(cfg, dict(cfg.hydra.runtime.choices), "/tmp")
+    eng = ctx.factory.engine(64)
+    assert eng.cache.window == 128 and eng.generator.k == 3
+    assert ctx.factory.parts.spec.describe()["expected_tokens_per_step"] == pytest.approx(2.72, abs=0.01)
+    with pytest.warns(UserWarning, match="priming"):
+        g = eng.generator.generate(PROMPT, 20)
+    m = ctx.factory.model
+    cache = KVCache(m.config, 1, 64, window=128, dtype=m.embed_tokens.weight.dtype)
+    assert g.tokens == Generator(m, cache, EagerStep(m, cache)).generate(PROMPT, 20).tokens
+    forced = eng.generator.forced(PROMPT, g.tokens)  # teacher-forced logits still come from the AR step
+    assert forced.argmax(-1).tolist() == g.tokens
