@@ -3,43 +3,12 @@
 The interpreter computes tl.dot on bf16 operands wrongly (~1e10 errors), so these tests use fp32
 and fp16; bf16 is checked on the GPU.
 """
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates: before the kernel module loads
-
-import importlib
 import math
 
 import pytest
 import torch
-import triton.language as tl
-import triton.language.standard
-import triton.runtime.interpreter as _interp
 
-if type(tl.standard.sum).__name__ != "InterpretedFunction":
-    # triton was imported before TRITON_INTERPRET was set: its @jit library (tl.sum, tl.max,
-    # tl.cdiv) is compiled-only and cannot run inside the interpreter; redecorate it
-    importlib.reload(triton.language.standard)
-    importlib.reload(triton.language)
-
-import fastgemma.kernels.decode_attention as da
-
-_patch_lang_tensor = _interp._patch_lang_tensor
-
-
-def _patch_lang_tensor_np24(tensor, scope):
-    # triton 3.6 + numpy >= 2.4: the interpreter's int(array of shape (1,)) raises, which breaks
-    # `range` with runtime bounds (triton-lang/triton#9171, fixed upstream by #9172)
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-if _interp._patch_lang_tensor.__name__ == "_patch_lang_tensor":
-    _interp._patch_lang_tensor = _patch_lang_tensor_np24
-
-if type(da._split_kernel).__name__ != "InterpretedFunction":
-    # another test module imported the kernels before TRITON_INTERPRET was set
-    da = importlib.reload(da)
+import fastgemma.kernels.decode_attention as da  # conftest.py set TRITON_INTERPRET=1 before this import
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}  # (atol, rtol)
 

@@ -87,3 +87,27 @@ def test_windows_caps_and_reader_errors(tmp_path):
         bad.write_text(body)
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             read_ppl_jsonl(bad, vocab_size=512)
+
+
+def test_pruned_head_miss_rates_in_the_ppl_pass(tmp_path):
+    """lm_head=pruned: the ppl pass counts targets outside the keepset and, with scatter=false (the
+    full head still behind compute_logits, so ppl is unchanged), full-head argmaxes outside it."""
+    from fgcli_helpers import TINY
+
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.lm_head import PrunedHead
+    from fastgemma.workloads.corpus import default_corpus_path, read_corpus
+
+    job = TINY + ["task=ppl", "eval.max_tokens=600"]
+    pruned = ["lm_head=pruned", "lm_head.rows=64"]
+    full = run_job(job, tmp_path, "full")["metrics"]
+    kept = run_job(job + pruned + ["lm_head.scatter=false"], tmp_path, "kept")["metrics"]
+    scattered = run_job(job + pruned + ["lm_head.scatter=true"], tmp_path, "scattered")["metrics"]
+    tok = ByteTokenizer(512)
+    keep = set(PrunedHead(rows=64).bind_tokenizer(tok).keep_ids(GEMMA4_TINY)[0])
+    targets = tok.encode(read_corpus(default_corpus_path()), add_special_tokens=False)[:600]
+    want = sum(t not in keep for t in targets) / 600
+    assert kept["ppl"] == full["ppl"] and "prune_miss_rate" not in full
+    assert kept["prune_target_miss"] == scattered["prune_target_miss"] == round(want, 6) > 0
+    assert 0 < kept["prune_miss_rate"] < 1 and "prune_miss_rate" not in scattered
+    assert math.isinf(scattered["ppl"])  # a scored target outside the keepset (null in the JSON record)

@@ -45,6 +45,19 @@ def test_merge_pareto_and_gains():
     assert pareto_front(pts) == [0, 1, 2]
 
 
+def test_technique_keys_make_their_own_rows():
+    """quant.group_size=64 on the command line is a variant of quant=int4: its own row and label;
+    a ppl record and an identity record of the same variant meet on one row."""
+    recs = [_rec("ppl", {"ppl": 2.30}), _rec("ppl", {"ppl": 2.40}, quant="int4"),
+            _rec("ppl", {"ppl": 2.50}, quant="int4"), _rec("identity", {"identity_rate": 0.5}, quant="int4")]
+    for r in recs[2:]:
+        r["overrides"] = ["quant=int4", "quant.group_size=64", "logger=jsonl"]
+    rows, _ = merge(recs)
+    by = {r.label(BASE): r.metrics for r in rows}
+    assert by == {"baseline": {"ppl": 2.30}, "quant=int4": {"ppl": 2.40},
+                  "quant=int4 quant.group_size=64": {"ppl": 2.50, "identity_rate": 0.5}}
+
+
 def test_report_task_writes_table_and_pngs(tmp_path, capsys):
     path = tmp_path / "results.jsonl"
     for r in _records():
@@ -52,7 +65,7 @@ def test_report_task_writes_table_and_pngs(tmp_path, capsys):
     rec = run_job(["task=report", f"task.inputs=[{path}]", f"task.out={tmp_path / 'rep'}"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
     out = capsys.readouterr().out
-    assert "| config |" in out and "| quant=int4 | 250 (x2.50) | 2.4 |" in out
+    assert "| config |" in out and "| quant=int4 | 250 (x2.50) | 2.4 (+4.35%) |" in out
     assert "## Failed runs" in out and "needs a CUDA GPU" in out
     for png in ("tps_vs_ppl", "marginal_gain", "latency_cdf"):
         data = (tmp_path / "rep" / f"{png}.png").read_bytes()

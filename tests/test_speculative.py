@@ -14,10 +14,11 @@ from conftest import TINY
 from fastgemma.engine.cache import KVCache
 from fastgemma.engine.generator import Generator, GenerationError
 from fastgemma.engine.speculative import (
-    FRONTIER, PROFILES, Replay, SpecGeneration, SpecGenerator, acceptance_summary, expected_tokens_per_step,
+    FRONTIER, PROFILES, Replay, SpecGeneration, SpecGenerator, expected_tokens_per_step,
 )
 from fastgemma.engine.steps import EagerStep
 from fastgemma.kernels.decode_attention import decode_attention_ref
+from fastgemma.metrics.acceptance import acceptance_summary
 from fastgemma.model.drafter import synthetic_drafter
 from fastgemma.weights.synthetic import synthetic_model
 
@@ -50,7 +51,8 @@ def ar_tokens(model, window, n=NEW, prompt=tuple(PROMPT)):
     return _AR[key]
 
 
-def spec(model, drafter, k, window=None, replay=None, max_ctx=MAX_CTX):
+def spec(model, drafter, k, window=None, replay=None, max_ctx=len(PROMPT) + NEW):
+    """max_ctx = prompt + new exactly: a verify near the end has rows past the cache (clamped)."""
     cache = KVCache(TINY, 1, max_ctx, window=window, dtype=torch.float32)
     return SpecGenerator(model, cache, drafter, k, replay=replay)
 
@@ -153,7 +155,7 @@ def test_replay_acceptance_follows_the_profile(model, drafter):
         gen = spec(model, drafter, k, replay=Replay(profile, seed=s), max_ctx=4096)
         n_new = 4096 - 8 - k - 2
         trace = torch.randint(5, TINY.vocab_size, (n_new,), generator=torch.Generator().manual_seed(s)).tolist()
-        gen._load_reference(8, trace, n_new)
+        gen._load_reference(8, trace)
         gen._reset_state(8)
         gen.stat_end.fill_(8 + n_new)
         while int(gen.pos) + 2 * k + 2 < 8 + n_new and int(gen.step_i) < 2000:

@@ -81,7 +81,8 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 # the CPU twins of CUDA-only choices, and an int4 layout the tiny model's 64/16-wide layers allow
 CPU_SHRINK = {("graphs", "cuda_graph"): ["graphs=static"], ("graphs", "compiled"): ["graphs=static"], ("attention", "triton"): ["attention=torch"],
               ("quant", "int4"): ["quant.backend=torch", "quant.group_size=32",
-                                  "quant.skip=[per_layer_input_gate,per_layer_projection]"]}
+                                  "quant.skip=[per_layer_input_gate,per_layer_projection]"],
+              ("weights", "gguf"): ["weights=synthetic"]}  # the real model runs in test_gemma3.py
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -233,6 +233,8 @@ class EngineFactory:
         step = self.parts.graphs.make_step(model, cache, sampler)
         generator = self.parts.spec.make_generator(model, cache, step, sampler, self.prefill_chunk)
         step.prepare()
+        if hasattr(generator, "prepare"):
+            generator.prepare()  # speculative: capture the draft-loop, verify and accept graphs
         return Engine(model, cache, step, generator)
 
     def tokenizer(self):

@@ -22,7 +22,8 @@ import torch
 
 from ..engine.cache import KVCache
 from ..engine.generator import Generator
-from ..engine.speculative import PROFILES, Replay, SpecGenerator, acceptance_summary, expected_tokens_per_step
+from ..engine.speculative import PROFILES, Replay, SpecGenerator, expected_tokens_per_step
+from ..metrics.acceptance import acceptance_summary
 from ..engine.steps import GraphStep, StaticStep
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
@@ -194,8 +195,9 @@ def main(argv=None):
     def f(x, nd=2):
         return "" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
-    print(f"\n{cfg.name} synthetic, merged + int4 g128 body + {a.head} head + fused argmax + Triton attention + "
-          f"CUDA graphs{' + compile' if a.compile else ''}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
+    stack_txt = (f"merged + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
+                 f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
+    print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
     print("| window | spec | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
           "| accept ms | step ms | identity | accept_by_pos |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -97,23 +97,6 @@ class SpecGeneration(Generation):
     replay_mismatch: int = 0     # replay: emitted tokens that differ from the reference trace
 
 
-def acceptance_summary(generations) -> dict:
-    """accept_mean: accepted drafts per verify step (tokens per step - 1); accept_by_pos: the
-    conditional rate of each draft position; over the counted steps of every generation."""
-    gens = [g for g in generations if isinstance(g, SpecGeneration)]
-    if not gens:
-        return {"accept_mean": None, "accept_by_pos": None}
-    k = max(g.depth for g in gens)
-    hits, tries = [0] * k, [0] * k
-    for g in gens:
-        for j, (h, t) in enumerate(zip(g.accept_hits, g.accept_tries)):
-            hits[j] += h
-            tries[j] += t
-    steps = tries[0]  # every counted step tries draft 1
-    return {"accept_mean": round(sum(hits) / steps, 4) if steps else None,
-            "accept_by_pos": [round(h / t, 4) if t else None for h, t in zip(hits, tries)]}
-
-
 class Replay:
     """Drafts that follow a reference greedy trace: draft j is right with the profile's conditional
     odds, and every draft after the first miss is wrong. Uniforms are drawn per request on the host
@@ -137,8 +120,8 @@ class SpecGenerator(Generator):
         # `step` (the AR step) serves forced() only: teacher-forced logits do not depend on speculation
         super().__init__(model, cache, step, prefill_chunk=prefill_chunk, sampler=sampler)
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= cache.step_rows - 1:
-            raise GenerationError(f"speculative depth must be an integer in [1, {cache.step_rows - 1}] "
-                                  f"(verify runs depth + 1 rows, the cache's step_rows is {cache.step_rows}); got {depth!r}")
+            raise GenerationError(f"speculative depth must be an integer in [1, {cache.step_rows - 1}] (verify "
+                                  f"runs depth + 1 rows, the cache's step_rows is {cache.step_rows}); got {depth!r}")
         if graphs and cache.ring_pos.device.type != "cuda":
             raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=static or eager on a CPU")
         self.drafter, self.k, self.replay = drafter, depth, replay
@@ -256,13 +239,14 @@ class SpecGenerator(Generator):
         self.step_i.add_(1)
 
     # ---- capture ---------------------------------------------------------------------------------
+    @torch.inference_mode()
     def prepare(self):
         """CUDA: warm up (compile, autotune) on a side stream, then capture draft / verify / accept
         as three graphs sharing one memory pool (replayed in capture order). CPU: nothing."""
         if self._prepared:
             return
-        self._prepared = True
         if not self.graphs:
+            self._prepared = True
             return
         self._reset_state(0)
         s = torch.cuda.Stream()
@@ -283,7 +267,8 @@ class SpecGenerator(Generator):
                 phase()
             graphs.append(g)
         self._graphs = graphs
-        self.cache.reset()  # warm-up and capture wrote K/V at dummy positions
+        self._prepared = True
+        self.cache.reset()  # the warm-up wrote K/V at dummy positions 0..k
 
     def _reset_state(self, pos: int):
         self.pos.fill_(pos)
@@ -331,9 +316,8 @@ class SpecGenerator(Generator):
             key = tuple(int(x) for x in torch.as_tensor(prompt_ids).reshape(-1).tolist())
             reference = self.replay.references.get(key)
             if reference is None or len(reference) < max_new_tokens:
-                warnings.warn("spec=replay: no reference trace for this prompt; priming it now (one untimed-"
-                              "quality greedy pass inside this request: call prime() first in benchmarks)",
-                              stacklevel=2)
+                warnings.warn("spec=replay: no reference trace for this prompt; priming it inside this request "
+                              "(a whole greedy pass, counted in its time): call prime() before timing", stacklevel=2)
                 reference = self.prime(prompt_ids, max_new_tokens)
         return self._generate(prompt_ids, max_new_tokens, ignore_eos, reference)
 
@@ -347,7 +331,7 @@ class SpecGenerator(Generator):
         self.prepare()
         k = self.k
         if reference is not None:
-            self._load_reference(T, reference, max_new_tokens)
+            self._load_reference(T, reference)
         clock = StepClock(self.device)
         clock.mark()
         h = self.prefill(ids)
@@ -408,7 +392,7 @@ class SpecGenerator(Generator):
             accept_hits=self.hits[0].tolist(), accept_tries=self.tries[0].tolist(), accepted=acc,
             replay_mismatch=int(self.mismatch[0]) if self.replay is not None else 0)
 
-    def _load_reference(self, T: int, reference: list[int], max_new: int):
+    def _load_reference(self, T: int, reference: list[int]):
         """Reference token at each absolute position: ref[T + i] = reference[i]."""
         ref = torch.zeros(self.ref.shape, dtype=torch.long)
         n = min(len(reference), self.ref.shape[1] - T)

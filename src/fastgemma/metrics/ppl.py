@@ -5,6 +5,12 @@ every text token scored; (b) the challenge's JSONL of {context_ids, target_ids},
 given their context. Each sequence runs through the model in chunks over a fresh cache sized to it
 (`model(..., need="all")`), and the fp32 log-softmax is taken per chunk: at most chunk x vocab x 4
 bytes live at once (E4B, chunk 256: 256 MiB), never the whole sequence's.
+
+With a pruned head (lm_head=pruned) the same pass counts, over the scored positions:
+`prune_target_miss`, the share of targets outside the keepset (a scattered head gives them -inf,
+so ppl is inf as soon as one occurs), and, when compute_logits still returns the full head's logits
+(lm_head.scatter=false), `prune_miss_rate`: the share whose full-head argmax is outside the keepset
+(metrics/head.py), i.e. where the pruned greedy pick differs from the plain model's.
 """
 from __future__ import annotations
 
@@ -90,14 +96,25 @@ def cap_tokens(seqs: list[Scored], max_tokens: int | None) -> list[Scored]:
     return out
 
 
+def head_keepset(model) -> tuple[torch.Tensor | None, bool]:
+    """(kept ids of a pruned head or None, whether compute_logits returns the full head's logits)."""
+    pruned = getattr(model, "pruned_head", None)  # lm_head.scatter=false: only the sampler uses it
+    if pruned is not None and getattr(pruned, "keep_ids", None) is not None:
+        return pruned.keep_ids, True
+    return getattr(getattr(model, "logits_head", None), "keep_ids", None), False
+
+
 @torch.inference_mode()
-def sequence_nll(model, seq: Scored, *, chunk: int, window: int | None, device, dtype) -> tuple[float, int]:
-    """(sum of -log p(ids[t] | ids[:t]) over t >= score_from, count), in float64."""
+def sequence_nll(model, seq: Scored, *, chunk: int, window: int | None, device, dtype,
+                 misses: dict | None = None) -> tuple[float, int]:
+    """(sum of -log p(ids[t] | ids[:t]) over t >= score_from, count), in float64. With a pruned head,
+    `misses` (a dict) accumulates "target" and, for a full compute_logits, "argmax" misses."""
     ids = torch.as_tensor(seq.ids, dtype=torch.long, device=device)
     inputs, targets = ids[:-1], ids[1:]        # hidden row j predicts ids[j + 1]
     first = seq.score_from - 1                 # first scored row
     T = inputs.shape[0]
     cache = KVCache(model.config, 1, T, window=window, device=device, dtype=dtype)
+    keep, full = head_keepset(model) if misses is not None else (None, False)
     total, count = 0.0, 0
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
@@ -112,19 +129,28 @@ def sequence_nll(model, seq: Scored, *, chunk: int, window: int | None, device, 
         nll = -lp.gather(1, targets[lo:end, None]).squeeze(1)
         total += float(nll.double().sum())
         count += end - lo
+        if keep is not None:
+            misses["target"] = misses.get("target", 0) + int((~torch.isin(targets[lo:end], keep)).sum())
+            if full:
+                misses["argmax"] = misses.get("argmax", 0) + int((~torch.isin(logits.argmax(-1), keep)).sum())
     return total, count
 
 
 def perplexity(model, seqs: list[Scored], *, chunk: int, window: int | None, device, dtype, progress=None) -> dict:
     """Token-weighted over all sequences. progress: an optional callable(tokens) per sequence."""
-    nll, n = 0.0, 0
+    nll, n, misses = 0.0, 0, {}
     for s in seqs:
-        a, b = sequence_nll(model, s, chunk=chunk, window=window, device=device, dtype=dtype)
+        a, b = sequence_nll(model, s, chunk=chunk, window=window, device=device, dtype=dtype, misses=misses)
         nll += a
         n += b
         if progress:
             progress(b)
     if n == 0:
         raise ValueError("perplexity: no scored tokens")
-    return {"ppl": round(math.exp(nll / n), 6), "nll_mean": round(nll / n, 6), "ppl_tokens": n,
-            "ppl_sequences": len(seqs)}
+    out = {"ppl": round(math.exp(nll / n), 6), "nll_mean": round(nll / n, 6), "ppl_tokens": n,
+           "ppl_sequences": len(seqs)}
+    if "argmax" in misses:
+        out["prune_miss_rate"] = round(misses["argmax"] / n, 6)
+    if "target" in misses:
+        out["prune_target_miss"] = round(misses["target"] / n, 6)
+    return out

@@ -63,7 +63,8 @@ class DrafterConfig:
         if bad or not self.layer_types:
             raise DrafterError(f"drafter layer_types {list(self.layer_types)}: expected {SLIDING!r} / {FULL!r}")
         if self.num_heads % self.num_kv_heads:
-            raise DrafterError(f"drafter num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise DrafterError(f"drafter num_heads={self.num_heads} is not a multiple of "
+                               f"num_kv_heads={self.num_kv_heads}")
         if self.ordered_embeddings:
             if self.vocab_size % self.num_centroids:
                 raise DrafterError(f"vocab {self.vocab_size} is not a multiple of num_centroids {self.num_centroids}")
@@ -98,7 +99,8 @@ class DrafterConfig:
                 f"target {target.name} has hidden size {target.hidden_size} (E4B 2560, E2B 1536): use the drafter "
                 f"made for this target")
         if self.vocab_size != target.vocab_size:
-            raise DrafterError(f"{where}: drafter vocabulary {self.vocab_size} != target vocabulary {target.vocab_size}")
+            raise DrafterError(f"{where}: drafter vocabulary {self.vocab_size} != target vocabulary "
+                               f"{target.vocab_size}")
         src = kv_sources(target)
         for kind, (dim, heads) in {SLIDING: (self.head_dim, self.num_kv_heads),
                                    FULL: (self.global_head_dim, self.num_kv_heads)}.items():
@@ -269,7 +271,8 @@ class Drafter(nn.Module):
         if cand is None:
             return F.linear(g, w).view(*shape, -1)
         scores = torch.einsum("nkd,nd->nk", w[cand], g)
-        out = torch.full((g.shape[0], self.config.vocab_size), scores.min().item() - 1.0, dtype=g.dtype, device=g.device)
+        fill = scores.min().item() - 1.0
+        out = torch.full((g.shape[0], self.config.vocab_size), fill, dtype=g.dtype, device=g.device)
         return out.scatter_(1, cand, scores).view(*shape, -1)
 
     def nbytes_per_step(self) -> int:

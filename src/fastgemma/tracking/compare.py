@@ -1,8 +1,9 @@
 """Records -> comparable rows: merge the records of one configuration, label them, tabulate.
 
-Records of one configuration (same choices apart from task/eval/logger/experiment, same device)
-merge into one row, later metrics winning: a bench record and a ppl record of the same stack meet
-on one row. A row's label lists the technique choices that differ from the baseline.
+Records of one configuration (same choices apart from task/eval/logger/experiment, same command-line
+values of technique keys such as quant.group_size=64, same device) merge into one row, later metrics
+winning: a bench record and a ppl record of the same stack meet on one row. A row's label lists
+the technique choices and keys that differ from the baseline.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ TECHNIQUES = ("window", "quant", "lm_head", "spec", "graphs", "attention", "samp
 CONTEXT = ("model", "weights", "workload")
 NOT_CONFIG = {"task", "eval", "logger", "experiment"}
 TABLE_METRICS = ("tps", "ppl", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "tokens_per_step", "vram_peak_gb",
-                 "mbu", "identity_rate", "top1_agree", "top1_agree_confident")
+                 "mbu", "identity_rate", "top1_agree", "top1_agree_confident", "prune_miss_rate", "prune_target_miss")
 
 
 @dataclass
@@ -31,16 +32,28 @@ class Row:
         return tuple(self.choices.get(k) for k in CONTEXT) + (self.device,)
 
     def label(self, baseline: dict) -> str:
-        diff = [f"{g}={self.choices[g]}" for g in TECHNIQUES if g in self.choices and self.choices[g] != baseline.get(g)]
-        return " ".join(diff) or "baseline"
+        return " ".join(f"{g}={self.choices[g]}" for g in self.differs(baseline)) or "baseline"
 
     def differs(self, baseline: dict) -> list[str]:
-        return [g for g in TECHNIQUES if g in self.choices and self.choices[g] != baseline.get(g)]
+        keys = [g for g in TECHNIQUES if g in self.choices]
+        keys += sorted(k for k in self.choices if k.partition(".")[0] in TECHNIQUES and "." in k)
+        return [k for k in keys if self.choices[k] != baseline.get(k)]
+
+
+def _technique_keys(rec: dict) -> dict:
+    """Command-line values of technique keys (quant.group_size=64, lm_head.rows=8192): variants of one choice."""
+    out = {}
+    for o in rec.get("overrides") or []:
+        key, eq, value = str(o).lstrip("+~").partition("=")
+        if eq and "." in key and key.partition(".")[0] in TECHNIQUES:
+            out[key] = value
+    return out
 
 
 def _key(rec: dict, drop=()) -> tuple:
     ch = {k: v for k, v in rec.get("choices", {}).items()
           if k not in NOT_CONFIG and k not in drop and not k.startswith("hydra")}
+    ch.update(_technique_keys(rec))
     dev = (rec.get("hardware") or {}).get("gpu_name") or (rec.get("hardware") or {}).get("device") or "?"
     return tuple(sorted(ch.items())), dev
 
@@ -95,10 +108,12 @@ def markdown_table(rows: list[Row], baseline: dict) -> str:
     ctx_cols = [k for k in CONTEXT if len({r.choices.get(k) for r in rows}) > 1]
     head = ["config", *ctx_cols, *( ["device"] if len({r.device for r in rows}) > 1 else []), *cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    base_tps = {}
+    base_tps, base_ppl = {}, {}
     for r in rows:
         if not r.differs(baseline) and r.metrics.get("tps"):
             base_tps[r.context] = r.metrics["tps"]
+        if not r.differs(baseline) and r.metrics.get("ppl"):
+            base_ppl[r.context] = r.metrics["ppl"]
     for r in sorted(rows, key=lambda r: (r.context, -(r.metrics.get("tps") or 0))):
         cells = [r.label(baseline), *(str(r.choices.get(k, "")) for k in ctx_cols)]
         if "device" in head:
@@ -107,6 +122,8 @@ def markdown_table(rows: list[Row], baseline: dict) -> str:
             v = _fmt(r.metrics.get(m))
             if m == "tps" and v and r.context in base_tps and r.differs(baseline):
                 v += f" (x{r.metrics['tps'] / base_tps[r.context]:.2f})"
+            if m == "ppl" and v and r.context in base_ppl and r.differs(baseline):
+                v += f" ({100 * (r.metrics['ppl'] / base_ppl[r.context] - 1):+.2f}%)"
             cells.append(v)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -134,11 +151,11 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 def marginal_gains(rows: list[Row], baseline: dict) -> list[tuple[str, float]]:
     """(technique label, tps gain over the baseline row of the same context) for rows that change
-    exactly one technique group."""
+    exactly one technique group (its choice and / or its keys)."""
     base = {r.context: r for r in rows if not r.differs(baseline) and r.metrics.get("tps")}
     out = []
     for r in rows:
-        d = r.differs(baseline)
-        if len(d) == 1 and r.context in base and r.metrics.get("tps"):
-            out.append((f"{d[0]}={r.choices[d[0]]}", r.metrics["tps"] / base[r.context].metrics["tps"] - 1))
+        groups = {k.partition(".")[0] for k in r.differs(baseline)}
+        if len(groups) == 1 and r.context in base and r.metrics.get("tps"):
+            out.append((r.label(baseline), r.metrics["tps"] / base[r.context].metrics["tps"] - 1))
     return sorted(out, key=lambda x: -x[1])

