@@ -7,9 +7,10 @@
 # 16k / 32k rows with the keepset from MPL-2.0 (never the scored text), scatter=false so that ppl
 # stays the full head's and the ppl pass counts the keepset misses, sampler=fused_argmax so that
 # greedy decode goes through the pruned head. Records go to their own file; the table comes last.
+# Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                                  # CPU (fp32, int4 torch twin) or GPU
-#   bash sweeps/quality.sh workload.num_prompts=4           # fewer identity prompts (a slow CPU)
-#   RESULTS=results/q.jsonl bash sweeps/quality.sh device=cuda dtype=bf16
+#   IDENTITY_ARGS=workload.num_prompts=4 bash sweeps/quality.sh threads=2     # docs/quality.md
+#   RESULTS=results/q.jsonl PPL_ARGS=eval.max_tokens=2046 bash sweeps/quality.sh device=cuda dtype=bf16
 set -u
 source "$(dirname "$0")/_common.sh"
 results="${RESULTS:-$PWD/results/quality.jsonl}"
@@ -18,12 +19,15 @@ py="$(dirname "$(command -v fastgemma)")/python"
 has_cuda=$("$py" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 int4_backend="${INT4_BACKEND:-$([ "$has_cuda" = 1 ] && echo triton || echo torch)}"
 
-common=(weights=gguf workload=text logger=jsonl "logger.results=$results" progress=false "$@")
 windows=window=native,w256,w192,w188,w160,w128
 int4=(quant=int4 quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
 pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
 
+read -r -a ppl_args <<< "${PPL_ARGS:-}"
+read -r -a identity_args <<< "${IDENTITY_ARGS:-}"
 for task in ppl identity; do
+  if [ "$task" = ppl ]; then extra=("${ppl_args[@]}"); else extra=("${identity_args[@]}"); fi
+  common=(weights=gguf workload=text logger=jsonl "logger.results=$results" progress=false "${extra[@]}" "$@")
   sweep "task=$task" "$windows" "${common[@]}"
   sweep "task=$task" "${int4[@]}" "${common[@]}"
   if [ "$has_cuda" = 1 ] && "$py" -c 'import bitsandbytes' 2>/dev/null; then
