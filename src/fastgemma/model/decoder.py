@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, LayerSpec
-from .layers import MLP, RMSNorm, apply_rope, gelu_tanh, rope_cos_sin, rope_inv_freq
+from .layers import MLP, RMSNorm, apply_rope, fill_rope_buffers, gelu_tanh, register_rope_buffers, rope_cos_sin
 
 
 class Attention(nn.Module):
@@ -125,8 +125,7 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = RMSNorm(cfg.ple_dim, cfg.rms_eps, cfg.norm_offset)
         self.layers = nn.ModuleList(DecoderLayer(cfg, s) for s in self.specs)
         self.norm = RMSNorm(h, cfg.rms_eps, cfg.norm_offset)
-        self.register_buffer("inv_freq_sliding", torch.empty(cfg.head_dim // 2), persistent=False)
-        self.register_buffer("inv_freq_full", torch.empty(cfg.global_head_dim // 2), persistent=False)
+        register_rope_buffers(self, cfg)
         self.init_buffers()
         self.step_attention = None  # set by the builder: fn(q, k, v, q_pos, slot_pos, window, scale)
         self.logits_head = None     # optional head override: fn(hidden) -> logits (pruned / quantised)
@@ -136,9 +135,7 @@ class Gemma4Model(nn.Module):
         c = self.config
         if self.inv_freq_sliding.is_meta:
             return
-        self.inv_freq_sliding.copy_(rope_inv_freq(c.head_dim, c.rope_local_theta))
-        self.inv_freq_full.copy_(rope_inv_freq(c.global_head_dim, c.rope_global_theta,
-                                               c.rope_global_partial, c.rope_global_factor))
+        fill_rope_buffers(self, c)
         if not c.layer_scalar:
             for layer in self.layers:
                 layer.layer_scalar.fill_(1.0)

@@ -28,7 +28,7 @@ from torch import nn
 
 from .config import FULL, SLIDING, LayerSpec, ModelConfig
 from .decoder import DecoderLayer, _rounded
-from .layers import RMSNorm, rope_cos_sin, rope_inv_freq
+from .layers import RMSNorm, fill_rope_buffers, register_rope_buffers, rope_cos_sin
 
 
 class DrafterError(ValueError):
@@ -183,18 +183,12 @@ class Drafter(nn.Module):
         self.pre_projection = nn.Linear(2 * cfg.backbone_hidden_size, cfg.hidden_size, bias=False)
         self.post_projection = nn.Linear(cfg.hidden_size, cfg.backbone_hidden_size, bias=False)
         self.masked_embedding = MaskedEmbedder(cfg) if cfg.ordered_embeddings else None
-        self.register_buffer("inv_freq_sliding", torch.empty(cfg.head_dim // 2), persistent=False)
-        self.register_buffer("inv_freq_full", torch.empty(cfg.global_head_dim // 2), persistent=False)
+        register_rope_buffers(self, cfg)
         self.top_k = cfg.centroid_top_k
         self.init_buffers()
 
     def init_buffers(self):
-        c = self.config
-        if self.inv_freq_sliding.is_meta:
-            return
-        self.inv_freq_sliding.copy_(rope_inv_freq(c.head_dim, c.rope_local_theta))
-        self.inv_freq_full.copy_(rope_inv_freq(c.global_head_dim, c.rope_global_theta,
-                                               c.rope_global_partial, c.rope_global_factor))
+        fill_rope_buffers(self, self.config)
 
     def set_top_k(self, k: int | None):
         """Centroids scored per draft token (None: the checkpoint's). Fewer is faster and lossier."""

@@ -35,6 +35,21 @@ def rope_inv_freq(head_dim: int, theta: float, partial: float = 1.0, factor: flo
     return inv / factor
 
 
+def register_rope_buffers(module: nn.Module, cfg) -> None:
+    """inv_freq_sliding / inv_freq_full as non-persistent fp32 buffers (filled by fill_rope_buffers)."""
+    module.register_buffer("inv_freq_sliding", torch.empty(cfg.head_dim // 2), persistent=False)
+    module.register_buffer("inv_freq_full", torch.empty(cfg.global_head_dim // 2), persistent=False)
+
+
+def fill_rope_buffers(module: nn.Module, cfg) -> None:
+    """(Re)compute the RoPE buffers; a no-op on the meta device (to_empty() comes first)."""
+    if module.inv_freq_sliding.is_meta:
+        return
+    module.inv_freq_sliding.copy_(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta))
+    module.inv_freq_full.copy_(rope_inv_freq(cfg.global_head_dim, cfg.rope_global_theta,
+                                             cfg.rope_global_partial, cfg.rope_global_factor))
+
+
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """pos [B, T] int -> cos, sin [B, T, 1, D] in dtype (computed in fp32 like transformers)."""
     freqs = pos[..., None].float() * inv_freq
