@@ -3,12 +3,13 @@
 # time from the baseline: perplexity over the scored text (task=ppl, eval=ppl: all of GPL-3) and
 # greedy identity against plain eager AR decode (task=identity, workload=text: prompts cut from the
 # same text). Rows: window native (512) / 256 / 192 / 188 / 160 / 128; int4 group 128 / 64 / 32;
-# nf4 (needs CUDA + bitsandbytes: skipped otherwise, with a note); LM-head pruning at 8k / 12k /
-# 16k / 32k rows with the keepset from MPL-2.0 (never the scored text), scatter=false so that ppl
-# stays the full head's and the ppl pass counts the keepset misses, sampler=fused_argmax so that
-# greedy decode goes through the pruned head. Records go to their own file; the table comes last.
+# nf4 (bitsandbytes NF4, blocks of 64; on CUDA, or on a CPU with bitsandbytes >= 0.46: skipped
+# otherwise, with a note); LM-head pruning at 8k / 12k / 16k / 32k rows with the keepset from
+# MPL-2.0 (never the scored text), scatter=false so that ppl stays the full head's and the ppl pass
+# counts the keepset misses, sampler=fused_argmax so that greedy decode goes through the pruned head.
+# Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
-#   bash sweeps/quality.sh                                  # CPU (fp32, int4 torch twin) or GPU
+#   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
 #   IDENTITY_ARGS=workload.num_prompts=4 bash sweeps/quality.sh threads=2     # docs/quality.md
 #   RESULTS=results/q.jsonl PPL_ARGS=eval.max_tokens=2046 bash sweeps/quality.sh device=cuda dtype=bf16
 set -u
@@ -18,6 +19,9 @@ py="$(dirname "$(command -v fastgemma)")/python"
 [ -x "$py" ] || py=python3
 has_cuda=$("$py" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 int4_backend="${INT4_BACKEND:-$([ "$has_cuda" = 1 ] && echo triton || echo torch)}"
+# bitsandbytes quantizes and runs NF4 on CPU tensors from 0.46 on (on CUDA from before)
+has_nf4=$("$py" -c 'import bitsandbytes as b, torch; v = tuple(int(p) for p in b.__version__.split(".")[:2])
+print(int(torch.cuda.is_available() or v >= (0, 46)))' 2>/dev/null || echo 0)
 
 windows=window=native,w256,w192,w188,w160,w128
 int4=(quant=int4 quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
@@ -30,10 +34,10 @@ for task in ppl identity; do
   common=(weights=gguf workload=text logger=jsonl "logger.results=$results" progress=false "${extra[@]}" "$@")
   sweep "task=$task" "$windows" "${common[@]}"
   sweep "task=$task" "${int4[@]}" "${common[@]}"
-  if [ "$has_cuda" = 1 ] && "$py" -c 'import bitsandbytes' 2>/dev/null; then
+  if [ "$has_nf4" = 1 ]; then
     sweep "task=$task" quant=nf4 "quant.skip=[]" "${common[@]}"
   else
-    echo "quality: quant=nf4 skipped: it needs a CUDA GPU and bitsandbytes (pip install 'fastgemma[nf4]')" >&2
+    echo "quality: quant=nf4 skipped: it needs bitsandbytes, >= 0.46 on a CPU (pip install 'fastgemma[nf4]')" >&2
   fi
   sweep "task=$task" "${pruned[@]}" "${common[@]}"
 done

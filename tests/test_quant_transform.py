@@ -1,7 +1,7 @@
 """quant transforms on a tiny Gemma-shaped module tree: which layers are swapped, output error, errors."""
 import copy
-import importlib.util
 import os
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it at decoration
 
@@ -190,15 +190,83 @@ def test_noquant_returns_model_unchanged():
     assert q.describe()["quant"] == "bf16" and q.describe()["quantized_params"] == 0
 
 
-def test_nf4_without_bitsandbytes_says_how_to_install():
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        pytest.skip("bitsandbytes is installed here: the missing-package error cannot be raised")
+def test_nf4_without_bitsandbytes_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     with pytest.raises(ImportError, match=r"bitsandbytes.*pip install 'fastgemma\[nf4\]'"):
         Nf4Quant()
 
 
-def test_nf4_needs_cuda():
-    if importlib.util.find_spec("bitsandbytes") is None:
-        pytest.skip("bitsandbytes is not installed")
-    with pytest.raises(ValueError, match="CUDA"):
-        Nf4Quant().apply(_model())
+def _nf4_reference(w):
+    """NF4 by hand (the 16 levels, absmax per 64 along the flattened weight, nearest level): what
+    bitsandbytes' codes must decode to, up to ties."""
+    import bitsandbytes.functional as bnbf
+
+    code = bnbf.get_4bit_type("nf4", device="cpu")  # [16], -1 .. 1
+    blocks = w.float().reshape(-1, 64)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    return absmax, code, blocks / absmax
+
+
+def test_nf4_on_cpu_is_bitsandbytes_nf4_blocks_of_64():
+    bnb = pytest.importorskip("bitsandbytes", reason="quant=nf4 needs bitsandbytes (in the test extra)")
+    import bitsandbytes.functional as bnbf
+
+    ref_model, ids = _model(), _ids(12)
+    model = copy.deepcopy(ref_model)
+    q = Nf4Quant()
+    assert q.apply(model) is model and not q.needs_cuda
+    lins = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(lins) == 2 * 8 and not any("per_layer_input_gate" in n for n in lins)
+    assert type(model.layers[0].per_layer_input_gate) is nn.Linear
+    assert model.embed_tokens.weight.dtype == torch.float32  # the tied head is left alone
+    dense = dict(ref_model.named_modules())
+    worst = 0.0
+    for name, lin in lins.items():
+        st = lin.weight.quant_state
+        assert lin.weight.dtype == torch.uint8 and lin.weight.numel() == lin.in_features * lin.out_features // 2
+        assert st.quant_type == "nf4" and st.blocksize == 64 and st.dtype == torch.float32 and not st.nested
+        w = dense[name].weight.detach()
+        dq = bnbf.dequantize_4bit(lin.weight.data, st)
+        absmax, code, scaled = _nf4_reference(w)
+        torch.testing.assert_close(st.absmax, absmax.flatten(), rtol=0, atol=0)
+        # every decoded value is an NF4 level times its block's absmax, and the nearest one
+        got = dq.reshape(-1, 64) / absmax
+        dist = (scaled.reshape(-1, 1) - code.reshape(1, -1)).abs()
+        lvl = (got.reshape(-1, 1) - code.reshape(1, -1)).abs().argmin(dim=1)
+        assert torch.allclose(code[lvl], got.reshape(-1), atol=1e-6), name
+        assert (dist.gather(1, lvl[:, None]).squeeze(1) <= dist.min(dim=1).values + 1e-6).all(), name
+        worst = max(worst, _rel(dq, w))
+        # the CPU forward is dequantize_4bit + an fp32 matmul
+        x = torch.randn(3, lin.in_features)
+        with torch.no_grad():
+            torch.testing.assert_close(lin(x), x @ dq.T + (0 if lin.bias is None else lin.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        rel = _rel(model(ids), ref_model(ids))
+    print(f"\nnf4 (bitsandbytes {bnb.__version__}, CPU): worst layer weight error {worst:.4f}, "
+          f"relative logit error vs fp32 {rel:.4f}")
+    assert worst < 0.15 and rel < 0.1
+    d = q.describe()
+    assert d["quant"] == "nf4" and d["quantized_layers"] == 16 and len(d["skipped"]) == 2
+    assert d["quantized_params"] == 2 * (H * H * 2 + H * 64 * 2 + 3 * H * I + P * H)
+    assert d["weight_bytes"] == d["quantized_params"] * (0.5 + 4 / 64)  # nibbles + fp32 absmax per 64
+
+
+def test_nf4_on_cpu_bf16_and_double_quantization():
+    bnb = pytest.importorskip("bitsandbytes", reason="quant=nf4 needs bitsandbytes (in the test extra)")
+    ref_model, ids = _model(), _ids(12)
+    dq_model = Nf4Quant(compress_statistics=True).apply(copy.deepcopy(ref_model))
+    bf_model = Nf4Quant().apply(copy.deepcopy(ref_model).to(torch.bfloat16))
+    assert all(m.weight.quant_state.nested for m in dq_model.modules() if isinstance(m, bnb.nn.Linear4bit))
+    with torch.no_grad():
+        ref, out, bf = ref_model(ids), dq_model(ids), bf_model(ids)
+    print(f"\nnf4 double-quantized absmax: rel logit error {_rel(out, ref):.5f}; bf16: {_rel(bf.float(), ref):.5f}")
+    assert _rel(out, ref) < 0.1 and bf.dtype == torch.bfloat16 and _rel(bf.float(), ref) < 0.1
+
+
+def test_nf4_on_cpu_with_an_old_bitsandbytes_says_which_version(monkeypatch):
+    bnb = pytest.importorskip("bitsandbytes", reason="quant=nf4 needs bitsandbytes (in the test extra)")
+    monkeypatch.setattr(bnb, "__version__", "0.45.5")
+    model = _model()
+    with pytest.raises(ValueError, match=r"CPU with bitsandbytes >= 0\.46 \(installed: 0\.45\.5\)"):
+        Nf4Quant().apply(model)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))

@@ -66,6 +66,16 @@ def test_identity_of_a_lossy_window_is_a_rate(tmp_path):
     assert 0 <= m["identity_rate"] <= 1 and 0 <= m["top1_agree"] <= 1 and m["identity_prefix_mean"] <= 24
 
 
+def test_identity_of_nf4_runs_on_the_cpu(tmp_path):
+    """quant=nf4 through the whole job on a CPU: bitsandbytes NF4 layers in the engine's decode."""
+    pytest.importorskip("bitsandbytes", reason="quant=nf4 needs bitsandbytes (in the test extra)")
+    rec = run_job(TINY + ["task=identity", "quant=nf4"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    q = rec["details"]["parts"]["quant"]
+    assert q["quant"] == "nf4" and q["quantized_layers"] > 0 and q["weight_bytes"] < q["dense_weight_bytes"] / 6
+    assert 0 <= rec["metrics"]["top1_agree"] <= 1
+
+
 def test_generate_text_and_ids(tmp_path, capsys):
     rec = run_job(TINY + ["task=generate", "task.prompt=Hello", "task.max_new_tokens=5"], tmp_path, "a")
     assert rec["status"] == "ok" and len(rec["details"]["output_ids"]) == 5

@@ -79,6 +79,7 @@ def test_quantize_rejects_bad_group():
 CASES = [
     (1, GEMV),
     (3, GEMV),  # the GEMV kernel also serves M > 1: one program row per row of x
+    (2, W4A16Config(block_n=8, block_k=256, split_k=3, factored=False)),  # the baseline dequantisation
     (3, W4A16Config(block_n=64, block_k=128, block_m=16)),
     (8, W4A16Config(block_n=32, block_k=128, split_k=3, block_m=16)),
     (16, None),
@@ -102,7 +103,8 @@ def test_kernel_matches_twin(M, config, G, dtype):
     assert rel_e < TOL[dtype] and rel_x < TOL[dtype]
 
 
-@pytest.mark.parametrize("config", [GEMV, W4A16Config(block_n=16, block_k=128, split_k=3, num_warps=4)])
+@pytest.mark.parametrize("config", [GEMV, W4A16Config(block_n=16, block_k=128, split_k=3, num_warps=4),
+                                    W4A16Config(block_n=16, block_k=128, factored=False)])
 def test_gemv_bf16(config):
     # the production dtype (bf16 x, bf16 scales) through the GEMV kernel, which has no tl.dot
     w, qw, s, z = _weights(64, dtype=torch.bfloat16)

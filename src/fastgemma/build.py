@@ -92,7 +92,8 @@ class SyntheticWeights:
 
 
 class HFWeights:
-    """A local Hugging Face checkpoint directory (config.json + safetensors)."""
+    """A local Hugging Face checkpoint directory (config.json + safetensors); a compressed-tensors
+    pack-quantized int4 one loads its packed layers as Int4Linear (weights/compressed.py)."""
 
     def __init__(self, path: str | None = None):
         if not path:
@@ -109,7 +110,10 @@ class HFWeights:
         from .weights.hf import load_hf
 
         model, report = load_hf(self.path, device=device, dtype=dtype, cfg=cfg)
-        return model, {"source": "hf", "path": str(self.path), "report": report.summary()}
+        info = {"source": "hf", "path": str(self.path), "report": report.summary()}
+        if report.quantization:  # a compressed-tensors int4 checkpoint (auto-detected)
+            info["quantization"] = report.quantization
+        return model, info
 
     def describe(self) -> dict:
         return {"weights": "hf", "path": str(self.path)}
@@ -307,11 +311,11 @@ def build_parts(cfg: DictConfig, choices: dict) -> Parts:
 
 
 def needs_cuda(obj) -> bool:
-    """An object says so with `needs_cuda`; without it: a Triton backend, or bitsandbytes NF4, needs CUDA."""
+    """An object says so with `needs_cuda`; without it: a Triton backend needs CUDA."""
     flag = getattr(obj, "needs_cuda", None)
     if flag is not None:
         return bool(flag)
-    return getattr(obj, "backend", None) == "triton" or type(obj).__name__ == "Nf4Quant"
+    return getattr(obj, "backend", None) == "triton"
 
 
 def check_device(parts: Parts, device: torch.device, choices: dict):

@@ -22,20 +22,45 @@ from ..model.config import preset
 from ..transforms.fuse import MergeProjections
 from ..weights.synthetic import synthetic_model
 
-# variant -> (step class, attention, torch.compile, merged q|k|v and gate|up, int4 g128 body);
-# the transforms are irreversible, so merged variants come after unmerged ones and int4 last
+# variant -> (step class, attention, torch.compile, merged q|k|v and gate|up, int4 g128 body,
+# one-row dense linears through our Triton GEMV); merging and int4 are irreversible, so merged
+# variants come after unmerged ones and int4 last (the GEMV switch is set per variant)
 VARIANTS = {
-    "eager": (EagerStep, "torch", False, False, False),
-    "static_torch": (StaticStep, "torch", False, False, False),
-    "static_triton": (StaticStep, "triton", False, False, False),
-    "graph_torch": (GraphStep, "torch", False, False, False),
-    "graph_triton": (GraphStep, "triton", False, False, False),
-    "graph_triton_merged": (GraphStep, "triton", False, True, False),
-    "compiled_triton_merged": (GraphStep, "triton", True, True, False),
-    "compiled_torch_merged": (GraphStep, "torch", True, True, False),
-    "graph_triton_merged_int4": (GraphStep, "triton", False, True, True),
-    "compiled_triton_merged_int4": (GraphStep, "triton", True, True, True),
+    "eager": (EagerStep, "torch", False, False, False, False),
+    "static_torch": (StaticStep, "torch", False, False, False, False),
+    "static_triton": (StaticStep, "triton", False, False, False, False),
+    "graph_torch": (GraphStep, "torch", False, False, False, False),
+    "graph_triton": (GraphStep, "triton", False, False, False, False),
+    "graph_triton_merged": (GraphStep, "triton", False, True, False, False),
+    "graph_triton_merged_gemv": (GraphStep, "triton", False, True, False, True),
+    "compiled_triton_merged": (GraphStep, "triton", True, True, False, False),
+    "compiled_triton_merged_gemv": (GraphStep, "triton", True, True, False, True),
+    "compiled_torch_merged": (GraphStep, "torch", True, True, False, False),
+    "graph_triton_merged_int4": (GraphStep, "triton", False, True, True, False),
+    "compiled_triton_merged_int4": (GraphStep, "triton", True, True, True, False),
+    "compiled_triton_merged_int4_gemv": (GraphStep, "triton", True, True, True, True),
 }
+
+
+def apply_variant(model, name, state):
+    """Bring `model` to variant `name` (state: what was applied so far). -> (step class, compile)."""
+    from ..transforms.gemv import use_gemv
+
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+    cls, attn, compiled, merge, int4, gemv = VARIANTS[name]
+    if merge and not state.get("merged"):
+        MergeProjections().apply(model)
+        state["merged"] = True
+    if int4 and not state.get("int4"):
+        from ..transforms.quant import Int4Quant
+
+        use_gemv(model, False)
+        Int4Quant(group_size=128).apply(model)
+        state["int4"] = True
+    use_gemv(model, gemv)
+    model.step_attention = decode_attention_op if attn == "triton" else decode_attention_ref
+    return cls, compiled
 
 
 def copy_bandwidth(device, nbytes=2 << 30) -> float:
@@ -114,7 +139,7 @@ def main(argv=None):
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     bw = copy_bandwidth(dev) if cuda else float("nan")
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    nbytes = decode_bytes(model)
+    nbytes = nbytes_bf16 = decode_bytes(model)
     print(f"{gpu} | build {build_s:.1f}s | weights {weights_gb:.2f} GB | "
           f"decode reads {nbytes / 1e9:.2f} GB/token | copy bw {bw / 1e12:.2f} TB/s | "
           f"ceiling {bw / nbytes:.0f} tok/s", flush=True)
@@ -122,20 +147,11 @@ def main(argv=None):
     prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     max_ctx = a.max_context or (a.prompt_len + a.new + 16)
     rows, ref_tokens, ref_forced = [], None, None
-    merged = quantized = False
+    state = {}
     for name in a.variants.split(","):
-        cls, attn, compiled, merge, int4 = VARIANTS[name]
-        if merge and not merged:
-            MergeProjections().apply(model)
-            merged = True
-        if int4 and not quantized:
-            from ..transforms.quant import Int4Quant
-
-            Int4Quant(group_size=128).apply(model)
-            quantized = True
-            nbytes = decode_bytes(model)
+        cls, compiled = apply_variant(model, name, state)
+        nbytes = decode_bytes(model)
         cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=torch.bfloat16)
-        model.step_attention = decode_attention_op if attn == "triton" else decode_attention_ref
         try:
             step = cls(model, cache) if cls is EagerStep else cls(model, cache, compile=compiled)
             gen = Generator(model, cache, step)
@@ -187,7 +203,7 @@ def main(argv=None):
             for r in rows + ([hf_row] if hf_row else []):
                 f.write(json.dumps(r) + "\n")
     print(f"\n{cfg.name} bf16 synthetic, {a.prompts} prompts x {a.prompt_len} tokens -> {a.new} new, "
-          f"{gpu}, copy bw {bw / 1e12:.2f} TB/s, ceiling {bw / nbytes:.0f} tok/s")
+          f"{gpu}, copy bw {bw / 1e12:.2f} TB/s, bf16 ceiling {bw / nbytes_bf16:.0f} tok/s")
     print("| variant | tok/s | step ms | TTFT ms | MBU | identity | prefix | top1 | top1 conf | kernels/step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

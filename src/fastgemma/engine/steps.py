@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.argmax import argmax_last
+
 
 def argmax_sampler(model, hidden):
     """hidden [B, 1, hidden] -> ids [B, 1], logits [B, V] fp32."""
     logits = model.compute_logits(hidden[:, -1])
-    return logits.argmax(-1, keepdim=True), logits
+    return argmax_last(logits), logits
 
 
 class EagerStep:

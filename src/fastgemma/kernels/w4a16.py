@@ -16,8 +16,8 @@ E4B: 4.644B matrix params (tied head included) -> 2.32 GB int4 + 145 MB scale/ze
 (290 MB g64, 580 MB g32); the body alone (3.973B) -> 1.99 GB + 124 MB; bf16 reads 9.29 GB.
 
 Kernels (one program = BLOCK_N rows x one K slice x one row tile of x; grid from shapes only):
-- `_gemv_kernel` (M = 1, or any M with block_m = 1): CUDA-core dot products, a [BLOCK_N, NG, G/2]
-  fp32 accumulator reduced once at the end.
+- `_gemv_kernel` (M = 1, or any M with block_m = 1): CUDA-core dot products, three instructions per
+  weight (codes become 1 + q/16 by bit operations; scale and zero are applied once per group).
 - `_mma_kernel` (M = 2..16, block_m >= 16): dequantize to x's dtype and tl.dot with fp32 accumulators.
 - split_k > 1: fp32 partials [split_k, M, N] summed in a fixed order by `_splitk_reduce_kernel`
   (deterministic; no atomics, so greedy identity holds run to run).
@@ -118,7 +118,12 @@ def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     N, stride_xm, stride_qn, stride_om, stride_os,
     K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FACTORED: tl.constexpr,
 ):
+    # At one row the GEMV is bound by its per-weight instructions, not by its tiles, so the inner
+    # loop does three per weight: a shift and a LOP3 put the code q in the top mantissa bits of 1.0,
+    # giving f = 1 + q/16 exactly, and one FMA with x. Per group g and row n, with p = sum f*x and
+    # xs = sum x over the group:  sum w*x = s * sum q*x + z * xs = 16 * s * (p - xs) + z * xs.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -137,20 +142,29 @@ def _gemv_kernel(
     z_ptrs = z_ptr + (g0 + offs_g)[None, :] * N + offs_n[:, None]
     x_ptrs = x_ptr + pid_m * stride_xm + pid_k * K_SPLIT + offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
 
-    acc = tl.zeros((BLOCK_N, NG, HG), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     for _ in range(0, K_SPLIT, BLOCK_K):
         w = tl.load(w_ptrs, mask=n_ok[:, None, None], other=0).to(tl.int32)
-        s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
-        z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs).to(tl.float32)  # [NG, GROUP]
         # [NG, GROUP] -> even / odd k, matching the low / high nibbles
-        x_even, x_odd = tl.split(tl.reshape(tl.load(x_ptrs).to(tl.float32), (NG, HG, 2)))
-        acc += _dequant(w & 0xF, s, z) * x_even[None, :, :]  # two FMAs, not mul + fma + add
-        acc += _dequant(w >> 4, s, z) * x_odd[None, :, :]
+        x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
+        if FACTORED:
+            xs = tl.sum(x, axis=1)  # [NG]
+            f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+            f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+            p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)  # [BLOCK_N, NG]
+            acc += (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
+        else:  # the first version, kept as the baseline of bench_shapes: dequantise, then FMA
+            t = _dequant(w & 0xF, s[:, :, None], z[:, :, None]) * x_even[None, :, :]
+            t += _dequant(w >> 4, s[:, :, None], z[:, :, None]) * x_odd[None, :, :]
+            acc += tl.sum(t, axis=2)
         w_ptrs += BLOCK_K // 2
         s_ptrs += NG * N
         z_ptrs += NG * N
         x_ptrs += BLOCK_K
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = tl.sum(acc, axis=1)
     tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -226,6 +240,7 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 1
+    factored: bool = True  # GEMV only: scale / zero once per group (False: per weight, the baseline)
 
 
 def _gemv(bn, bk, split=1, warps=None, stages=3):
@@ -239,25 +254,27 @@ def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
 
 
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
-# Starting points from program counts (>= 2 waves of 132 SMs where N allows) and ptxas for sm_90a
-# (GEMV: 64-80 registers, 16-byte loads; tl.dot path: block_k 512 spills, 256 uses ~150 registers),
-# not yet timed on the H200: `bench_shapes(sweep=True)` prints lines to paste here.
+# M = 16 entries are starting points from program counts (>= 2 waves of 132 SMs where N allows) and
+# ptxas for sm_90a (tl.dot path: block_k 512 spills, 256 uses ~150 registers), not yet timed on the
+# H200. The M = 1 sweep was flat across tiles (within 5% on the large shapes): the GEMV is bound by
+# its dequantisation work, not by its tiling. `bench_shapes(sweep=True)` prints lines to paste here.
 CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
-    (1, 2048, 2560): _gemv(4, 512),      # q (sliding): 512 programs x 5 iterations
-    (1, 4096, 2560): _gemv(8, 512),      # q (full, head_dim 512): 512
-    (1, 512, 2560): _gemv(2, 512),       # k / v (sliding): 256, 1 warp
-    (1, 1024, 2560): _gemv(4, 512),      # k / v (full): 256
-    (1, 3072, 2560): _gemv(4, 512),      # q|k|v merged (sliding): 768
-    (1, 6144, 2560): _gemv(8, 512),      # q|k|v merged (full): 768
-    (1, 2560, 2048): _gemv(4, 512),      # o (sliding): 640 x 4 iterations
-    (1, 2560, 4096): _gemv(4, 512),      # o (full): 640 x 8
-    (1, 10240, 2560): _gemv(8, 512),     # gate / up: 1280
-    (1, 20480, 2560): _gemv(8, 512),     # gate|up merged: 2560
-    (1, 2560, 10240): _gemv(4, 1024),    # down: 640 x 10
-    (1, 256, 2560): _gemv(2, 512),       # PLE gate (skipped by default): 128
-    (1, 2560, 256): _gemv(4, 256),       # PLE projection: 640 x 1
-    (1, 10752, 2560): _gemv(8, 512),     # W_plm: 1344
-    (1, 262144, 2560): _gemv(16, 512),   # tied head, if a head transform uses int4: 16384
+    # M = 1: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us
+    (1, 2048, 2560): _gemv(4, 512, 1, 4),     # q (KV-shared layers): 5.39
+    (1, 4096, 2560): _gemv(4, 512, 1, 2),     # q (full, head_dim 512): 6.74
+    (1, 512, 2560): _gemv(4, 512, 1, 4),      # k / v (sliding): 4.82
+    (1, 1024, 2560): _gemv(4, 512, 1, 4),     # k / v (full): 4.93
+    (1, 3072, 2560): _gemv(4, 512, 1, 4),     # q|k|v merged (sliding): 6.11
+    (1, 6144, 2560): _gemv(8, 512, 1, 4),     # q|k|v merged (full): 8.67
+    (1, 2560, 2048): _gemv(4, 1024, 1, 4),    # o (sliding): 4.31
+    (1, 2560, 4096): _gemv(4, 1024, 1, 4),    # o (full): 6.58
+    (1, 10240, 2560): _gemv(8, 512, 1, 4),    # gate / up: 12.91
+    (1, 20480, 2560): _gemv(8, 512, 1, 4),    # gate|up merged: 21.98
+    (1, 2560, 10240): _gemv(4, 1024, 1, 4),   # down: 13.08
+    (1, 256, 2560): _gemv(2, 512, 1, 1),      # PLE gate (skipped by default): 3.97
+    (1, 2560, 256): _gemv(8, 256, 1, 4),      # PLE projection: 1.81
+    (1, 10752, 2560): _gemv(8, 512, 1, 4),    # W_plm: 13.32
+    (1, 262144, 2560): _gemv(16, 512),        # tied head, if a head transform uses int4 (untimed)
     (16, 2048, 2560): _mma(16, 256),     # 128 programs
     (16, 4096, 2560): _mma(16, 256),     # 256
     (16, 512, 2560): _mma(16, 256, 5),   # 32 N tiles x 5 splits
@@ -357,7 +374,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
         grid = (triton.cdiv(N, cfg.block_n), split, M)
         _gemv_kernel[grid](
             x, qweight, scales, zeros, dst, N, x.stride(0), qweight.stride(0), N, stride_os,
-            K_SPLIT=k_split, GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            K_SPLIT=k_split, GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FACTORED=cfg.factored,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
@@ -446,6 +463,8 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
             err = ((w4a16_matmul(x, qw, s, z, group_size).float() - ref).abs().max() / ref.abs().max()).item()
             t_ref = timed_us(rotating(wbufs, lambda w_: F.linear(x, w_)))
             cfgs = [resolve_config(M, N, K, group_size)]
+            if M == 1:  # the per-weight dequantisation baseline, same tiles
+                cfgs.append(dataclasses.replace(cfgs[0], factored=False))
             if sweep:
                 cfgs += [resolve_config(M, N, K, group_size, c) for c in candidates(M, N, K)]
                 cfgs = list(dict.fromkeys(cfgs))
@@ -458,12 +477,14 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
                     continue
                 results.append((t, cfg))
             t_tab, cfg_tab = results[0]
-            t_best, cfg_best = min(results, key=lambda r: r[0])
-            row = dict(shape=name, N=N, K=K, M=M, int4_us=t_tab, bf16_us=t_ref, config=cfg_tab,
+            t_best, cfg_best = min((r for r in results if r[1].factored), key=lambda r: r[0])
+            t_base = next((t for t, c in results if not c.factored), float("nan"))
+            row = dict(shape=name, N=N, K=K, M=M, int4_us=t_tab, unfactored_us=t_base, bf16_us=t_ref, config=cfg_tab,
                        best_us=t_best, best_config=cfg_best, max_rel_err=err)
             rows.append(row)
             print(f"{name:>10} {N:>6} {K:>6} {M:>3} | {t_tab:8.2f} {q_bytes / t_tab / 1e3:6.0f} | "
-                  f"{t_ref:8.2f} {2 * N * K / t_ref / 1e3:6.0f} | {t_ref / t_tab:5.2f} | {err:8.1e} | {cfg_tab}")
+                  f"{t_ref:8.2f} {2 * N * K / t_ref / 1e3:6.0f} | {t_ref / t_tab:5.2f} | {err:8.1e} | {cfg_tab}"
+                  + (f" | unfactored {t_base:.2f} us" if M == 1 else ""))
             if sweep:
                 print(f"{'best':>10} {'':>6} {'':>6} {M:>3} | {t_best:8.2f} {q_bytes / t_best / 1e3:6.0f} | {cfg_best}")
                 key = (m_bucket(M), N, K)

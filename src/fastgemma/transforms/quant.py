@@ -3,7 +3,9 @@
 Each transform swaps modules in place after the model is built and returns the model;
 `describe()` reports what it did. Only nn.Linear layers are touched: the tied embedding / LM head
 is an nn.Embedding (and any Linear sharing its weight is left alone), so a head transform owns it.
-Merge projections (q|k|v, gate|up) before quantizing: Int4Linear has no `.weight` to concatenate.
+Merge projections (q|k|v, gate|up) before quantizing, so the merged matrices are what gets quantized.
+Int4Linear modules already in the model (a compressed-tensors int4 checkpoint, weights/compressed.py)
+are never re-quantized: bf16 keeps them and says so, int4 only moves them to its backend.
 """
 from __future__ import annotations
 
@@ -53,6 +55,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.config: W4A16Config | None = None  # tile override; None -> the kernel's dispatch table
         self._matmul = _BACKENDS[backend]
+
+    def set_backend(self, backend: str) -> None:
+        _check_backend(backend)
+        self.backend, self._matmul = backend, _BACKENDS[backend]
 
     @classmethod
     @torch.no_grad()
@@ -125,20 +131,38 @@ def _dense_bytes(mod: nn.Linear) -> int:
     return mod.weight.numel() * mod.weight.element_size()
 
 
+def _loaded_int4(model: nn.Module) -> list[Int4Linear]:
+    return [m for m in model.modules() if isinstance(m, Int4Linear)]
+
+
+def _loaded_info(int4: list[Int4Linear]) -> dict:
+    """What the checkpoint brought in int4 (empty for a dense checkpoint)."""
+    if not int4:
+        return {}
+    return {"checkpoint_int4_layers": len(int4), "checkpoint_int4_params": sum(m.in_features * m.out_features for m in int4),
+            "checkpoint_int4_bytes": sum(m.weight_bytes() for m in int4),
+            "checkpoint_group_size": sorted({m.group_size for m in int4})}
+
+
 # ---------------------------------------------------------------------------------------------
 # transforms
 
 
 class NoQuant:
-    """quant=bf16: the model keeps its dense weights."""
+    """quant=bf16: the model keeps its weights as loaded. A compressed-tensors int4 checkpoint's
+    packed layers stay int4 (dequantizing them would only cost memory and speed), and describe()
+    says so: quant "int4 (checkpoint)", with the layer count and bytes."""
 
     def __init__(self):
         self._info: dict = {"quant": "bf16"}
 
     def apply(self, model: nn.Module) -> nn.Module:
         lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        self._info = {"quant": "bf16", "quantized_params": 0,
-                      "weight_bytes": sum(_dense_bytes(m) for m in lins)}
+        int4 = _loaded_int4(model)
+        self._info = {"quant": "int4 (checkpoint)" if int4 else "bf16",
+                      "quantized_params": sum(m.in_features * m.out_features for m in int4),
+                      "weight_bytes": sum(_dense_bytes(m) for m in lins) + sum(m.weight_bytes() for m in int4),
+                      **_loaded_info(int4)}
         return model
 
     def describe(self) -> dict:
@@ -147,7 +171,8 @@ class NoQuant:
 
 class Int4Quant:
     """quant=int4: every nn.Linear whose qualified name matches no `skip` pattern (substring or
-    fnmatch) becomes an Int4Linear (W4A16, RTN asymmetric, group `group_size` along K)."""
+    fnmatch) becomes an Int4Linear (W4A16, RTN asymmetric, group `group_size` along K). Int4Linear
+    layers loaded from a checkpoint keep their codes and group size; only their backend is set."""
 
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton"):
         check_group_size(group_size)
@@ -166,6 +191,9 @@ class Int4Quant:
                                  f"of layer '{name}' ({mod.out_features}x{mod.in_features}); "
                                  f"pick a group size in {GROUP_SIZES} that divides it or add it to skip")
         new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend) for _, mod in targets}
+        loaded = _loaded_int4(model)
+        for mod in loaded:
+            mod.set_backend(self.backend)
         self._info = {
             "quant": "int4", "group_size": self.group_size, "backend": self.backend,
             "quantized_layers": len(targets),
@@ -173,6 +201,7 @@ class Int4Quant:
             "weight_bytes": sum(m.weight_bytes() for m in new.values()),
             "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets),
             "skipped": skipped,
+            **_loaded_info(loaded),
         }
         return _swap(model, new)
 
@@ -181,8 +210,11 @@ class Int4Quant:
 
 
 class Nf4Quant:
-    """quant=nf4: bitsandbytes Linear4bit (NF4, blocks of 64, compute dtype = the model's dtype).
+    """quant=nf4: bitsandbytes Linear4bit (NF4, blocks of 64, compute dtype = the model's dtype), on
+    CUDA or the CPU (bitsandbytes >= 0.46 quantizes and runs 4-bit layers on CPU tensors).
     A memory / quality baseline (bitsandbytes 0.50 GEMV is slower than bf16 at one row on the H200)."""
+
+    needs_cuda = False
 
     def __init__(self, skip=("per_layer_input_gate",), compress_statistics: bool = False):
         try:
@@ -199,19 +231,25 @@ class Nf4Quant:
     def apply(self, model: nn.Module) -> nn.Module:
         bnb = self._bnb
         targets, skipped = _select(model, self.skip, "Nf4Quant")
+        old_bnb = tuple(int(p) for p in bnb.__version__.split(".")[:2]) < (0, 46)
         for name, mod in targets:
-            if mod.weight.device.type != "cuda":
-                raise ValueError(f"quant=nf4 needs the model on a CUDA device (bitsandbytes quantizes "
-                                 f"there); layer '{name}' is on {mod.weight.device}")
+            dev = mod.weight.device.type
+            if dev not in ("cuda", "cpu") or (dev == "cpu" and old_bnb):
+                raise ValueError(f"quant=nf4 runs on CUDA, or on the CPU with bitsandbytes >= 0.46 "
+                                 f"(installed: {bnb.__version__}); layer '{name}' is on {mod.weight.device}")
         new = {}
         for _, mod in targets:
             w = mod.weight
             q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
                                   compute_dtype=w.dtype, compress_statistics=self.compress_statistics,
                                   quant_type="nf4", device="meta")
-            # Params4bit quantizes on its first move to a CUDA device
-            q.weight = bnb.nn.Params4bit(w.data, requires_grad=False, quant_type="nf4",
+            # Params4bit quantizes (bnb.functional.quantize_4bit) on its first move to a device
+            q.weight = bnb.nn.Params4bit(w.data, requires_grad=False, quant_type="nf4", blocksize=64,
                                          compress_statistics=self.compress_statistics).to(w.device)
+            if w.dtype == torch.float32:
+                # trap: on an AVX512-BF16 CPU, bitsandbytes >= 0.49 repacks the weight for a kernel that
+                # casts activations and absmax to bf16; an fp32 run stays dequantize_4bit + fp32 matmul
+                q.support_avx512bf16_for_cpu = False
             if mod.bias is not None:
                 q.bias = nn.Parameter(mod.bias.data, requires_grad=False)
             new[id(mod)] = q
@@ -222,6 +260,7 @@ class Nf4Quant:
             "weight_bytes": sum(_nf4_bytes(q) for q in new.values()),
             "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets),
             "skipped": skipped,
+            **_loaded_info(_loaded_int4(model)),
         }
         return _swap(model, new)
 

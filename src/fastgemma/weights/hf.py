@@ -4,6 +4,8 @@ Key layouts: Gemma4ForConditionalGeneration (`model.language_model.*` beside vis
 Gemma4ForCausalLM / Gemma3ForCausalLM (`model.*`). Every key and shape is checked from the shard
 headers before a byte is allocated, so bad input fails with nothing half-done; then tensors are
 copied one at a time into parameters allocated on the target device (no second full copy).
+A compressed-tensors int4 checkpoint (`quantization_config` in config.json) is detected here: its
+packed linears become Int4Linear modules, mapped and checked the same way (weights/compressed.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from ..model import ModelConfig, empty_model, read_config_json
 from ..model.config import ConfigError
@@ -38,11 +41,19 @@ class LoadReport:
     ignored_shared_kv: list[str] = field(default_factory=list)
     skipped_other_modalities: int = 0
     skipped_tied_head: bool = False
+    quantization: dict | None = None  # a compressed-tensors checkpoint: its scheme and layer counts
 
     def summary(self) -> str:
-        return (f"{self.path}: {self.loaded} tensors from {self.shards} shard(s); ignored "
-                f"{len(self.ignored_shared_kv)} KV-shared k/v keys, {self.skipped_other_modalities} "
-                f"other-modality keys" + ("; tied lm_head skipped" if self.skipped_tied_head else ""))
+        s = (f"{self.path}: {self.loaded} tensors from {self.shards} shard(s); ignored "
+             f"{len(self.ignored_shared_kv)} KV-shared k/v keys, {self.skipped_other_modalities} "
+             f"other-modality keys" + ("; tied lm_head skipped" if self.skipped_tied_head else ""))
+        q = self.quantization
+        if q:
+            s += (f"; {q['int4_layers']} linears int4 as stored (compressed-tensors, group {q['group_size']}, "
+                  f"{'symmetric' if q['symmetric'] else 'asymmetric'}), {q['dense_linears']} dense")
+            if q["fp32_scale_layers"]:
+                s += f", {q['fp32_scale_layers']} with fp32 scales/zeros (zero point not exact in the scale dtype)"
+        return s
 
 
 def _shards(root: Path) -> list[Path]:
@@ -74,11 +85,16 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return out
 
 
-def plan_load(cfg: ModelConfig, header: dict, expected: dict[str, tuple[int, ...]], report: LoadReport):
-    """Map checkpoint keys to model names; raise naming every missing, unexpected or misshaped key."""
+def _prefix(header: dict, path: str) -> str:
     prefix = next((p for p in _PREFIXES if any(k.startswith(p + "layers.") for k in header)), None)
     if prefix is None:
-        raise CheckpointError(f"{report.path}: no decoder layers under {list(_PREFIXES)}: not a Gemma text checkpoint")
+        raise CheckpointError(f"{path}: no decoder layers under {list(_PREFIXES)}: not a Gemma text checkpoint")
+    return prefix
+
+
+def plan_load(cfg: ModelConfig, header: dict, expected: dict[str, tuple[int, ...]], report: LoadReport):
+    """Map checkpoint keys to model names; raise naming every missing, unexpected or misshaped key."""
+    prefix = _prefix(header, report.path)
     shared = {s.index for s in cfg.layer_specs() if not s.stores_kv}
     plan, unexpected, shapes = {}, [], []
     for key, (f, shape) in header.items():
@@ -126,14 +142,27 @@ def load_hf(path: str | Path, device="cpu", dtype=torch.bfloat16, cfg: ModelConf
         cfg = cfg or read_config_json(root)
     except PermissionError as e:
         raise CheckpointError(f"{root}: unreadable ({e})") from e
+    from .compressed import read_scheme
+
+    scheme = read_scheme(root)  # None: a dense checkpoint
     files = _shards(root)
     header = _headers(files)
     report = LoadReport(str(root), len(files))
     with torch.device("meta"):
         from ..model.decoder import Gemma4Model
-        expected = {k: tuple(v.shape) for k, v in Gemma4Model(cfg).state_dict().items()}
+        meta = Gemma4Model(cfg)
+    expected = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    packed, int4_plan, on_meta = {}, {}, None
+    if scheme is not None:
+        linears = {n: (m.out_features, m.in_features) for n, m in meta.named_modules() if isinstance(m, nn.Linear)}
+        packed = scheme.plan(str(root), header, _prefix(header, str(root)), linears, expected)
     plan = plan_load(cfg, header, expected, report)
-    model = empty_model(cfg, device, dtype)
+    if packed:
+        int4_plan = {n: plan.pop(n) for n in list(plan) if n.rpartition(".")[0] in packed}
+        scheme.check(str(root), packed, int4_plan)
+        backend = "triton" if torch.device(device).type == "cuda" else "torch"  # as quant=int4 on each device
+        on_meta = lambda m: scheme.swap(m, packed, backend)  # noqa: E731
+    model = empty_model(cfg, device, dtype, on_meta=on_meta)
     targets = model.state_dict()
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for name, (f, key) in plan.items():
@@ -143,6 +172,11 @@ def load_hf(path: str | Path, device="cpu", dtype=torch.bfloat16, cfg: ModelConf
             for name, key in items:
                 targets[name].copy_(sf.get_tensor(key))
                 report.loaded += 1
+    if scheme is not None:
+        fp32 = scheme.fill(model, packed, int4_plan)
+        report.loaded += len(int4_plan)
+        report.quantization = {**scheme.describe(), "int4_layers": len(packed), "fp32_scale_layers": fp32,
+                               "dense_linears": sum(isinstance(m, nn.Linear) for m in model.modules())}
     model.init_buffers()
     return model, report
 

@@ -1,0 +1,34 @@
+"""Timing helpers shared by the kernel micro-benchmarks (CUDA only; not tests)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def timer(graph: bool = True, rep_ms: int = 20):
+    """fn -> median microseconds: inside CUDA graphs (the decode path) or with eager launches."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    def timed_us(fn):
+        if graph:
+            return 1e3 * do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+        return 1e3 * do_bench(fn, rep=rep_ms, return_mode="median")
+    return timed_us
+
+
+def rotating(bufs, call):
+    """A no-argument fn that calls call(*bufs[i]) with i advancing per call: each launch reads
+    weights that are not in L2 when len(bufs) copies span more than the L2."""
+    state = {"i": 0}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % len(bufs)
+        return call(*bufs[state["i"]])
+    return fn
+
+
+def copies_past_l2(nbytes: int, device) -> int:
+    """How many copies of nbytes make one pass over them at least twice the L2."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(2, math.ceil(2 * l2 / max(nbytes, 1)))

@@ -1,0 +1,192 @@
+"""Dense 16-bit GEMV for decode (x [M, K] @ W[N, K]^T with M = 1..4): a Triton kernel, torch twin.
+
+At one row, cuBLAS reaches 3.4-3.7 TB/s on the large E4B matrices but only 1.6 TB/s or less on the
+small ones (q 2048x2560: 6.6 us, the PLE gate 256x2560: 6.3 us): too few bytes in flight per SM.
+This kernel keeps each program's whole K slice in flight: the loop over K blocks is unrolled
+(tl.static_range), so every weight load of a program is issued before the first FMA waits, and the
+grid is sized by rows alone (BLOCK_N rows per program, no split-K, so no second kernel and no
+atomics: the result is deterministic). Rows of x are a grid axis; each re-reads W, so it pays
+only at M = 1 (decode) and the verify pass's few rows stay on cuBLAS (`MAX_M`).
+
+`gemv(x, w)` launches; `gemv_op` is the same as an opaque op for torch.compile; `gemv_ref` is the
+twin (F.linear). Tiles: `CONFIGS[(N, K)]` (E4B shapes on the H200) else `default_config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_M = 1  # rows of x above which callers use cuBLAS
+_SMS = 132
+_INTERPRET = bool(triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    FULL: tl.constexpr = K // BLOCK_K
+    for kb in tl.static_range(FULL):  # unrolled: all loads of the slice can be in flight at once
+        w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[:, None], other=0.0)
+        x = tl.load(x_ptrs + kb * BLOCK_K)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if K % BLOCK_K:  # constexpr tail
+        k_ok = FULL * BLOCK_K + offs_k < K
+        w = tl.load(w_ptrs + FULL * BLOCK_K, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + FULL * BLOCK_K, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+# (N, K) -> tiles for the E4B shapes; starting points (~2+ waves of 132 SMs, <= 64 fp32 accumulators
+# per thread) until `bench_shapes(sweep=True)` on the H200 prints better lines to paste here
+CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+
+
+def default_config(N: int, K: int) -> GemvConfig:
+    """BLOCK_K 512 (a warp reads 1 KB of a row per load); BLOCK_N halves from 8 until there are
+    >= 4 waves of programs; warps so that a thread holds <= 16 accumulators per K block."""
+    bk = min(512, triton.next_power_of_2(K))
+    bn = 8
+    while bn > 1 and triton.cdiv(N, bn) < 4 * _SMS:
+        bn //= 2
+    warps = max(1, min(8, bn * bk // 32 // 16))
+    return GemvConfig(bn, bk, warps)
+
+
+def resolve_config(N: int, K: int, config: GemvConfig | None = None) -> GemvConfig:
+    cfg = config or CONFIGS.get((N, K)) or default_config(N, K)
+    for name in ("block_n", "block_k", "num_warps"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+    return cfg
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation. No host sync."""
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError("gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use gemv_ref on the CPU")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if w.stride(1) != 1:
+        raise ValueError("gemv needs w contiguous along K")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = resolve_config(N, K, config)
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n), M)](
+        x, w, out, N, x.stride(0), w.stride(0), out.stride(0),
+        K=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    return out
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, config=None) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+@torch.library.custom_op("fastgemma::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return gemv(x, w)
+
+
+@gemv_op.register_fake
+def _(x, w):
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmark (CUDA only; not a test)
+
+E4B_SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K), merged projections as the fast path runs them
+    "qkv": (3072, 2560), "qkv_full": (6144, 2560), "q_shared": (2048, 2560), "q_shared_full": (4096, 2560),
+    "o": (2560, 2048), "o_full": (2560, 4096), "gate|up": (20480, 2560), "down": (2560, 10240),
+    "ple_gate": (256, 2560), "ple_proj": (2560, 256), "w_plm": (10752, 2560),
+}
+
+
+def candidates(N: int, K: int) -> list[GemvConfig]:
+    """<= 8 tiles per shape (one compile each): BLOCK_K 512 or 1024 (capped at K), BLOCK_N 1..8,
+    4 or 8 warps, 8..32 fp32 accumulators per thread."""
+    out = []
+    for bk in dict.fromkeys(min(b, triton.next_power_of_2(K)) for b in (512, 1024)):
+        for bn in (1, 2, 4, 8):
+            for warps in (4, 8):
+                if 8 <= bn * bk // (32 * warps) <= 32:
+                    out.append(GemvConfig(bn, bk, warps))
+    return out
+
+
+def bench_shapes(shapes: dict | None = None, dtype=torch.bfloat16, sweep: bool = False, graph: bool = True,
+                 rep_ms: int = 20, device: str = "cuda") -> list[dict]:
+    """Our GEMV against cuBLAS (F.linear) at M = 1 on every E4B shape, weights rotated out of L2.
+    sweep=True also times `candidates` and prints CONFIGS lines. Needs a CUDA device."""
+    from .bench_util import copies_past_l2, rotating, timer
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("gemv.bench_shapes needs a CUDA device")
+    dev = torch.device(device)
+    timed_us = timer(graph, rep_ms)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows, lines = [], []
+    print(f"{torch.cuda.get_device_name(dev)} {dtype} M=1 {'graph' if graph else 'eager'} (us, TB/s of weight bytes)")
+    print(f"{'shape':>14} {'N':>6} {'K':>6} | {'ours':>7} {'TB/s':>5} | {'cuBLAS':>7} {'TB/s':>5} | {'x':>5} | "
+          f"{'err':>8} | config")
+    total_ours = total_ref = 0.0
+    for name, (N, K) in (shapes or E4B_SHAPES).items():
+        w = torch.randn(N, K, device=dev, dtype=dtype, generator=gen) * 0.02
+        x = torch.randn(1, K, device=dev, dtype=dtype, generator=gen)
+        nbytes = w.numel() * w.element_size()
+        bufs = [(w.clone(),) for _ in range(copies_past_l2(nbytes, dev))]
+        ref = F.linear(x.float(), w.float())
+        err = ((gemv(x, w).float() - ref).abs().max() / ref.abs().max()).item()
+        t_ref = timed_us(rotating(bufs, lambda w_: F.linear(x, w_)))
+        cfgs = [resolve_config(N, K)] + (candidates(N, K) if sweep else [])
+        results = []
+        for cfg in dict.fromkeys(cfgs):
+            try:
+                results.append((timed_us(rotating(bufs, lambda w_, c=cfg: gemv(x, w_, c))), cfg))
+            except Exception as e:  # a candidate out of resources: skip it
+                print(f"    skip {cfg}: {type(e).__name__}")
+        t, cfg = results[0]
+        tb, cb = min(results, key=lambda r: r[0])
+        total_ours += tb
+        total_ref += t_ref
+        rows.append(dict(shape=name, N=N, K=K, ours_us=t, cublas_us=t_ref, best_us=tb,
+                         best_config=dataclasses.astuple(cb), max_rel_err=err))
+        print(f"{name:>14} {N:>6} {K:>6} | {t:7.2f} {nbytes / t / 1e6:5.2f} | {t_ref:7.2f} {nbytes / t_ref / 1e6:5.2f} | "
+              f"{t_ref / t:5.2f} | {err:8.1e} | {cfg}")
+        if sweep:
+            print(f"{'best':>14} {'':>6} {'':>6} | {tb:7.2f} {nbytes / tb / 1e6:5.2f} | {'':>7} {'':>5} | "
+                  f"{t_ref / tb:5.2f} | {'':>8} | {cb}")
+            lines.append(f"    ({N}, {K}): GemvConfig{dataclasses.astuple(cb)},  # {name}")
+        del bufs
+    print(f"sum over shapes: ours (best) {total_ours:.1f} us, cuBLAS {total_ref:.1f} us")
+    if sweep:
+        print("\n# CONFIGS entries (block_n, block_k, num_warps):")
+        print("\n".join(lines))
+    return rows

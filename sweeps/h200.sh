@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU benchmarks in one command, each part under its own time limit, logs under $OUT (or
+# ./results/h200), short tables last. Parts (any order, default all):
+#   profile   kernels per decode step and where the time goes (bench.profile)
+#   gemv      our bf16 GEMV vs cuBLAS on every E4B shape, with a tile sweep (kernels.gemv.bench_shapes)
+#   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes)
+#   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
+#   spec      speculative decoding: depth x acceptance profile x window (bench.spec)
+#   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
+# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, SPEC_ARGS, PROFILE_VARIANTS.
+#   bash sweeps/h200.sh profile int4
+# On a GPU box without a registry, wheels from ../shared/tools/device-wheels.sh in .whl are installed
+# first (hydra and friends are not needed by these entries, only by the CLI).
+set -u
+cd "$(dirname "$0")/.."
+out="${OUT:-$PWD/results/h200}"
+mkdir -p "$out"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src"
+part_s="${PART_S:-420}"  # or per part: GEMV_S, INT4_S, PROFILE_S, HEAD_S, SPEC_S, LADDER_S
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$out/gpu.txt"
+
+run() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS limit_var="${name^^}_S"
+  timeout "${!limit_var:-$part_s}" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc $rc in $((SECONDS - t0)) s"
+}
+
+for p in "${parts[@]}"; do
+  case $p in
+    profile) run profile python3 -m fastgemma.bench.profile \
+               --variants "${PROFILE_VARIANTS:-graph_triton_merged,compiled_triton_merged,compiled_triton_merged_int4}" \
+               --out "$out/profile.jsonl" ;;
+    gemv) run gemv python3 -c 'from fastgemma.kernels.gemv import bench_shapes; bench_shapes(sweep=True, rep_ms=10)' ;;
+    int4) run int4 python3 -c 'from fastgemma.kernels.w4a16 import bench_shapes; bench_shapes(ms=(1,), sweep=True, rep_ms=10)' ;;
+    head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
+    spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
+    ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 \
+              --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
+    *) echo "unknown part $p (profile, gemv, int4, head, spec, ladder)"; exit 2 ;;
+  esac
+done
+# the short tables: everything from each log's last blank-line-separated tables
+for p in "${parts[@]}"; do
+  echo; echo "##### $p"
+  case $p in
+    profile) grep -E '^## |^\| (gemv|attention|fused|torch|int4|head|other|group)' "$out/profile.log" | head -40 ;;
+    gemv) grep -vE '^ +skip' "$out/gemv.log" | tail -40 ;;
+    int4) grep -E 'best|^ +[a-z/|_]+ +[0-9]+ +[0-9]+ +1 ' "$out/int4.log" | head -40; grep -A40 '^# CONFIGS' "$out/int4.log" ;;
+    *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
+  esac
+  tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true
+done
