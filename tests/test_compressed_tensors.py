@@ -95,13 +95,31 @@ def write_ckpt(src, dst, G=32, symmetric=True, ignore=IGNORE, qcfg=None):
             out[key] = t
         dense[key] = ref.get(key, t)
     dst.mkdir(parents=True)
-    save_file(out, str(dst / "model.safetensors"))
+    # two shards, keys alternating: a layer's codes and scales sit in different files
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": dict(sorted(out.items())[i::2]) for i in range(2)}
+    for name, part in shards.items():
+        save_file(part, str(dst / name))
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg or qconfig(G, symmetric, ignore)}))
     (dst.parent / f"{dst.name}_dense").mkdir()
     save_file(dense, str(dst.parent / f"{dst.name}_dense" / "model.safetensors"))
     (dst.parent / f"{dst.name}_dense" / "config.json").write_text(json.dumps(cfg))
     return dst, ref
+
+
+def _edit(d, key, value=None):
+    """Replace (or, with None, delete) one tensor of a sharded checkpoint."""
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    f = d / index["weight_map"][key]
+    t = load_file(str(f))
+    if value is None:
+        del t[key], index["weight_map"][key]
+    else:
+        t[key] = value
+    save_file(t, str(f))
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def _logits(model, ids):
@@ -172,7 +190,7 @@ def test_layers_int4_and_dequantized_exactly(ckpt):
         w = dequantize_int4(mod.qweight, mod.scales, mod.zeros, G)
         assert torch.equal(w, ref[f"model.{name}.weight"]), name
     print(report.summary())
-    assert f"{len(ref)} linears int4 as stored" in report.summary()
+    assert report.shards == 2 and f"{len(ref)} linears int4 as stored" in report.summary()
 
 
 def test_ignore_list_is_honoured(ckpt, hf_tiny_dir):
@@ -267,9 +285,7 @@ def test_unsupported_configs_refused(hf_tiny_dir, tmp_path, change, message):
 
 def test_missing_scale_named(hf_tiny_dir, tmp_path):
     d, _ = write_ckpt(hf_tiny_dir[0], tmp_path / "ckpt")
-    t = load_file(str(d / "model.safetensors"))
-    del t["model.layers.2.mlp.up_proj.weight_scale"]
-    save_file(t, str(d / "model.safetensors"))
+    _edit(d, "model.layers.2.mlp.up_proj.weight_scale")
     with pytest.raises(CheckpointError, match=r"missing keys \(1\): model\.layers\.2\.mlp\.up_proj\.weight_scale"):
         load_hf(d, dtype=torch.float32)
 
@@ -283,8 +299,13 @@ def test_packed_layer_in_ignore_list_refused(hf_tiny_dir, tmp_path):
 
 def test_wrong_weight_shape_refused(hf_tiny_dir, tmp_path):
     d, _ = write_ckpt(hf_tiny_dir[0], tmp_path / "ckpt")
-    t = load_file(str(d / "model.safetensors"))
-    t["model.layers.0.self_attn.q_proj.weight_shape"] = torch.tensor([128, 32])
-    save_file(t, str(d / "model.safetensors"))
+    _edit(d, "model.layers.0.self_attn.q_proj.weight_shape", torch.tensor([128, 32]))
     with pytest.raises(CheckpointError, match=r"q_proj\.weight_shape is \[128, 32\], the model's layer is \[128, 64\]"):
+        load_hf(d, dtype=torch.float32)
+
+
+def test_wrong_dtype_refused(hf_tiny_dir, tmp_path):
+    d, _ = write_ckpt(hf_tiny_dir[0], tmp_path / "ckpt")
+    _edit(d, "model.layers.0.mlp.gate_proj.weight_scale", torch.ones(128, 2, dtype=torch.int32))
+    with pytest.raises(CheckpointError, match=r"gate_proj\.weight_scale: dtype I32, expected BF16/F16/F32"):
         load_hf(d, dtype=torch.float32)
