@@ -59,6 +59,9 @@ def apply_variant(model, name, state):
         Int4Quant(group_size=128).apply(model)
         state["int4"] = True
     use_gemv(model, gemv)
+    # dynamo caches the step by code object and does not guard on a swapped module class: without
+    # a reset, a compiled variant after another would replay the earlier variant's graph
+    torch._dynamo.reset()
     model.step_attention = decode_attention_op if attn == "triton" else decode_attention_ref
     return cls, compiled
 

@@ -58,9 +58,21 @@ class GemvConfig:
     num_warps: int = 4
 
 
-# (N, K) -> tiles for the E4B shapes; starting points (~2+ waves of 132 SMs, <= 64 fp32 accumulators
-# per thread) until `bench_shapes(sweep=True)` on the H200 prints better lines to paste here
-CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+# (N, K) -> tiles: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2);
+# comments: ours / cuBLAS in us at M = 1
+CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (3072, 2560): GemvConfig(8, 512, 4),    # q|k|v (sliding): 5.97 / 7.24
+    (6144, 2560): GemvConfig(8, 512, 4),    # q|k|v (full): 9.53 / 11.32
+    (2048, 2560): GemvConfig(8, 512, 4),    # q (KV-shared, sliding): 4.85 / 6.71
+    (4096, 2560): GemvConfig(4, 512, 8),    # q (KV-shared, full): 7.11 / 8.07
+    (2560, 2048): GemvConfig(1, 1024, 4),   # o (sliding): 4.57 / 6.23
+    (2560, 4096): GemvConfig(2, 1024, 4),   # o (full): 7.33 / 10.85
+    (20480, 2560): GemvConfig(8, 512, 4),   # gate|up: 26.50 / 29.05
+    (2560, 10240): GemvConfig(1, 1024, 4),  # down: 14.69 / 18.06 (cuBLAS adds a split-K reduce)
+    (256, 2560): GemvConfig(1, 512, 1),     # PLE gate: 2.65 / 6.32
+    (2560, 256): GemvConfig(4, 256, 4),     # PLE projection: 2.10 / 3.16
+    (10752, 2560): GemvConfig(8, 512, 4),   # W_plm: 15.60 / 15.53
+}
 
 
 def default_config(N: int, K: int) -> GemvConfig:

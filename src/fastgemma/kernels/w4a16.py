@@ -256,24 +256,25 @@ def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
 # M = 16 entries are starting points from program counts (>= 2 waves of 132 SMs where N allows) and
 # ptxas for sm_90a (tl.dot path: block_k 512 spills, 256 uses ~150 registers), not yet timed on the
-# H200. The M = 1 sweep was flat across tiles (within 5% on the large shapes): the GEMV is bound by
-# its dequantisation work, not by its tiling. `bench_shapes(sweep=True)` prints lines to paste here.
+# H200. The M = 1 sweeps were flat across tiles (within 5% on the large shapes): the GEMV is bound by
+# its per-weight instructions, not by its tiling; the factored kernel cut gate|up 21.6 -> 19.6 us. `bench_shapes(sweep=True)` prints lines to paste here.
 CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
-    # M = 1: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us
-    (1, 2048, 2560): _gemv(4, 512, 1, 4),     # q (KV-shared layers): 5.39
-    (1, 4096, 2560): _gemv(4, 512, 1, 2),     # q (full, head_dim 512): 6.74
-    (1, 512, 2560): _gemv(4, 512, 1, 4),      # k / v (sliding): 4.82
-    (1, 1024, 2560): _gemv(4, 512, 1, 4),     # k / v (full): 4.93
-    (1, 3072, 2560): _gemv(4, 512, 1, 4),     # q|k|v merged (sliding): 6.11
-    (1, 6144, 2560): _gemv(8, 512, 1, 4),     # q|k|v merged (full): 8.67
-    (1, 2560, 2048): _gemv(4, 1024, 1, 4),    # o (sliding): 4.31
-    (1, 2560, 4096): _gemv(4, 1024, 1, 4),    # o (full): 6.58
-    (1, 10240, 2560): _gemv(8, 512, 1, 4),    # gate / up: 12.91
-    (1, 20480, 2560): _gemv(8, 512, 1, 4),    # gate|up merged: 21.98
-    (1, 2560, 10240): _gemv(4, 1024, 1, 4),   # down: 13.08
-    (1, 256, 2560): _gemv(2, 512, 1, 1),      # PLE gate (skipped by default): 3.97
-    (1, 2560, 256): _gemv(8, 256, 1, 4),      # PLE projection: 1.81
-    (1, 10752, 2560): _gemv(8, 512, 1, 4),    # W_plm: 13.32
+    # M = 1: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us,
+    # factored kernel (scale / zero once per group); cuBLAS bf16 on the same shape after the slash
+    (1, 2048, 2560): _gemv(4, 512, 1, 2),     # q (KV-shared layers): 5.24 / 6.69
+    (1, 4096, 2560): _gemv(4, 512, 1, 2),     # q (full, head_dim 512): 6.29 / 8.08
+    (1, 512, 2560): _gemv(4, 512, 1, 2),      # k / v (sliding): 4.68 / 6.36
+    (1, 1024, 2560): _gemv(4, 512, 1, 2),     # k / v (full): 4.93 / 15.22
+    (1, 3072, 2560): _gemv(4, 512, 1, 2),     # q|k|v merged (sliding): 5.75 / 7.19
+    (1, 6144, 2560): _gemv(4, 512, 1, 2),     # q|k|v merged (full): 7.86 / 11.36
+    (1, 2560, 2048): _gemv(4, 1024, 1, 4),    # o (sliding): 4.21 / 6.17
+    (1, 2560, 4096): _gemv(4, 1024, 1, 4),    # o (full): 5.96 / 10.52
+    (1, 10240, 2560): _gemv(4, 512, 1, 2),    # gate / up: 12.02 / 15.27
+    (1, 20480, 2560): _gemv(8, 512, 1, 4),    # gate|up merged: 19.61 / 28.85
+    (1, 2560, 10240): _gemv(4, 1024, 1, 4),   # down: 11.83 / 18.09
+    (1, 256, 2560): _gemv(4, 512, 1, 4),      # PLE gate (skipped by default): 4.17 / 6.31
+    (1, 2560, 256): _gemv(4, 256, 1, 2),      # PLE projection: 1.93 / 3.17
+    (1, 10752, 2560): _gemv(4, 512, 1, 2),    # W_plm: 12.43 / 15.50
     (1, 262144, 2560): _gemv(16, 512),        # tied head, if a head transform uses int4 (untimed)
     (16, 2048, 2560): _mma(16, 256),     # 128 programs
     (16, 4096, 2560): _mma(16, 256),     # 256
