@@ -94,3 +94,27 @@ def test_use_gemv_on_tiny_model_decode():
     assert tokens == ref_tokens
     assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
     assert use_gemv(model, False) == n and not any(isinstance(m, GemvLinear) for m in model.modules())
+
+
+def test_quant_bf16_triton_backend():
+    from fastgemma.build import needs_cuda
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.gemv import GemvLinear
+    from fastgemma.transforms.quant import Int4Quant, NoQuant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=0)
+    q = NoQuant(backend="triton")
+    assert needs_cuda(q) and not needs_cuda(NoQuant())
+    q.apply(model)
+    n = sum(isinstance(m, GemvLinear) for m in model.modules())
+    assert n > 0 and q.describe()["gemv_layers"] == n and q.describe()["backend"] == "triton"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        NoQuant(backend="cublas")
+    # int4 with the triton backend: the skipped (dense) PLE gates take the GEMV too
+    model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=0)
+    iq = Int4Quant(group_size=32, skip=("per_layer_input_gate", "per_layer_projection"), backend="triton")
+    iq.apply(model)
+    gates = [m for name, m in model.named_modules() if name.endswith("per_layer_input_gate")]
+    assert gates and all(isinstance(m, GemvLinear) for m in gates) and iq.describe()["gemv_layers"] == 2 * len(gates)
+

@@ -111,6 +111,7 @@ def test_every_experiment_runs_on_the_tiny_model(experiment, tmp_path):
     (["task=ppl", "eval.corpus=/no/such/corpus.txt"], "corpus file /no/such/corpus.txt does not exist"),
     (["graphs=cuda_graph"], "graphs=cuda_graph needs a CUDA GPU"),
     (["attention=triton", "graphs=static"], "attention=triton needs a CUDA GPU"),
+    (["quant.backend=triton"], "quant=bf16 needs a CUDA GPU"),
     (["device=cuda"], "device=cuda asked for, but no CUDA GPU"),
     (["weights=hf"], "weights=hf needs weights.path"),
     (["model=checkpoint"], "weights=synthetic needs a model preset"),

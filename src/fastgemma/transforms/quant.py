@@ -148,18 +148,34 @@ def _loaded_info(int4: list[Int4Linear]) -> dict:
 # transforms
 
 
+_DENSE_BACKENDS = ("torch", "triton")
+
+
+def _check_dense_backend(backend: str) -> None:
+    if backend not in _DENSE_BACKENDS:
+        raise ValueError(f"quant=bf16 backend must be one of {list(_DENSE_BACKENDS)}, got {backend!r}")
+
+
 class NoQuant:
     """quant=bf16: the model keeps its weights as loaded. A compressed-tensors int4 checkpoint's
     packed layers stay int4 (dequantizing them would only cost memory and speed), and describe()
-    says so: quant "int4 (checkpoint)", with the layer count and bytes."""
+    says so: quant "int4 (checkpoint)", with the layer count and bytes.
+    backend: torch (F.linear: cuBLAS on a GPU) | triton (one-row inputs through our GEMV,
+    fastgemma.kernels.gemv; wider inputs stay on F.linear; CUDA only)."""
 
-    def __init__(self):
-        self._info: dict = {"quant": "bf16"}
+    def __init__(self, backend: str = "torch"):
+        _check_dense_backend(backend)
+        self.backend = backend
+        self._info: dict = {"quant": "bf16", "backend": backend}
 
     def apply(self, model: nn.Module) -> nn.Module:
+        from .gemv import use_gemv
+
         lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
         int4 = _loaded_int4(model)
-        self._info = {"quant": "int4 (checkpoint)" if int4 else "bf16",
+        gemv_layers = use_gemv(model) if self.backend == "triton" else 0
+        self._info = {"quant": "int4 (checkpoint)" if int4 else "bf16", "backend": self.backend,
+                      "gemv_layers": gemv_layers,
                       "quantized_params": sum(m.in_features * m.out_features for m in int4),
                       "weight_bytes": sum(_dense_bytes(m) for m in lins) + sum(m.weight_bytes() for m in int4),
                       **_loaded_info(int4)}
@@ -172,7 +188,9 @@ class NoQuant:
 class Int4Quant:
     """quant=int4: every nn.Linear whose qualified name matches no `skip` pattern (substring or
     fnmatch) becomes an Int4Linear (W4A16, RTN asymmetric, group `group_size` along K). Int4Linear
-    layers loaded from a checkpoint keep their codes and group size; only their backend is set."""
+    layers loaded from a checkpoint keep their codes and group size; only their backend is set.
+    With backend=triton the layers left dense run one-row inputs through our GEMV (as quant=bf16
+    backend=triton does)."""
 
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton"):
         check_group_size(group_size)
@@ -203,7 +221,12 @@ class Int4Quant:
             "skipped": skipped,
             **_loaded_info(loaded),
         }
-        return _swap(model, new)
+        model = _swap(model, new)
+        if self.backend == "triton":  # the layers left dense (skip list) take our GEMV at one row
+            from .gemv import use_gemv
+
+            self._info["gemv_layers"] = use_gemv(model)
+        return model
 
     def describe(self) -> dict:
         return dict(self._info)
