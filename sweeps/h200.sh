@@ -6,8 +6,9 @@
 #   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
 #   spec      speculative decoding: depth x acceptance profile x window (bench.spec)
+#   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
-# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, SPEC_ARGS, PROFILE_VARIANTS.
+# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, PROFILE_VARIANTS.
 #   bash sweeps/h200.sh profile int4
 # On a GPU box without a registry, wheels from ../shared/tools/device-wheels.sh in .whl are installed
 # first (hydra and friends are not needed by these entries, only by the CLI).
@@ -40,9 +41,11 @@ for p in "${parts[@]}"; do
     int4) run int4 python3 -c 'from fastgemma.kernels.w4a16 import bench_shapes; bench_shapes(ms=(1,), sweep=True, rep_ms=10)' ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
+    agreement) run agreement python3 -m fastgemma.bench.agreement \
+                 --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, int4, head, spec, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, int4, head, spec, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

@@ -149,7 +149,8 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     max_ctx = a.max_context or (a.prompt_len + a.new + 16)
-    rows, ref_tokens, ref_forced = [], None, None
+    rows, ref_tokens, ref_forced, hf_row = [], None, None, None
+    want_hf = bool(a.hf_new or a.hf_check)
     state = {}
     for name in a.variants.split(","):
         cls, compiled = apply_variant(model, name, state)
@@ -198,9 +199,12 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
         del step, gen, cache
+        if want_hf and hf_row is None and not state:  # transformers maps only the unmerged, dense weights
+            hf_row = hf_reference(model, prompts, a, ref_forced, ref_tokens)
         if cuda:
             torch.cuda.empty_cache()
-    hf_row = hf_reference(model, prompts, a, ref_forced, ref_tokens) if (a.hf_new or a.hf_check) else None
+    if want_hf and hf_row is None:
+        hf_row = hf_reference(model, prompts, a, ref_forced, ref_tokens)
     if a.out:
         with open(a.out, "w") as f:
             for r in rows + ([hf_row] if hf_row else []):
