@@ -27,7 +27,6 @@ to the shape. `bench_shapes` times every E4B shape against cuBLAS bf16 and can s
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -421,27 +420,14 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
     launches (do_bench). sweep=True also tries `candidates` and prints CONFIGS lines for the best.
     Returns one dict per (shape, M). Needs a CUDA device.
     """
-    from triton.testing import do_bench, do_bench_cudagraph
+    from .bench_util import copies_past_l2, rotating, timer
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_shapes needs a CUDA device")
     dev = torch.device(device)
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     shapes = shapes or E4B_SHAPES
     gen = torch.Generator(device=dev).manual_seed(0)
-
-    def timed_us(fn):
-        if graph:
-            return 1e3 * do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-        return 1e3 * do_bench(fn, rep=rep_ms, return_mode="median")
-
-    def rotating(bufs, call):
-        state = {"i": 0}
-
-        def fn():
-            state["i"] = (state["i"] + 1) % len(bufs)
-            return call(*bufs[state["i"]])
-        return fn
+    timed_us = timer(graph, rep_ms)
 
     rows, best_lines = [], []
     print(f"{torch.cuda.get_device_name(dev)}  group {group_size}  {dtype}  "
@@ -453,11 +439,8 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
         q, s, z = quantize_int4(w, group_size)
         qw = pack_int4(q)
         q_bytes = qw.numel() + 2 * s.numel() * s.element_size()
-        # enough copies that one pass over them is > 2 x L2
-        n_q = max(2, math.ceil(2 * l2 / q_bytes))
-        n_w = max(2, math.ceil(2 * l2 / (w.numel() * w.element_size())))
-        qbufs = [(qw.clone(), s.clone(), z.clone()) for _ in range(n_q)]
-        wbufs = [(w.clone(),) for _ in range(n_w)]
+        qbufs = [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_past_l2(q_bytes, dev))]
+        wbufs = [(w.clone(),) for _ in range(copies_past_l2(w.numel() * w.element_size(), dev))]
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)
             ref = w4a16_torch(x, qw, s, z, group_size).float()
