@@ -1,0 +1,46 @@
+"""The GPU benchmark entries' logic on the CPU: helpers with exact expectations, and a tiny-model
+smoke run of the entries that can run on torch twins (so they cannot rot between GPU runs)."""
+import json
+
+import torch
+
+from fastgemma.bench.agreement import agree
+from fastgemma.bench.profile import group_of
+
+
+def test_profile_groups_kernel_names():
+XX
+    assert group_of("_gemv_kernel") == "int4 gemv"
+    assert group_of("nvjet_sm90_tst_192x8_64x8_4x1_v_bz_TNT") == "gemv/gemm (cuBLAS)"
+    assert group_of("triton_red_fused__to_copy_add_mean_mul_pow_10") == "fused elementwise / reductions"
+    assert group_of("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps>>") == "head argmax"
+
+
+def test_agree_counts_flips_and_confident_positions():
+    ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.95, 0.0], [0.0, 2.0, 1.0]])
+    got = torch.tensor([[2.0, 1.0, 0.0], [0.9, 1.0, 0.0], [0.0, 1.0, 1.5]])  # rows 1 and 2 flip
+    top2 = ref.topk(2, -1).values
+    margins = top2[:, 0] - top2[:, 1]  # 2.0, 0.05, 1.0
+    r = agree(ref, got, margins, 0.1)
+    assert abs(r["top1"] - 1 / 3) < 1e-6
+    assert r["confident_positions"] == 2 and r["top1_confident"] == 0.5  # row 2 is confident and flipped
+    assert r["worst_flipped_margin"] == 1.0 and r["max_abs_diff"] == 1.0
+
+
+def test_agreement_and_ladder_run_on_the_cpu(tmp_path, capsys):
+    from fastgemma.bench import agreement, ladder
+
+    out = tmp_path / "agreement.jsonl"
+    agreement.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompt-len", "12", "--new", "6",
+                    "--variants", "eager,static_torch", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["eager", "static_torch"]
+    assert all(0.0 <= r["top1"] <= 1.0 and r["vs"] == "fp32" for r in rows)
+    assert "top1_vs_eager" in rows[1]
+    out = tmp_path / "ladder.jsonl"
+    ladder.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "6",
+                 "--variants", "eager,static_torch", "--hf-new", "0", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["variant"] == "eager" and rows[0]["identity_rate"] == 1.0 and rows[0]["top1_agree"] == 1.0
+    assert rows[-1]["variant"] == "transformers" and "max_abs_diff" in rows[-1], rows[-1]
+    assert "| static_torch |" in capsys.readouterr().out
