@@ -27,7 +27,7 @@ _INTERPRET = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
+def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -111,7 +111,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> 
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), M)](
+    _dense_gemv_kernel[(triton.cdiv(N, cfg.block_n), M)](
         x, w, out, N, x.stride(0), w.stride(0), out.stride(0),
         K=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
     return out
