@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from fastgemma.bench.agreement import agree
 from fastgemma.bench.profile import group_of
+from fastgemma.metrics.identity import top1_agreement
 
 
 def test_profile_groups_kernel_names():
@@ -20,9 +20,8 @@ def test_profile_groups_kernel_names():
 def test_agree_counts_flips_and_confident_positions():
     ref = torch.tensor([[3.0, 1.0, 0.0], [1.0, 0.95, 0.0], [0.0, 2.0, 1.0]])
     got = torch.tensor([[2.0, 1.0, 0.0], [0.9, 1.0, 0.0], [0.0, 1.0, 1.5]])  # rows 1 and 2 flip
-    top2 = ref.topk(2, -1).values
-    margins = top2[:, 0] - top2[:, 1]  # 2.0, 0.05, 1.0
-    r = agree(ref, got, margins, 0.1)
+    # reference margins: 2.0, 0.05, 1.0
+    r = top1_agreement(ref, got, 0.1)
     assert abs(r["top1"] - 1 / 3) < 1e-6
     assert r["confident_positions"] == 2 and r["top1_confident"] == 0.5  # row 2 is confident and flipped
     assert r["worst_flipped_margin"] == 1.0 and r["max_abs_diff"] == 1.0

@@ -21,18 +21,10 @@ import torch
 from ..engine.cache import KVCache
 from ..engine.generator import Generator
 from ..engine.steps import EagerStep
+from ..metrics.identity import top1_agreement, top2
 from ..model.config import preset
 from ..weights.synthetic import synthetic_model
 from .ladder import apply_variant
-
-
-def agree(ref, logits, margins, thresh):
-    hit = ref.argmax(-1) == logits.argmax(-1)
-    conf = margins > thresh
-    return dict(top1=hit.float().mean().item(),
-                top1_confident=hit[conf].float().mean().item() if conf.any() else float("nan"),
-                confident_positions=int(conf.sum()), max_abs_diff=(ref - logits).abs().max().item(),
-                worst_flipped_margin=margins[~hit].max().item() if (~hit).any() else 0.0)
 
 
 @torch.inference_mode()
@@ -65,8 +57,7 @@ def main(argv=None):
     del ref_model
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
-    top2 = ref.topk(2, -1).values
-    margins = top2[:, 0] - top2[:, 1]
+    margins = top2(ref)[1]
     print(f"{cfg.name} synthetic, {a.prompt_len}-token prompt, {a.new} forced tokens; fp32 reference margins: "
           f"median {margins.median().item():.3f}, share > {a.thresh}: {(margins > a.thresh).float().mean().item():.3f}",
           flush=True)
@@ -74,11 +65,11 @@ def main(argv=None):
     for name in a.variants.split(","):
         cls, compiled = apply_variant(model, name, state)
         logits = generator(model, torch.bfloat16, cls, compiled).forced(prompt, trace)
-        row = dict(variant=name, vs="fp32", **agree(ref, logits, margins, a.thresh))
+        row = dict(variant=name, vs="fp32", **top1_agreement(ref, logits, a.thresh))
         if eager_logits is None and name == "eager":
             eager_logits = logits
         elif eager_logits is not None:
-            e = agree(eager_logits, logits, margins, a.thresh)
+            e = top1_agreement(eager_logits, logits, a.thresh, ref_margins=margins)  # confident: by fp32
             row.update(top1_vs_eager=e["top1"], top1_confident_vs_eager=e["top1_confident"])
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -18,6 +18,7 @@ from ..engine.cache import KVCache
 from ..engine.generator import Generator
 from ..engine.steps import EagerStep, GraphStep, StaticStep
 from ..kernels.decode_attention import decode_attention_op, decode_attention_ref
+from ..metrics.identity import common_prefix, top1_agreement
 from ..model.config import preset
 from ..transforms.fuse import MergeProjections
 from ..weights.synthetic import synthetic_model
@@ -109,11 +110,8 @@ def kernels_per_step(step, tok):
 
 
 def top1(ref_logits, logits, thresh=0.1):
-    top2 = ref_logits.topk(2, -1).values
-    margin = top2[:, 0] - top2[:, 1]
-    agree = ref_logits.argmax(-1) == logits.argmax(-1)
-    conf = margin > thresh
-    return agree.float().mean().item(), (agree[conf].float().mean().item() if conf.any() else float("nan"))
+    r = top1_agreement(ref_logits, logits, thresh)
+    return r["top1"], r["top1_confident"]
 
 
 def main(argv=None):
@@ -180,8 +178,7 @@ def main(argv=None):
         same = [o.tokens == r for o, r in zip(outs, ref_outs)] if rows else [True] * len(outs)
         if not rows:
             ref_outs = [o.tokens for o in outs]
-        prefix = statistics.mean(next((i for i, (x, y) in enumerate(zip(o.tokens, r)) if x != y), len(r))
-                                 for o, r in zip(outs, ref_outs))
+        prefix = statistics.mean(common_prefix(o.tokens, r) for o, r in zip(outs, ref_outs))
         agree, agree_conf = top1(ref_forced, forced)
         k = None
         try:

@@ -27,6 +27,22 @@ def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return i[:, 0], v[:, 0] - v[:, 1]
 
 
+def top1_agreement(ref: torch.Tensor, logits: torch.Tensor, margin: float = 0.1, ref_margins=None) -> dict:
+    """Teacher-forced logits [N, V] of a reference and a candidate on the same positions ->
+    top1 (share of equal argmaxes), top1_confident (over positions whose reference margin >
+    `margin`; `ref_margins` [N] overrides the margins, e.g. a third path's), their count, the
+    largest |logit| difference and the largest margin among flipped positions."""
+    ref_top1, margins = top2(ref)
+    if ref_margins is not None:
+        margins = ref_margins
+    hit = ref_top1 == top2(logits)[0]
+    conf = margins > margin
+    return dict(top1=hit.float().mean().item(),
+                top1_confident=hit[conf].float().mean().item() if conf.any() else float("nan"),
+                confident_positions=int(conf.sum()), max_abs_diff=(ref.float() - logits.float()).abs().max().item(),
+                worst_flipped_margin=margins[~hit].max().item() if (~hit).any() else 0.0)
+
+
 class IdentityTally:
     def __init__(self, margin: float = 0.1):
         self.margin = margin
