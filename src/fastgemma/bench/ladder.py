@@ -59,10 +59,8 @@ def apply_variant(model, name, state):
         use_gemv(model, False)
         Int4Quant(group_size=128).apply(model)
         state["int4"] = True
-    use_gemv(model, gemv)
-    # dynamo caches the step by code object and does not guard on a swapped module class: without
-    # a reset, a compiled variant after another would replay the earlier variant's graph
-    torch._dynamo.reset()
+    use_gemv(model, gemv)  # resets torch.compile's caches when it switches classes
+    torch._dynamo.reset()  # and every variant compiles afresh, whatever else it changed
     model.step_attention = decode_attention_op if attn == "triton" else decode_attention_ref
     return cls, compiled
 

@@ -5,10 +5,13 @@ row (decode at batch 1) to `fastgemma.kernels.gemv.gemv_op`, and anything wider 
 verify pass's rows) to F.linear (cuBLAS). The row count is a shape, so the choice is made when a
 step is traced or captured, not per token. `use_gemv(model)` switches every dense body linear
 (the tied head is an Embedding and stays with its head transform); `use_gemv(model, False)`
-switches back.
+switches back. A switch resets torch.compile's caches: dynamo keys a compiled step by its code
+object and does not guard on a module's class, so a step compiled before the switch would
+otherwise be replayed unchanged by the next one.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,4 +35,6 @@ def use_gemv(model: nn.Module, on: bool = True) -> int:
         elif not on and type(mod) is GemvLinear:
             mod.__class__ = nn.Linear
             n += 1
+    if n:
+        torch._dynamo.reset()
     return n
