@@ -44,3 +44,25 @@ def test_agreement_and_ladder_run_on_the_cpu(tmp_path, capsys):
     assert rows[0]["variant"] == "eager" and rows[0]["identity_rate"] == 1.0 and rows[0]["top1_agree"] == 1.0
     assert rows[-1]["variant"] == "transformers" and "max_abs_diff" in rows[-1], rows[-1]
     assert "| static_torch |" in capsys.readouterr().out
+
+
+def test_chain_has_every_body_gemv_of_a_step_in_order():
+    from fastgemma.bench.chain import chain_shapes, run_chain
+    from fastgemma.model.config import preset
+
+    cfg = preset("gemma4_e4b")
+    shapes = chain_shapes(cfg)
+    assert len(shapes) == 42 * 6
+    assert shapes[:6] == [("qkv", 3072, 2560), ("o", 2560, 2048), ("gate|up", 20480, 2560),
+                          ("down", 2560, 10240), ("ple_gate", 256, 2560), ("ple_proj", 2560, 256)]
+    assert shapes[5 * 6][:2] == ("qkv", 6144)  # layer 5: full attention, head_dim 512
+    assert shapes[-6][:2] == ("q", 4096)       # layer 41: KV-shared full layer, q only
+    # every GEMV's K fits in the previous one's output (the chain slices it)
+    assert all(k <= prev_n for (_, prev_n, _), (_, _, k) in zip(shapes[-1:] + shapes, shapes))
+    # the chain is the body: every body weight of the model except W_plm (embedding side)
+    body = sum(n * k for _, n, k in shapes)
+    assert body == 3_945_267_200
+    ws = [torch.randn(n, k, dtype=torch.float64) for n, k in [(6, 4), (3, 5), (2, 3)]]
+    x0 = torch.randn(1, 4, dtype=torch.float64)
+    ref = ((x0 @ ws[0].T)[:, :5] @ ws[1].T) @ ws[2].T
+    assert torch.allclose(run_chain(ws, x0, torch.nn.functional.linear), ref)

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastgemma.kernels.gemv import E4B_SHAPES, GemvConfig, candidates, default_config, gemv, gemv_op, resolve_config
+from fastgemma.kernels.gemv import (E4B_SHAPES, MAX_KB, GemvConfig, candidates, default_config, gemv, gemv_op,
+                                    resolve_config)
 
 
 def _xw(M, N, K, dtype, seed=0):
@@ -28,6 +29,29 @@ def test_gemv_matches_linear(M, N, K, cfg, dtype, tol):
     ref = F.linear(x.float(), w.float())
     assert y.dtype == dtype and y.shape == (M, N)
     assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("launch", ["prefetch", "pdl"])
+@pytest.mark.parametrize("M,N,K,cfg", [
+    (1, 37, 200, GemvConfig(4, 64, 2)),     # tail block masked along K and N
+    (2, 24, 1024, GemvConfig(8, 64, 1)),    # 16 K blocks: every register slot of the prefetch kernel
+    (1, 9, 40, GemvConfig(2, 64, 1)),       # one block, shorter than BLOCK_K
+])
+def test_prefetch_launches_equal_plain(M, N, K, cfg, launch):
+    """Same arithmetic in the same order: bit-identical to the plain kernel (on a CPU, "pdl" runs
+    the prefetch kernel without the launch attribute)."""
+    x, w = _xw(M, N, K, torch.float32, seed=2)
+    y = gemv(x, w, cfg, launch=launch)
+    assert torch.equal(y, gemv(x, w, cfg))
+    assert torch.allclose(y, F.linear(x, w), atol=1e-4)
+
+
+def test_prefetch_launch_limits():
+    x, w = _xw(1, 8, 64 * (MAX_KB + 1), torch.float32)
+    with pytest.raises(ValueError, match=f"at most {MAX_KB} K blocks"):
+        gemv(x, w, GemvConfig(8, 64, 1), launch="prefetch")
+    with pytest.raises(ValueError, match="launch must be one of"):
+        gemv(x, w, GemvConfig(8, 128, 1), launch="eager")
 
 
 def test_gemv_strided_x_and_op():

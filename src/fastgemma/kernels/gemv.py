@@ -51,6 +51,114 @@ def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om
     tl.store(out_ptr + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+MAX_KB = 16  # K blocks a program can hold in registers before it waits (prefetch kernel)
+
+
+@triton.jit
+def _wload(w_ptrs, kb: tl.constexpr, n_ok, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight block kb of a program's rows (the K tail masked)."""
+    if (kb + 1) * BLOCK_K <= K:
+        w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptrs + kb * BLOCK_K, mask=n_ok[:, None] & (kb * BLOCK_K + offs_k < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _xfma(acc, w, x_ptrs, kb: tl.constexpr, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + w * x[kb block] in fp32."""
+    if (kb + 1) * BLOCK_K <= K:
+        x = tl.load(x_ptrs + kb * BLOCK_K)
+    else:
+        x = tl.load(x_ptrs + kb * BLOCK_K, mask=kb * BLOCK_K + offs_k < K, other=0.0)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _prefetch_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
+                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The same GEMV with every weight block loaded into registers before x is touched. With
+    PDL (programmatic dependent launch, sm90+), the program lets the next kernel launch at once
+    and waits for the previous kernel only after its weight loads are issued: the weights (which
+    no kernel writes) stream in while the previous kernel finishes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+    NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    w0 = _wload(w_ptrs, 0, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 1:
+        w1 = _wload(w_ptrs, 1, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 2:
+        w2 = _wload(w_ptrs, 2, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 3:
+        w3 = _wload(w_ptrs, 3, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 4:
+        w4 = _wload(w_ptrs, 4, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 5:
+        w5 = _wload(w_ptrs, 5, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 6:
+        w6 = _wload(w_ptrs, 6, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 7:
+        w7 = _wload(w_ptrs, 7, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 8:
+        w8 = _wload(w_ptrs, 8, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 9:
+        w9 = _wload(w_ptrs, 9, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 10:
+        w10 = _wload(w_ptrs, 10, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 11:
+        w11 = _wload(w_ptrs, 11, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 12:
+        w12 = _wload(w_ptrs, 12, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 13:
+        w13 = _wload(w_ptrs, 13, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 14:
+        w14 = _wload(w_ptrs, 14, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 15:
+        w15 = _wload(w_ptrs, 15, n_ok, offs_k, K, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, and reuse of out) are visible
+    acc = _xfma(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w0, x_ptrs, 0, offs_k, K, BLOCK_K)
+    if NKB > 1:
+        acc = _xfma(acc, w1, x_ptrs, 1, offs_k, K, BLOCK_K)
+    if NKB > 2:
+        acc = _xfma(acc, w2, x_ptrs, 2, offs_k, K, BLOCK_K)
+    if NKB > 3:
+        acc = _xfma(acc, w3, x_ptrs, 3, offs_k, K, BLOCK_K)
+    if NKB > 4:
+        acc = _xfma(acc, w4, x_ptrs, 4, offs_k, K, BLOCK_K)
+    if NKB > 5:
+        acc = _xfma(acc, w5, x_ptrs, 5, offs_k, K, BLOCK_K)
+    if NKB > 6:
+        acc = _xfma(acc, w6, x_ptrs, 6, offs_k, K, BLOCK_K)
+    if NKB > 7:
+        acc = _xfma(acc, w7, x_ptrs, 7, offs_k, K, BLOCK_K)
+    if NKB > 8:
+        acc = _xfma(acc, w8, x_ptrs, 8, offs_k, K, BLOCK_K)
+    if NKB > 9:
+        acc = _xfma(acc, w9, x_ptrs, 9, offs_k, K, BLOCK_K)
+    if NKB > 10:
+        acc = _xfma(acc, w10, x_ptrs, 10, offs_k, K, BLOCK_K)
+    if NKB > 11:
+        acc = _xfma(acc, w11, x_ptrs, 11, offs_k, K, BLOCK_K)
+    if NKB > 12:
+        acc = _xfma(acc, w12, x_ptrs, 12, offs_k, K, BLOCK_K)
+    if NKB > 13:
+        acc = _xfma(acc, w13, x_ptrs, 13, offs_k, K, BLOCK_K)
+    if NKB > 14:
+        acc = _xfma(acc, w14, x_ptrs, 14, offs_k, K, BLOCK_K)
+    if NKB > 15:
+        acc = _xfma(acc, w15, x_ptrs, 15, offs_k, K, BLOCK_K)
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
@@ -95,8 +203,18 @@ def resolve_config(N: int, K: int, config: GemvConfig | None = None) -> GemvConf
     return cfg
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation. No host sync."""
+LAUNCHES = ("plain", "prefetch", "pdl")
+
+
+def pdl_supported(device) -> bool:
+    """Programmatic dependent launch: sm90+ and a real launch (not the CPU interpreter)."""
+    return not _INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, launch: str = "plain") -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation. No host sync.
+    launch: "plain" (the unrolled loop), "prefetch" (all weight blocks loaded before x) or "pdl"
+    (prefetch + programmatic dependent launch where the GPU has it, else prefetch)."""
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use gemv_ref on the CPU")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -111,9 +229,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> 
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
-    _dense_gemv_kernel[(triton.cdiv(N, cfg.block_n), M)](
-        x, w, out, N, x.stride(0), w.stride(0), out.stride(0),
-        K=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    grid = (triton.cdiv(N, cfg.block_n), M)
+    if launch == "plain":
+        _dense_gemv_kernel[grid](x, w, out, N, x.stride(0), w.stride(0), out.stride(0),
+                                 K=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        return out
+    if launch not in LAUNCHES:
+        raise ValueError(f"gemv launch must be one of {LAUNCHES}, got {launch!r}")
+    if triton.cdiv(K, cfg.block_k) > MAX_KB:
+        raise ValueError(f"prefetch GEMV holds at most {MAX_KB} K blocks; K={K} needs BLOCK_K >= {triton.cdiv(K, MAX_KB)}")
+    pdl = launch == "pdl" and pdl_supported(x.device)
+    _prefetch_gemv_kernel[grid](x, w, out, N, x.stride(0), w.stride(0), out.stride(0),
+                                K=K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl,
+                                num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -253,9 +253,9 @@ def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
 
 
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
-# M = 16 entries are starting points from program counts (>= 2 waves of 132 SMs where N allows) and
-# ptxas for sm_90a (tl.dot path: block_k 512 spills, 256 uses ~150 registers), not yet timed on the
-# H200. The M = 1 sweeps were flat across tiles (within 5% on the large shapes): the GEMV is bound by
+# At M = 8 the tl.dot path is 1.3-2.5x slower than the same shape at M = 1 and, below the head,
+# slower than cuBLAS on bf16 weights (4x the bytes): dequantising into the mma operand layout costs
+# more than the bytes it saves. The M = 1 sweeps were flat across tiles (within 5% on the large shapes): the GEMV is bound by
 # its per-weight instructions, not by its tiling; the factored kernel cut gate|up 21.6 -> 19.6 us. `bench_shapes(sweep=True)` prints lines to paste here.
 CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     # M = 1: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us,
@@ -275,21 +275,23 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (1, 2560, 256): _gemv(4, 256, 1, 2),      # PLE projection: 1.93 / 3.17
     (1, 10752, 2560): _gemv(4, 512, 1, 2),    # W_plm: 12.43 / 15.50
     (1, 262144, 2560): _gemv(16, 512),        # tied head, if a head transform uses int4 (untimed)
-    (16, 2048, 2560): _mma(16, 256),     # 128 programs
-    (16, 4096, 2560): _mma(16, 256),     # 256
-    (16, 512, 2560): _mma(16, 256, 5),   # 32 N tiles x 5 splits
-    (16, 1024, 2560): _mma(16, 256, 5),  # 64 x 5
-    (16, 3072, 2560): _mma(16, 256),     # 192
-    (16, 6144, 2560): _mma(32, 256),     # 192
-    (16, 2560, 2048): _mma(16, 256),     # 160
-    (16, 2560, 4096): _mma(16, 256, 2),  # 160 x 2
-    (16, 10240, 2560): _mma(32, 256),    # 320
-    (16, 20480, 2560): _mma(64, 256),    # 320 (BLOCK_N 64: wgmma)
-    (16, 2560, 10240): _mma(16, 256, 2), # 160 x 2
-    (16, 256, 2560): _mma(16, 256, 10),  # 16 x 10
-    (16, 2560, 256): _mma(16, 256),      # 160
-    (16, 10752, 2560): _mma(32, 256),    # 336
-    (16, 262144, 2560): _mma(64, 256),   # 4096
+    # M = 2..16 (the verify pass): bench_shapes(ms=(8,), sweep=True) on the H200 (2026-11-30, graph-timed,
+    # weights out of L2), us at M = 8: this config / the first untimed guess / cuBLAS bf16
+    (16, 2048, 2560): _mma(32, 256, 5),     # q: 10.31 / 17.66 / 6.74
+    (16, 4096, 2560): _mma(64, 128, 2),     # q (full): 13.42 / 23.61 / 7.97
+    (16, 512, 2560): _mma(16, 256, 5),      # k / v (unmerged, untimed)
+    (16, 1024, 2560): _mma(16, 256, 5),     # k / v full (unmerged, untimed)
+    (16, 3072, 2560): _mma(32, 256, 5),     # q|k|v: 12.56 / 23.64 / 7.24
+    (16, 6144, 2560): _mma(64, 128, 2),     # q|k|v (full): 15.37 / 23.20 / 10.61
+    (16, 2560, 2048): _mma(32, 256, 4),     # o: 10.26 / 19.38 / 6.22
+    (16, 2560, 4096): _mma(32, 256, 8),     # o (full): 15.80 / 27.54 / 10.45
+    (16, 10240, 2560): _mma(32, 256),       # gate / up (unmerged, untimed)
+    (16, 20480, 2560): _mma(64, 128, 2),    # gate|up: 27.37 / 33.96 / 29.50
+    (16, 2560, 10240): _mma(32, 256, 8),    # down: 29.82 / 63.58 / 18.39
+    (16, 256, 2560): _mma(32, 256, 5),      # PLE gate: 5.54 / 6.68 / 6.30
+    (16, 2560, 256): _mma(64, 256),         # PLE projection: 2.85 / 4.33 / 3.19
+    (16, 10752, 2560): _mma(64, 128, 2),    # W_plm: 18.93 / 31.59 / 15.78
+    (16, 262144, 2560): _mma(64, 128),      # head: 254.32 / 306.62 / 317.93
 }
 
 
@@ -409,7 +411,8 @@ def candidates(M: int, N: int, K: int) -> list[W4A16Config]:
     if M == 1:
         return [_gemv(bn, bk, sk) for bn in (2, 4, 8, 16) for bk in (512, 1024) for sk in (1, 2)]
     bm = 16 if M <= MAX_DECODE_M else 64
-    return [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
+    out = [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
+    return out + [_mma(bn, 256, sk, 4, 3, bm) for bn in (16, 32) for sk in (4, 8)] + [_mma(64, 256, 1, 8, 3, bm)]
 
 
 def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = None, dtype=torch.bfloat16,
