@@ -21,7 +21,8 @@ from .model.config import ModelConfig
 TECHNIQUES = ("window", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
 # where a CUDA-only choice has a twin that runs anywhere
 CPU_TWINS = {"graphs": "graphs=static", "attention": "attention=torch", "quant": "quant.backend=torch or quant=bf16",
-             "lm_head": "lm_head.backend=torch", "sampler": "sampler.backend=torch"}
+             "lm_head": "lm_head.backend=torch", "sampler": "sampler.backend=torch",
+             "fuse": "fuse.backend=torch"}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 
@@ -219,6 +220,13 @@ class EngineFactory:
             model, self.load_info = self.weights.load(self.model_cfg, self.device, self.dtype)
             for group in ("fuse", "quant", "lm_head", "attention"):
                 model = _apply(self.parts, group, model, self.choices)
+            validate = getattr(self.parts.fuse, "validate", None)
+            if validate is not None:  # a fused path that needs what later groups may have replaced
+                try:
+                    validate(model)
+                except ValueError as err:
+                    raise BuildError(f"fuse={self.choices.get('fuse', '?')} with quant={self.choices.get('quant', '?')}: "
+                                     f"{err}") from err
             self._model = model
         return self._model
 

@@ -24,22 +24,25 @@ from ..transforms.fuse import MergeProjections
 from ..weights.synthetic import synthetic_model
 
 # variant -> (step class, attention, torch.compile, merged q|k|v and gate|up, int4 g128 body,
-# one-row dense linears through our Triton GEMV); merging and int4 are irreversible, so merged
-# variants come after unmerged ones and int4 last (the GEMV switch is set per variant)
+# one-row dense linears through our Triton GEMV, fused one-row layer GEMVs: None / "layers" /
+# "layers_pdl"); merging and int4 are irreversible, so merged variants come after unmerged ones and
+# int4 last (the GEMV switch and the fused step are set per variant)
 VARIANTS = {
-    "eager": (EagerStep, "torch", False, False, False, False),
-    "static_torch": (StaticStep, "torch", False, False, False, False),
-    "static_triton": (StaticStep, "triton", False, False, False, False),
-    "graph_torch": (GraphStep, "torch", False, False, False, False),
-    "graph_triton": (GraphStep, "triton", False, False, False, False),
-    "graph_triton_merged": (GraphStep, "triton", False, True, False, False),
-    "graph_triton_merged_gemv": (GraphStep, "triton", False, True, False, True),
-    "compiled_triton_merged": (GraphStep, "triton", True, True, False, False),
-    "compiled_triton_merged_gemv": (GraphStep, "triton", True, True, False, True),
-    "compiled_torch_merged": (GraphStep, "torch", True, True, False, False),
-    "graph_triton_merged_int4": (GraphStep, "triton", False, True, True, False),
-    "compiled_triton_merged_int4": (GraphStep, "triton", True, True, True, False),
-    "compiled_triton_merged_int4_gemv": (GraphStep, "triton", True, True, True, True),
+    "eager": (EagerStep, "torch", False, False, False, False, None),
+    "static_torch": (StaticStep, "torch", False, False, False, False, None),
+    "static_triton": (StaticStep, "triton", False, False, False, False, None),
+    "graph_torch": (GraphStep, "torch", False, False, False, False, None),
+    "graph_triton": (GraphStep, "triton", False, False, False, False, None),
+    "graph_triton_merged": (GraphStep, "triton", False, True, False, False, None),
+    "graph_triton_merged_gemv": (GraphStep, "triton", False, True, False, True, None),
+    "compiled_triton_merged": (GraphStep, "triton", True, True, False, False, None),
+    "compiled_triton_merged_gemv": (GraphStep, "triton", True, True, False, True, None),
+    "compiled_triton_fused": (GraphStep, "triton", True, True, False, False, "layers"),
+    "compiled_triton_fused_pdl": (GraphStep, "triton", True, True, False, False, "layers_pdl"),
+    "compiled_torch_merged": (GraphStep, "torch", True, True, False, False, None),
+    "graph_triton_merged_int4": (GraphStep, "triton", False, True, True, False, None),
+    "compiled_triton_merged_int4": (GraphStep, "triton", True, True, True, False, None),
+    "compiled_triton_merged_int4_gemv": (GraphStep, "triton", True, True, True, True, None),
 }
 
 
@@ -49,10 +52,16 @@ def apply_variant(model, name, state):
 
     if name not in VARIANTS:
         raise SystemExit(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-    cls, attn, compiled, merge, int4, gemv = VARIANTS[name]
+    cls, attn, compiled, merge, int4, gemv, fused = VARIANTS[name]
     if merge and not state.get("merged"):
         MergeProjections().apply(model)
         state["merged"] = True
+    model.fused_decode = None
+    if fused:
+        from ..transforms.fuse_layers import FuseLayers
+
+        FuseLayers(backend="triton" if model.embed_tokens.weight.is_cuda else "torch",
+                   pdl=fused == "layers_pdl").apply(model)
     if int4 and not state.get("int4"):
         from ..transforms.quant import Int4Quant
 

@@ -129,6 +129,7 @@ class Gemma4Model(nn.Module):
         self.init_buffers()
         self.step_attention = None  # set by the builder: fn(q, k, v, q_pos, slot_pos, window, scale)
         self.logits_head = None     # optional head override: fn(hidden) -> logits (pruned / quantised)
+        self.fused_decode = None    # optional one-row step: fn(model, ids, pos, cache) -> hidden (fuse=layers)
 
     def init_buffers(self):
         """(Re)compute non-persistent buffers: after building on the meta device and to_empty()."""
@@ -219,19 +220,32 @@ class Gemma4Model(nn.Module):
     def step(self, ids, pos, cache):
         """ids, pos [B, T] (T <= cache.step_rows), all on the device. Writes every store layer's
         K/V for these rows, then attends through self.step_attention. Returns hidden [B, T, hidden]."""
-        c = self.config
+        if self.fused_decode is not None and ids.numel() == 1:  # a shape: settled when traced
+            return self.fused_decode(self, ids, pos, cache)
         x, ple = self.embed(ids)
-        rope = self.rope(pos, x.dtype)
+        store_attend = self.step_store_attend(ids, pos, cache)
+
+        def attend(layer, a):
+            cos, sin = store_attend.rope[layer.spec.sliding]
+            return store_attend(layer, *layer.self_attn.project(a, cos, sin))
+
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ple[:, :, i] if ple is not None else None, attend)
+        return self.norm(x)
+
+    def step_store_attend(self, ids, pos, cache):
+        """Marks the step's ring slots and returns fn(layer, q, k, v) -> [B, T, H*D]: writes the
+        layer's K/V for these rows (store layers), then attends through self.step_attention.
+        fn.rope: {sliding: (cos, sin)} for these positions."""
+        c = self.config
         bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
         slots = pos % cache.ring
         cache.ring_pos[bidx, slots] = pos.to(torch.int32)
         attn = self.step_attention
         window = cache.window
 
-        def attend(layer, a):
+        def store_attend(layer, q, k, v):
             s = layer.spec
-            cos, sin = rope[s.sliding]
-            q, k, v = layer.self_attn.project(a, cos, sin)
             if s.stores_kv:
                 idx = slots if s.sliding else pos
                 cache.k[s.index][bidx, idx] = k
@@ -243,9 +257,8 @@ class Gemma4Model(nn.Module):
                 o = attn(q, cache.k[src], cache.v[src], pos, None, 0, c.attn_scale)
             return o.flatten(2)
 
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ple[:, :, i] if ple is not None else None, attend)
-        return self.norm(x)
+        store_attend.rope = self.rope(pos, self.embed_tokens.weight.dtype)
+        return store_attend
 
     # ---- head ----------------------------------------------------------------------------------
     def compute_logits(self, hidden):

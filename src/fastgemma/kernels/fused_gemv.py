@@ -1,0 +1,364 @@
+"""One-row GEMV with the layer's elementwise work folded in: fewer, fatter decode kernels.
+
+A Gemma 4 layer at one row is six GEMVs with norms, residual adds and activations between them;
+compiled, each of those is its own small kernel (~2.3 us on the H200 whatever its size). Here the
+work before a GEMV runs in its prologue and the work after it in its epilogue:
+
+- prologue `pro=1`: x = rmsnorm(a) * pre                                  (the input norm of layer 0)
+- prologue `pro=2`: h = (a + rmsnorm(y) * post) * scale;  x = rmsnorm(h) * pre, or x = h without pre
+  (the residual update of the previous sublayer, then this GEMV's input norm); the program that
+  owns rows 0.. also writes h, the new residual stream
+- epilogue `geglu`: W = [gate; up] (the merged gate|up matrix, as stored); each program takes
+  BLOCK_N / 2 gate rows and the matching up rows and writes gelu_tanh(gate) * up
+- epilogue `gelu_mul`: gelu_tanh(W x) * aux (the PLE gate times the layer's per-layer input)
+
+Every program recomputes the prologue's two sums of squares over the K-long inputs (a few KB read
+from L2) while its weight loads, issued first, are in flight. Values are rounded to the activation
+dtype at the same points as the eager layer (norm output, residual add, layer scalar, gate, up,
+gelu, product), so the result matches it up to the order of the fp32 sums. With `pdl` (sm90+) the
+kernel also lets the next kernel launch at once and waits for the previous one only after its
+weight loads are issued (programmatic dependent launch), as `gemv(..., launch="pdl")` does.
+
+`fused_gemv` launches, `fused_gemv_op` is the opaque op for torch.compile, `fused_gemv_ref` the
+torch twin (same rounding points).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .gemv import _INTERPRET, MAX_KB, GemvConfig, _wload, pdl_supported, resolve_config
+
+EPILOGUES = {"none": 0, "geglu": 1, "gelu_mul": 2}
+
+
+@triton.jit
+def _gelu_tanh(x):
+    # 0.5 x (1 + tanh(z)) = x * sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3)
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))  # x -> -inf: x / huge -> -0, no inf
+
+
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    """x rounded to the activation dtype, kept in fp32."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _vload(ptr, kb: tl.constexpr, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    k = kb * BLOCK_K + offs_k
+    return tl.load(ptr + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _h_block(a_ptr, y_ptr, post_ptr, kb: tl.constexpr, offs_k, inv_y, scale, off,
+             K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
+    """Block kb of h = (a + rmsnorm(y) * post) * scale, rounded as the eager layer rounds."""
+    n = _rnd(_vload(y_ptr, kb, offs_k, K, BLOCK_K) * inv_y * (_vload(post_ptr, kb, offs_k, K, BLOCK_K) + off), DT)
+    h = _rnd(_vload(a_ptr, kb, offs_k, K, BLOCK_K) + n, DT)
+    if HAS_SCALE:
+        h = _rnd(h * scale, DT)
+    return h
+
+
+@triton.jit
+def _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb: tl.constexpr, offs_k, inv_y, inv_x, scale, off,
+             K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, HAS_SCALE: tl.constexpr,
+             HAS_PRE: tl.constexpr, DT: tl.constexpr):
+    """Block kb of the GEMV's input x, from the prologue's inputs."""
+    if PRO == 0:
+        x = _vload(a_ptr, kb, offs_k, K, BLOCK_K)
+    elif PRO == 1:
+        x = _rnd(_vload(a_ptr, kb, offs_k, K, BLOCK_K) * inv_x * (_vload(pre_ptr, kb, offs_k, K, BLOCK_K) + off), DT)
+    else:
+        x = _h_block(a_ptr, y_ptr, post_ptr, kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
+        if HAS_PRE:
+            x = _rnd(x * inv_x * (_vload(pre_ptr, kb, offs_k, K, BLOCK_K) + off), DT)
+    return x
+
+
+@triton.jit
+def _fma_block(acc, w, a_ptr, y_ptr, post_ptr, pre_ptr, kb: tl.constexpr, offs_k, inv_y, inv_x, scale, off,
+               K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, HAS_SCALE: tl.constexpr,
+               HAS_PRE: tl.constexpr, DT: tl.constexpr):
+    x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_k, inv_y, inv_x, scale, off,
+                 K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    return acc + w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
+def _sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K: tl.constexpr, BLOCK_K: tl.constexpr,
+           OF_H: tl.constexpr, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
+    """sum of squares over K of a (OF_H False) or of h (OF_H True)."""
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
+        if OF_H:
+            v = _h_block(a_ptr, y_ptr, post_ptr, kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
+        else:
+            v = _vload(a_ptr, kb, offs_k, K, BLOCK_K)
+        ss += v * v
+    return tl.sum(ss, axis=0)
+
+
+@triton.jit
+def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr, aux_ptr, out_ptr,
+                       N, HALF, stride_wn, eps, off,
+                       K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    j = tl.arange(0, BLOCK_N)
+    if EPI == 1:  # rows interleave gate row i (even j) and up row HALF + i (odd j)
+        i = pid * (BLOCK_N // 2) + j // 2
+        rows = i + (j % 2) * HALF
+        n_ok = i < HALF
+    else:
+        rows = pid * BLOCK_N + j
+        n_ok = rows < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    w0 = _wload(w_ptrs, 0, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 1:
+        w1 = _wload(w_ptrs, 1, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 2:
+        w2 = _wload(w_ptrs, 2, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 3:
+        w3 = _wload(w_ptrs, 3, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 4:
+        w4 = _wload(w_ptrs, 4, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 5:
+        w5 = _wload(w_ptrs, 5, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 6:
+        w6 = _wload(w_ptrs, 6, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 7:
+        w7 = _wload(w_ptrs, 7, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 8:
+        w8 = _wload(w_ptrs, 8, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 9:
+        w9 = _wload(w_ptrs, 9, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 10:
+        w10 = _wload(w_ptrs, 10, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 11:
+        w11 = _wload(w_ptrs, 11, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 12:
+        w12 = _wload(w_ptrs, 12, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 13:
+        w13 = _wload(w_ptrs, 13, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 14:
+        w14 = _wload(w_ptrs, 14, n_ok, offs_k, K, BLOCK_K)
+    if NKB > 15:
+        w15 = _wload(w_ptrs, 15, n_ok, offs_k, K, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernels' outputs are visible from here on
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    inv_y = 0.0
+    inv_x = 0.0
+    scale = 1.0
+    if PRO == 1:
+        inv_x = 1.0 / tl.sqrt(_sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
+                                     False, False, DT) / K + eps)
+    if PRO == 2:
+        inv_y = 1.0 / tl.sqrt(_sumsq(y_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
+                                     False, False, DT) / K + eps)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        if HAS_PRE:
+            inv_x = 1.0 / tl.sqrt(_sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
+                                         True, HAS_SCALE, DT) / K + eps)
+    acc = _fma_block(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w0, a_ptr, y_ptr, post_ptr, pre_ptr, 0,
+                     offs_k, inv_y, inv_x, scale, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 1:
+        acc = _fma_block(acc, w1, a_ptr, y_ptr, post_ptr, pre_ptr, 1, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 2:
+        acc = _fma_block(acc, w2, a_ptr, y_ptr, post_ptr, pre_ptr, 2, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 3:
+        acc = _fma_block(acc, w3, a_ptr, y_ptr, post_ptr, pre_ptr, 3, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 4:
+        acc = _fma_block(acc, w4, a_ptr, y_ptr, post_ptr, pre_ptr, 4, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 5:
+        acc = _fma_block(acc, w5, a_ptr, y_ptr, post_ptr, pre_ptr, 5, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 6:
+        acc = _fma_block(acc, w6, a_ptr, y_ptr, post_ptr, pre_ptr, 6, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 7:
+        acc = _fma_block(acc, w7, a_ptr, y_ptr, post_ptr, pre_ptr, 7, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 8:
+        acc = _fma_block(acc, w8, a_ptr, y_ptr, post_ptr, pre_ptr, 8, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 9:
+        acc = _fma_block(acc, w9, a_ptr, y_ptr, post_ptr, pre_ptr, 9, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 10:
+        acc = _fma_block(acc, w10, a_ptr, y_ptr, post_ptr, pre_ptr, 10, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 11:
+        acc = _fma_block(acc, w11, a_ptr, y_ptr, post_ptr, pre_ptr, 11, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 12:
+        acc = _fma_block(acc, w12, a_ptr, y_ptr, post_ptr, pre_ptr, 12, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 13:
+        acc = _fma_block(acc, w13, a_ptr, y_ptr, post_ptr, pre_ptr, 13, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 14:
+        acc = _fma_block(acc, w14, a_ptr, y_ptr, post_ptr, pre_ptr, 14, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    if NKB > 15:
+        acc = _fma_block(acc, w15, a_ptr, y_ptr, post_ptr, pre_ptr, 15, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    y = tl.sum(acc, axis=1)
+    if PRO == 2:
+        if pid == 0:  # one program writes the new residual stream
+            for kb in tl.static_range(NKB):
+                k = kb * BLOCK_K + offs_k
+                hb = _h_block(a_ptr, y_ptr, post_ptr, kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
+                tl.store(h_ptr + k, hb.to(DT), mask=k < K)
+    if EPI == 0:
+        tl.store(out_ptr + rows, y.to(DT), mask=n_ok)
+    elif EPI == 1:
+        g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+        act = _rnd(_rnd(_gelu_tanh(_rnd(g, DT)), DT) * _rnd(u, DT), DT)
+        i2 = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + i2, act.to(DT), mask=i2 < HALF)
+    else:
+        p = tl.load(aux_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
+        act = _rnd(_rnd(_gelu_tanh(_rnd(y, DT)), DT) * p, DT)
+        tl.store(out_ptr + rows, act.to(DT), mask=n_ok)
+
+
+# Tiles: the prologue's work grows with the program count (each recomputes its norms), so the
+# best tile differs from the plain GEMV's; without a config the launch is autotuned per (N, K,
+# prologue, epilogue) on the first call (the warm-up, before any capture) over these candidates.
+TUNE_TILES = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (32, 512, 8),
+              (8, 1024, 8), (16, 1024, 8)]
+
+
+def _prune(configs, named_args, **kwargs):
+    K = kwargs.get("K", named_args.get("K"))
+    epi = kwargs.get("EPI", named_args.get("EPI"))
+    keep = [c for c in configs
+            if triton.cdiv(K, c.kwargs["BLOCK_K"]) <= MAX_KB and c.kwargs["BLOCK_K"] <= triton.next_power_of_2(K)
+            and (epi != 1 or c.kwargs["BLOCK_N"] >= 2)]
+    return keep or configs[-1:]
+
+
+_fused_gemv_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in TUNE_TILES],
+    key=["N", "K", "PRO", "HAS_SCALE", "HAS_PRE", "EPI", "PDL"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_fused_gemv_kernel)
+
+
+def _check(a, w, y, post, scale, pre, aux, epilogue):
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"fused_gemv epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
+    if w.dim() != 2 or w.stride(1) != 1:
+        raise ValueError(f"fused_gemv needs w [N, K] contiguous along K, got {tuple(w.shape)}")
+    N, K = w.shape
+    if a.numel() != K:
+        raise ValueError(f"fused_gemv runs one row: a must hold K={K} values, got shape {tuple(a.shape)}")
+    for name, t in (("y", y), ("post", post), ("pre", pre)):
+        if t is not None and t.numel() != K:
+            raise ValueError(f"fused_gemv: {name} must hold K={K} values, got {tuple(t.shape)}")
+    if (y is None) != (post is None):
+        raise ValueError("fused_gemv: y and post come together (h = a + rmsnorm(y) * post)")
+    if scale is not None and (y is None or scale.numel() != 1):
+        raise ValueError("fused_gemv: scale is one value and needs y")
+    if epilogue == "geglu" and N % 2:
+        raise ValueError(f"fused_gemv geglu needs W = [gate; up] with an even row count, got N={N}")
+    if epilogue == "gelu_mul" and (aux is None or aux.numel() != N):
+        raise ValueError(f"fused_gemv gelu_mul needs aux with N={N} values")
+
+
+def fused_gemv(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: float, offset: float = 0.0,
+               epilogue: str = "none", config: GemvConfig | None = None, pdl: bool = False):
+    """-> (out [1, N] or [1, N/2] for geglu, h [1, K] or None). a, y [K] any shape holding K values."""
+    _check(a, w, y, post, scale, pre, aux, epilogue)
+    if not (w.is_cuda or _INTERPRET):
+        raise RuntimeError("fused_gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use fused_gemv_ref")
+    N, K = w.shape
+    pro = 0 if y is None and pre is None else (1 if y is None else 2)
+    epi = EPILOGUES[epilogue]
+    tune = config is None and not _INTERPRET
+    if not tune:
+        cfg = resolve_config(N, K, config)
+        if epi == 1 and cfg.block_n < 2:
+            cfg = GemvConfig(2, cfg.block_k, cfg.num_warps)
+        if triton.cdiv(K, cfg.block_k) > MAX_KB:
+            raise ValueError(f"fused_gemv holds at most {MAX_KB} K blocks; K={K} needs BLOCK_K >= "
+                             f"{triton.cdiv(K, MAX_KB)}")
+    half = N // 2
+    out = torch.empty(1, half if epi == 1 else N, device=w.device, dtype=a.dtype)
+    h = torch.empty(1, K, device=w.device, dtype=a.dtype) if pro == 2 else None
+    a = a.reshape(-1).contiguous()
+    dummy = a
+    use_pdl = pdl and pdl_supported(w.device)
+    args = (a, y.reshape(-1).contiguous() if y is not None else dummy, post if post is not None else dummy,
+            scale if scale is not None else dummy, pre if pre is not None else dummy, h if h is not None else out,
+            w, aux.reshape(-1).contiguous() if aux is not None else dummy, out, N, half, w.stride(0), eps, offset)
+    flags = dict(K=K, PRO=pro, HAS_SCALE=scale is not None, HAS_PRE=pre is not None, EPI=epi, PDL=use_pdl,
+                 **({"launch_pdl": True} if use_pdl else {}))
+    if tune:
+        grid = lambda meta: (triton.cdiv(half, meta["BLOCK_N"] // 2) if epi == 1  # noqa: E731
+                             else triton.cdiv(N, meta["BLOCK_N"]),)
+        _fused_gemv_tuned[grid](*args, **flags)
+    else:
+        grid = (triton.cdiv(half, cfg.block_n // 2) if epi == 1 else triton.cdiv(N, cfg.block_n),)
+        _fused_gemv_kernel[grid](*args, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **flags)
+    return out, h
+
+
+def _rms(v, w, eps, offset):
+    """The eager RMSNorm (model.layers.RMSNorm) as a function."""
+    vf = v.float()
+    out = vf * torch.pow(vf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (out * (w.float() + offset)).to(v.dtype)
+
+
+def fused_gemv_ref(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: float, offset: float = 0.0,
+                   epilogue: str = "none", config=None, pdl: bool = False):
+    """The torch twin: the eager layer's ops in its order."""
+    _check(a, w, y, post, scale, pre, aux, epilogue)
+    N, K = w.shape
+    a = a.reshape(1, K)
+    h = None
+    if y is not None:
+        h = a + _rms(y.reshape(1, K), post, eps, offset)
+        if scale is not None:
+            h = h * scale.reshape(1)
+        x = _rms(h, pre, eps, offset) if pre is not None else h
+    else:
+        x = _rms(a, pre, eps, offset) if pre is not None else a
+    out = F.linear(x, w)
+    if epilogue == "geglu":
+        g, u = out.chunk(2, dim=-1)
+        out = F.gelu(g, approximate="tanh") * u
+    elif epilogue == "gelu_mul":
+        out = F.gelu(out, approximate="tanh") * aux.reshape(1, N)
+    return out, h
+
+
+@torch.library.custom_op("fastgemma::fused_gemv", mutates_args=())
+def fused_gemv_op(a: torch.Tensor, w: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None,
+                  scale: torch.Tensor | None, pre: torch.Tensor | None, aux: torch.Tensor | None, eps: float,
+                  offset: float, epilogue: str, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, h = fused_gemv(a, w, y, post, scale, pre, aux, eps=eps, offset=offset, epilogue=epilogue, pdl=pdl)
+    return out, (h if h is not None else out.new_empty(0))
+
+
+@fused_gemv_op.register_fake
+def _(a, w, y, post, scale, pre, aux, eps, offset, epilogue, pdl):
+    N, K = w.shape
+    out = a.new_empty((1, N // 2 if epilogue == "geglu" else N))
+    return out, (a.new_empty((1, K)) if y is not None else a.new_empty(0))

@@ -1,0 +1,65 @@
+"""Compile GPU-only kernel variants for sm_90a on a machine without a GPU (Triton front end +
+the bundled ptxas): PDL launches and every fused-GEMV prologue / epilogue. Run as a script (the
+interpreter must be off); prints one line per variant: name, registers, spill bytes."""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
+from fastgemma.kernels.gemv import _prefetch_gemv_kernel
+
+D16 = [["tt.divisibility", 16]]
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def build(fn, sig, constexprs, aligned, warps):
+    sig = dict(sig, **{k: "constexpr" for k in constexprs})
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs={(i,): D16 for i in aligned})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr)
+    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr))
+    return ptx, regs, spills
+
+
+def main():
+    gemv_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_xm": "i32",
+                "stride_wn": "i32", "stride_om": "i32"}
+    fused_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr", "w_ptr",
+                                      "aux_ptr", "out_ptr")}
+    fused_sig.update(N="i32", HALF="i32", stride_wn="i32", eps="fp32", off="fp32")
+    cases = [("gemv pdl gate|up", _prefetch_gemv_kernel, gemv_sig, dict(K=2560, BLOCK_N=8, BLOCK_K=512, PDL=True),
+              (0, 1, 2, 4, 5, 6), 4)]
+    for name, pro, epi, K, bn, bk, warps in [
+            ("fused plain down", 0, 0, 10240, 1, 1024, 4), ("fused input-norm qkv", 1, 0, 2560, 8, 512, 4),
+            ("fused residual qkv", 2, 0, 2560, 8, 512, 4), ("fused geglu gate|up", 2, 1, 2560, 8, 512, 4),
+            ("fused geglu gate|up wide", 2, 1, 2560, 32, 512, 8), ("fused ple gate", 2, 2, 2560, 1, 1024, 4)]:
+        ce = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
+                  HAS_PRE=pro == 1 or (pro == 2 and epi != 2), EPI=epi, PDL=True)
+        cases.append((name, _fused_gemv_kernel, fused_sig, ce, tuple(range(9)) + (11,), warps))
+    for name, fn, sig, ce, aligned, warps in cases:
+        ptx, regs, spills = build(fn, sig, ce, aligned, warps)
+        waits = ptx.count("griddepcontrol.wait")
+        # the PDL wait comes after every weight load: find the first x / vector load after it
+        first_wait = ptx.index("griddepcontrol.wait")
+        w_loads_before = ptx[:first_wait].count("ld.global")
+        print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{-(-ce['K'] // ce['BLOCK_K'])}")
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run with the interpreter off")
+    main()

@@ -1,0 +1,187 @@
+"""Fused one-row GEMV (norm / residual prologues, GeGLU / PLE-gate epilogues) against its torch
+twin under the CPU interpreter, and the fused decode step (fuse=layers) against the ordinary one."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses
+
+import pytest
+import torch
+
+from fastgemma.kernels.fused_gemv import fused_gemv, fused_gemv_op, fused_gemv_ref
+from fastgemma.kernels.gemv import GemvConfig
+
+CASES = {  # name: (kwargs builder, epilogue)
+    "plain": (lambda t: {}, "none"),
+    "input_norm": (lambda t: dict(pre=t["pre"]), "none"),
+    "residual_scale_norm": (lambda t: dict(y=t["y"], post=t["post"], scale=t["scale"], pre=t["pre"]), "none"),
+    "residual_no_norm": (lambda t: dict(y=t["y"], post=t["post"]), "none"),
+    "ple_gate": (lambda t: dict(y=t["y"], post=t["post"], aux=t["aux"]), "gelu_mul"),
+    "geglu": (lambda t: dict(y=t["y"], post=t["post"], pre=t["pre"]), "geglu"),
+    "geglu_plain": (lambda t: {}, "geglu"),
+}
+
+
+def _tensors(N, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype)  # noqa: E731
+    w_big = r(N, K + 24, sc=K ** -0.5)
+    return dict(a=r(K), y=r(K, sc=3.0), post=(torch.rand(K, generator=g) + 0.5).to(dtype),
+                pre=(torch.rand(K, generator=g) + 0.5).to(dtype), scale=torch.tensor([0.75]).to(dtype),
+                aux=r(N), w=w_big[:, :K])  # w: row stride K + 24
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("N,K,cfg", [
+    (38, 300, GemvConfig(4, 64, 2)),   # K tail (300 = 4 x 64 + 44); N and N/2 not multiples of the tile
+    (64, 128, GemvConfig(1, 128, 1)),  # one K block; geglu bumps BLOCK_N 1 -> 2
+    (22, 1024, GemvConfig(8, 64, 4)),  # 16 K blocks: every prefetch register slot
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_gemv_matches_twin(case, N, K, cfg, dtype):
+    """16-bit rounding points are checked in fp16: the interpreter truncates fp32 -> bf16 casts
+    (a GPU rounds to nearest even), while numpy rounds fp16 to nearest like the GPU."""
+    t = _tensors(N, K, dtype)
+    build, epi = CASES[case]
+    kw = dict(build(t), eps=1e-6, epilogue=epi)
+    out, h = fused_gemv(t["a"], t["w"], config=cfg, **kw)
+    ref, href = fused_gemv_ref(t["a"], t["w"], **kw)
+    assert out.dtype == dtype and out.shape == ref.shape == (1, N // 2 if epi == "geglu" else N)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp16: a rounding flip of an intermediate
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < tol
+    if "y" in kw:
+        assert h.shape == (1, K)
+        assert ((h.float() - href.float()).abs().max() / href.float().abs().max()).item() < tol
+        if dtype == torch.float32:
+            assert torch.allclose(h, href, atol=1e-6)
+    else:
+        assert h is None and href is None
+
+
+def test_fused_gemv_gemma3_offset_and_op():
+    t = _tensors(16, 96, torch.float32, seed=3)
+    kw = dict(eps=1e-6, offset=1.0, epilogue="none")
+    out, h = fused_gemv(t["a"], t["w"], t["y"], t["post"], None, t["pre"], config=GemvConfig(4, 32, 1), **kw)
+    ref, href = fused_gemv_ref(t["a"], t["w"], t["y"], t["post"], None, t["pre"], **kw)
+    assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(h, href, atol=1e-6)
+    o2, h2 = fused_gemv_op(t["a"], t["w"].contiguous(), None, None, None, t["pre"], None, 1e-6, 0.0, "none", False)
+    r2, _ = fused_gemv_ref(t["a"], t["w"], pre=t["pre"], eps=1e-6)
+    assert torch.allclose(o2, r2, atol=1e-5) and h2.numel() == 0
+
+
+def test_fused_gemv_bad_inputs():
+    t = _tensors(9, 64, torch.float32)
+    with pytest.raises(ValueError, match="epilogue must be one of"):
+        fused_gemv(t["a"], t["w"], eps=1e-6, epilogue="silu")
+    with pytest.raises(ValueError, match="even row count"):
+        fused_gemv(t["a"], t["w"], eps=1e-6, epilogue="geglu")
+    with pytest.raises(ValueError, match="gelu_mul needs aux"):
+        fused_gemv(t["a"], t["w"], eps=1e-6, epilogue="gelu_mul")
+    with pytest.raises(ValueError, match="y and post come together"):
+        fused_gemv(t["a"], t["w"], t["y"], eps=1e-6)
+    with pytest.raises(ValueError, match="one row"):
+        fused_gemv(t["a"][:32], t["w"], eps=1e-6)
+    with pytest.raises(ValueError, match="scale is one value"):
+        fused_gemv(t["a"], t["w"], scale=t["scale"], eps=1e-6)
+
+
+# ---- the fused decode step -------------------------------------------------------------------
+
+def _decode(model, cfg, prompt, new):
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.engine.generator import Generator
+    from fastgemma.engine.steps import StaticStep
+
+    cache = KVCache(cfg, 1, 64, device="cpu", dtype=torch.float32)
+    gen = Generator(model, cache, StaticStep(model, cache))
+    out = gen.generate(prompt, new)
+    return out.tokens, gen.step.last_logits.clone()
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+def test_fuse_layers_step_equals_ordinary_step(family, monkeypatch):
+    """fp32 on the tiny model (sliding and full layers, KV sharing, PLE; a Gemma 3 variant without
+    PLE, with the +1 norm offset): the fused step (twins, then the Triton kernels under the
+    interpreter) gives the ordinary step's tokens and logits. The window (16) is shorter than the
+    context, so ring-buffer slots wrap."""
+    import fastgemma.kernels.gemv as gemv_mod
+    from fastgemma.kernels.decode_attention import decode_attention_ref
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.weights.synthetic import synthetic_model
+
+    cfg = GEMMA4_TINY if family == "gemma4" else dataclasses.replace(
+        GEMMA4_TINY, name="gemma3_tiny", family="gemma3", ple_dim=0, num_kv_shared_layers=0, norm_offset=1.0,
+        v_norm=False, layer_scalar=False, attn_scale=32 ** -0.5)
+    prompt = list(range(5, 25))
+    model = synthetic_model(cfg, "cpu", torch.float32, seed=1)
+    model.step_attention = decode_attention_ref
+    ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
+    t = FuseLayers(backend="torch")
+    t.apply(model)
+    assert model.fused_decode is not None and t.describe()["fused_layers"]
+    tokens, logits = _decode(model, cfg, prompt, 6)
+    assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(gemv_mod, "default_config", lambda N, K: GemvConfig(64, 64, 4))
+    FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
+    tokens, logits = _decode(model, cfg, prompt, 6)
+    assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_fuse_layers_wide_steps_and_int4_refusal():
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.kernels.decode_attention import decode_attention_ref
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.quant import Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=0)
+    model.step_attention = decode_attention_ref
+    FuseLayers(backend="torch").apply(model)
+    called = []
+    inner = model.fused_decode
+    model.fused_decode = lambda *a: called.append(1) or inner(*a)
+    cache = KVCache(GEMMA4_TINY, 1, 64, device="cpu", dtype=torch.float32)
+    ids = torch.tensor([[3, 4]])
+    model.step(ids, torch.tensor([[0, 1]]), cache)  # two rows (a verify pass): the ordinary path
+    assert not called
+    model.step(ids[:, :1], torch.tensor([[2]]), cache)
+    assert called == [1]
+    Int4Quant(group_size=32, skip=("per_layer_input_gate", "per_layer_projection"), backend="torch").apply(model)
+    with pytest.raises(ValueError, match="fuse=layers runs dense .* Int4Linear: use fuse=merged"):
+        model.step(ids[:, :1], torch.tensor([[3]]), cache)
+    with pytest.raises(ValueError, match="backend must be triton or torch"):
+        FuseLayers(backend="cuda")
+
+
+def test_fuse_layers_from_the_config():
+    """fuse=layers from the real config on a CPU (twins): the engine's tokens equal the reference
+    engine's; with quant=int4 the build refuses in one line; the Triton backend asks for a GPU."""
+    from fgcli_helpers import TINY, compose_cfg
+    from hydra.core.hydra_config import HydraConfig
+
+    from fastgemma.build import BuildError, build_context
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.engine.generator import Generator
+    from fastgemma.engine.steps import EagerStep
+
+    def ctx_for(*over):
+        cfg = compose_cfg([*TINY, "graphs=static", *over])
+        HydraConfig.instance().set_config(cfg)
+        return build_context(cfg, dict(cfg.hydra.runtime.choices), "/tmp")
+
+    ctx = ctx_for("fuse=layers", "fuse.backend=torch")
+    eng = ctx.factory.engine(64)
+    prompt = list(range(7, 27))
+    out = eng.generator.generate(prompt, 8)
+    m = ctx.factory.model
+    assert m.fused_decode is not None and ctx.factory.parts.fuse.describe()["fused_backend"] == "torch"
+    cache = KVCache(m.config, 1, 64, dtype=m.embed_tokens.weight.dtype)
+    assert out.tokens == Generator(m, cache, EagerStep(m, cache)).generate(prompt, 8).tokens
+    with pytest.raises(BuildError, match="fuse=layers with quant=int4: fuse=layers runs dense"):
+        ctx_for("fuse=layers", "fuse.backend=torch", "quant=int4", "quant.backend=torch",
+                "quant.group_size=32", "quant.skip=[per_layer_input_gate,per_layer_projection]").factory.model
+    with pytest.raises(BuildError, match="fuse.backend=torch"):
+        ctx_for("fuse=layers").factory.model
