@@ -29,14 +29,6 @@ from torch import nn
 from .fuse import MergeProjections
 
 
-class _Pending:
-    """A residual update not yet applied: h = (res + rmsnorm(y) * post) * scale (scale may be None)."""
-    __slots__ = ("res", "y", "post", "scale")
-
-    def __init__(self, res, y, post, scale=None):
-        self.res, self.y, self.post, self.scale = res, y, post, scale
-
-
 def _dense(mod: nn.Module, name: str) -> torch.Tensor:
     if not isinstance(mod, nn.Linear) or mod.bias is not None:
         raise ValueError(f"fuse=layers runs dense bias-free linears through its fused GEMV; {name} is "
@@ -50,13 +42,12 @@ def fused_decode(model, ids, pos, cache, gemv, pdl: bool = False):
     eps, off = c.rms_eps, c.norm_offset
     x, ple = model.embed(ids)
     store_attend = model.step_store_attend(ids, pos, cache)
-    run = functools.partial(gemv, eps=eps, offset=off, pdl=pdl)
 
     def call(a, w, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
-        return run(a, w, y, post, scale, pre, aux, epilogue=epilogue)
+        return gemv(a, w, y, post, scale, pre, aux, eps, off, epilogue, pdl)
 
     h = x.reshape(1, -1)
-    pend = None
+    pend = None  # a residual update not yet applied: (res, y, post, scale): h = (res + rmsnorm(y) * post) * scale
     for i, layer in enumerate(model.layers):
         at, s = layer.self_attn, layer.spec
         w_in = _dense(at.qkv_proj if s.stores_kv else at.q_proj, f"layers.{i}.self_attn")
@@ -64,7 +55,7 @@ def fused_decode(model, ids, pos, cache, gemv, pdl: bool = False):
         if pend is None:
             qkv, _ = call(h, w_in, pre=pre)
         else:
-            qkv, h = call(pend.res, w_in, pend.y, pend.post, pend.scale, pre)
+            qkv, h = call(pend[0], w_in, pend[1], pend[2], pend[3], pre)
         nq, nkv, d = at.num_heads * at.head_dim, at.num_kv_heads * at.head_dim, at.head_dim
         cos, sin = store_attend.rope[s.sliding]
         q = qkv[:, :nq].reshape(1, 1, at.num_heads, d)
@@ -83,12 +74,12 @@ def fused_decode(model, ids, pos, cache, gemv, pdl: bool = False):
             g, h = call(h, _dense(layer.per_layer_input_gate, f"layers.{i}.per_layer_input_gate"), dn,
                         layer.post_feedforward_layernorm.weight, aux=ple[0, 0, i], epilogue="gelu_mul")
             pp, _ = call(g, _dense(layer.per_layer_projection, f"layers.{i}.per_layer_projection"))
-            pend = _Pending(h, pp, layer.post_per_layer_input_norm.weight, layer.layer_scalar)
+            pend = (h, pp, layer.post_per_layer_input_norm.weight, layer.layer_scalar)
         else:
-            pend = _Pending(h, dn, layer.post_feedforward_layernorm.weight, layer.layer_scalar)
+            pend = (h, dn, layer.post_feedforward_layernorm.weight, layer.layer_scalar)
     last = model.layers[-1]
     norm = last.post_per_layer_input_norm if last.ple else last.post_feedforward_layernorm
-    h = (pend.res + norm(pend.y)) * pend.scale
+    h = (pend[0] + norm(pend[1])) * pend[3]
     return model.norm(h).reshape(1, 1, -1)
 
 
@@ -110,7 +101,7 @@ class FuseLayers:
         if self.backend == "triton":
             gemv = fused_gemv_op
         else:
-            def gemv(a, w, y, post, scale, pre, aux, *, eps, offset, epilogue, pdl):
+            def gemv(a, w, y, post, scale, pre, aux, eps, offset, epilogue, pdl):
                 return fused_gemv_ref(a, w, y, post, scale, pre, aux, eps=eps, offset=offset, epilogue=epilogue)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, pdl=self.pdl)
         return model
