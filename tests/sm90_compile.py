@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
+from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
 
 D16 = [["tt.divisibility", 16]]
@@ -50,13 +51,23 @@ def main():
         ce = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
                   HAS_PRE=pro == 1 or (pro == 2 and epi != 2), EPI=epi, PDL=True)
         cases.append((name, _fused_gemv_kernel, fused_sig, ce, tuple(range(9)) + (11,), warps))
+    int4_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr")}
+    int4_sig.update(qw_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", aux_ptr="*bf16", out_ptr="*bf16", N="i32", HALF="i32",
+                    stride_qn="i32", eps="fp32", off="fp32")
+    for name, pro, epi, K, bn, bk, warps in [
+            ("int4 fused residual qkv", 2, 0, 2560, 4, 512, 2), ("int4 fused geglu gate|up", 2, 1, 2560, 8, 512, 4),
+            ("int4 fused plain down", 0, 0, 10240, 4, 1024, 4), ("int4 fused ple gate", 2, 2, 2560, 4, 512, 4)]:
+        ce = dict(K=K, GROUP=128, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
+                  HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True)
+        cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)) + (13,), warps))
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")
-        # the PDL wait comes after every weight load: find the first x / vector load after it
+        # dense: the PDL wait comes after every weight load (a prefetch); int4: before the first load
         first_wait = ptx.index("griddepcontrol.wait")
         w_loads_before = ptx[:first_wait].count("ld.global")
-        print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{-(-ce['K'] // ce['BLOCK_K'])}")
+        expect = 0 if fn is _fused_w4a16_kernel else -(-ce["K"] // ce["BLOCK_K"])
+        print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{expect}")
 
 
 if __name__ == "__main__":

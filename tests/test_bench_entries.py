@@ -66,3 +66,19 @@ def test_chain_has_every_body_gemv_of_a_step_in_order():
     x0 = torch.randn(1, 4, dtype=torch.float64)
     ref = ((x0 @ ws[0].T)[:, :5] @ ws[1].T) @ ws[2].T
     assert torch.allclose(run_chain(ws, x0, torch.nn.functional.linear), ref)
+
+
+def test_ladder_fused_variants_on_the_cpu(tmp_path):
+    """The fused variants' setup on the CPU (twins, no compile here): apply_variant installs the fused
+    one-row step for dense and int4 bodies and removes it for the others."""
+    from fastgemma.bench.ladder import VARIANTS, apply_variant
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.weights.synthetic import synthetic_model
+
+    model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=0)
+    state = {}
+    apply_variant(model, "compiled_triton_fused_pdl", state)
+    assert model.fused_decode is not None and model.fused_decode.keywords["pdl"] is True
+    apply_variant(model, "compiled_triton_merged_gemv", state)
+    assert model.fused_decode is None
+    assert VARIANTS["compiled_triton_fused_int4"][4] and VARIANTS["compiled_triton_fused_int4"][6] == "layers"

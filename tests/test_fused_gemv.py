@@ -59,6 +59,30 @@ def test_fused_gemv_matches_twin(case, N, K, cfg, dtype):
         assert h is None and href is None
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_w4a16_matches_twin(case, group, dtype):
+    """The int4 kernel (factored GEMV) against dequantize + the dense twin; N = 38 (and 19 GeGLU
+    pairs) not a multiple of the tile, K = 512 in blocks of 256: two unrolled blocks."""
+    from fastgemma.kernels.fused_w4a16 import fused_w4a16, fused_w4a16_ref
+    from fastgemma.kernels.w4a16 import W4A16Config, pack_int4, quantize_int4
+
+    N, K = 38, 512
+    t = _tensors(N, K, dtype, seed=4)
+    q, sc, zr = quantize_int4(t["w"].float(), group)
+    qw, sc, zr = pack_int4(q), sc.to(dtype), zr.to(dtype)
+    build, epi = CASES[case]
+    kw = dict(build(t), eps=1e-6, epilogue=epi)
+    out, h = fused_w4a16(t["a"], qw, sc, zr, group, config=W4A16Config(4, 256, 1, 2), **kw)
+    ref, href = fused_w4a16_ref(t["a"], qw, sc, zr, group, **kw)
+    assert out.shape == ref.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < tol
+    if "y" in kw:
+        assert ((h.float() - href.float()).abs().max() / href.float().abs().max()).item() < tol
+
+
 def test_fused_gemv_gemma3_offset_and_op():
     t = _tensors(16, 96, torch.float32, seed=3)
     kw = dict(eps=1e-6, offset=1.0, epilogue="none")
@@ -99,8 +123,8 @@ def _decode(model, cfg, prompt, new):
     return out.tokens, gen.step.last_logits.clone()
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
-def test_fuse_layers_step_equals_ordinary_step(family, monkeypatch):
+@pytest.mark.parametrize("family,int4", [("gemma4", False), ("gemma3", False), ("gemma4", True)])
+def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     """fp32 on the tiny model (sliding and full layers, KV sharing, PLE; a Gemma 3 variant without
     PLE, with the +1 norm offset): the fused step (twins, then the Triton kernels under the
     interpreter) gives the ordinary step's tokens and logits. The window (16) is shorter than the
@@ -117,9 +141,20 @@ def test_fuse_layers_step_equals_ordinary_step(family, monkeypatch):
     prompt = list(range(5, 25))
     model = synthetic_model(cfg, "cpu", torch.float32, seed=1)
     model.step_attention = decode_attention_ref
-    ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
     t = FuseLayers(backend="torch")
-    t.apply(model)
+    if int4:  # fuse (merge) first, then quantise, as the builder orders them; PLE projection (K=16) stays dense
+        from fastgemma.transforms.quant import Int4Quant
+
+        t.apply(model)
+        fused = model.fused_decode
+        model.fused_decode = None
+        Int4Quant(group_size=32, skip=("per_layer_projection",), backend="torch").apply(model)
+        t.validate(model)
+        ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
+        model.fused_decode = fused
+    else:
+        ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
+        t.apply(model)
     assert model.fused_decode is not None and t.describe()["fused_layers"]
     tokens, logits = _decode(model, cfg, prompt, 6)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
@@ -129,12 +164,11 @@ def test_fuse_layers_step_equals_ordinary_step(family, monkeypatch):
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_fuse_layers_wide_steps_and_int4_refusal():
+def test_fuse_layers_wide_steps_and_refusals():
     from fastgemma.engine.cache import KVCache
     from fastgemma.kernels.decode_attention import decode_attention_ref
     from fastgemma.model.config import GEMMA4_TINY
     from fastgemma.transforms.fuse_layers import FuseLayers
-    from fastgemma.transforms.quant import Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 
     model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=0)
@@ -149,16 +183,17 @@ def test_fuse_layers_wide_steps_and_int4_refusal():
     assert not called
     model.step(ids[:, :1], torch.tensor([[2]]), cache)
     assert called == [1]
-    Int4Quant(group_size=32, skip=("per_layer_input_gate", "per_layer_projection"), backend="torch").apply(model)
-    with pytest.raises(ValueError, match="fuse=layers runs dense .* Int4Linear: use fuse=merged"):
+    model.layers[2].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match=r"fuse=layers runs bias-free dense or int4 .* layers.2.self_attn.o_proj"):
         model.step(ids[:, :1], torch.tensor([[3]]), cache)
     with pytest.raises(ValueError, match="backend must be triton or torch"):
         FuseLayers(backend="cuda")
 
 
 def test_fuse_layers_from_the_config():
-    """fuse=layers from the real config on a CPU (twins): the engine's tokens equal the reference
-    engine's; with quant=int4 the build refuses in one line; the Triton backend asks for a GPU."""
+    """fuse=layers from the real config on a CPU (twins): the engine's tokens equal eager decode of
+    the same weights, dense and int4; with quant=nf4 the build refuses in one line; the Triton
+    backend asks for a GPU."""
     from fgcli_helpers import TINY, compose_cfg
     from hydra.core.hydra_config import HydraConfig
 
@@ -180,8 +215,13 @@ def test_fuse_layers_from_the_config():
     assert m.fused_decode is not None and ctx.factory.parts.fuse.describe()["fused_backend"] == "torch"
     cache = KVCache(m.config, 1, 64, dtype=m.embed_tokens.weight.dtype)
     assert out.tokens == Generator(m, cache, EagerStep(m, cache)).generate(prompt, 8).tokens
-    with pytest.raises(BuildError, match="fuse=layers with quant=int4: fuse=layers runs dense"):
-        ctx_for("fuse=layers", "fuse.backend=torch", "quant=int4", "quant.backend=torch",
-                "quant.group_size=32", "quant.skip=[per_layer_input_gate,per_layer_projection]").factory.model
+    ctx = ctx_for("fuse=layers", "fuse.backend=torch", "quant=int4", "quant.backend=torch", "quant.group_size=32",
+                  "quant.skip=[per_layer_input_gate,per_layer_projection]")
+    out = ctx.factory.engine(64).generator.generate(prompt, 8)
+    m = ctx.factory.model
+    cache = KVCache(m.config, 1, 64, dtype=m.embed_tokens.weight.dtype)
+    assert out.tokens == Generator(m, cache, EagerStep(m, cache)).generate(prompt, 8).tokens
+    with pytest.raises(BuildError, match="fuse=layers with quant=nf4: .* Linear4bit: use fuse=merged"):
+        ctx_for("fuse=layers", "fuse.backend=torch", "quant=nf4").factory.model
     with pytest.raises(BuildError, match="fuse.backend=torch"):
         ctx_for("fuse=layers").factory.model

@@ -43,6 +43,8 @@ VARIANTS = {
     "graph_triton_merged_int4": (GraphStep, "triton", False, True, True, False, None),
     "compiled_triton_merged_int4": (GraphStep, "triton", True, True, True, False, None),
     "compiled_triton_merged_int4_gemv": (GraphStep, "triton", True, True, True, True, None),
+    "compiled_triton_fused_int4": (GraphStep, "triton", True, True, True, False, "layers"),
+    "compiled_triton_fused_int4_pdl": (GraphStep, "triton", True, True, True, False, "layers_pdl"),
 }
 
 

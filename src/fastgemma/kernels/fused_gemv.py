@@ -104,6 +104,67 @@ def _sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K: tl.constexpr, B
 
 
 @triton.jit
+def _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PRO: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, DT: tl.constexpr):
+    """(1 / rms(y), 1 / rms(x source), layer scale) for the prologue (zeros where unused)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    inv_y = 0.0
+    inv_x = 0.0
+    scale = 1.0
+    if PRO == 1:
+        inv_x = 1.0 / tl.sqrt(_sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
+                                     False, False, DT) / K + eps)
+    if PRO == 2:
+        inv_y = 1.0 / tl.sqrt(_sumsq(y_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
+                                     False, False, DT) / K + eps)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        if HAS_PRE:
+            inv_x = 1.0 / tl.sqrt(_sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
+                                         True, HAS_SCALE, DT) / K + eps)
+    return inv_y, inv_x, scale
+
+
+@triton.jit
+def _finish(y, rows, n_ok, pid, a_ptr, y_ptr, post_ptr, h_ptr, aux_ptr, out_ptr, HALF, inv_y, scale, off,
+            K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+            HAS_SCALE: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr):
+    """The new residual (program 0, PRO 2) and the epilogue's store of y [BLOCK_N] (fp32 sums)."""
+    if PRO == 2:
+        if pid == 0:  # one program writes the new residual stream
+            offs_k = tl.arange(0, BLOCK_K)
+            for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
+                k = kb * BLOCK_K + offs_k
+                hb = _h_block(a_ptr, y_ptr, post_ptr, kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
+                tl.store(h_ptr + k, hb.to(DT), mask=k < K)
+    if EPI == 0:
+        tl.store(out_ptr + rows, y.to(DT), mask=n_ok)
+    elif EPI == 1:
+        g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+        act = _rnd(_rnd(_gelu_tanh(_rnd(g, DT)), DT) * _rnd(u, DT), DT)
+        i2 = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + i2, act.to(DT), mask=i2 < HALF)
+    else:
+        p = tl.load(aux_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
+        act = _rnd(_rnd(_gelu_tanh(_rnd(y, DT)), DT) * p, DT)
+        tl.store(out_ptr + rows, act.to(DT), mask=n_ok)
+
+
+@triton.jit
+def _rows(pid, N, HALF, BLOCK_N: tl.constexpr, EPI: tl.constexpr):
+    """The program's weight rows; with the GeGLU epilogue gate row i (even j) then up row HALF + i."""
+    j = tl.arange(0, BLOCK_N)
+    if EPI == 1:
+        i = pid * (BLOCK_N // 2) + j // 2
+        rows = i + (j % 2) * HALF
+        n_ok = i < HALF
+    else:
+        rows = pid * BLOCK_N + j
+        n_ok = rows < N
+    return rows, n_ok
+
+
+@triton.jit
 def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr, aux_ptr, out_ptr,
                        N, HALF, stride_wn, eps, off,
                        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
@@ -111,14 +172,7 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    j = tl.arange(0, BLOCK_N)
-    if EPI == 1:  # rows interleave gate row i (even j) and up row HALF + i (odd j)
-        i = pid * (BLOCK_N // 2) + j // 2
-        rows = i + (j % 2) * HALF
-        n_ok = i < HALF
-    else:
-        rows = pid * BLOCK_N + j
-        n_ok = rows < N
+    rows, n_ok = _rows(pid, N, HALF, BLOCK_N, EPI)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -156,20 +210,8 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
     if PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernels' outputs are visible from here on
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    inv_y = 0.0
-    inv_x = 0.0
-    scale = 1.0
-    if PRO == 1:
-        inv_x = 1.0 / tl.sqrt(_sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
-                                     False, False, DT) / K + eps)
-    if PRO == 2:
-        inv_y = 1.0 / tl.sqrt(_sumsq(y_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
-                                     False, False, DT) / K + eps)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr).to(tl.float32)
-        if HAS_PRE:
-            inv_x = 1.0 / tl.sqrt(_sumsq(a_ptr, y_ptr, post_ptr, offs_k, inv_y, scale, off, K, BLOCK_K,
-                                         True, HAS_SCALE, DT) / K + eps)
+    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
+                                            PRO, HAS_SCALE, HAS_PRE, DT)
     acc = _fma_block(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w0, a_ptr, y_ptr, post_ptr, pre_ptr, 0,
                      offs_k, inv_y, inv_x, scale, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 1:
@@ -218,23 +260,8 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
         acc = _fma_block(acc, w15, a_ptr, y_ptr, post_ptr, pre_ptr, 15, offs_k, inv_y, inv_x, scale, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     y = tl.sum(acc, axis=1)
-    if PRO == 2:
-        if pid == 0:  # one program writes the new residual stream
-            for kb in tl.static_range(NKB):
-                k = kb * BLOCK_K + offs_k
-                hb = _h_block(a_ptr, y_ptr, post_ptr, kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
-                tl.store(h_ptr + k, hb.to(DT), mask=k < K)
-    if EPI == 0:
-        tl.store(out_ptr + rows, y.to(DT), mask=n_ok)
-    elif EPI == 1:
-        g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-        act = _rnd(_rnd(_gelu_tanh(_rnd(g, DT)), DT) * _rnd(u, DT), DT)
-        i2 = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + i2, act.to(DT), mask=i2 < HALF)
-    else:
-        p = tl.load(aux_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
-        act = _rnd(_rnd(_gelu_tanh(_rnd(y, DT)), DT) * p, DT)
-        tl.store(out_ptr + rows, act.to(DT), mask=n_ok)
+    _finish(y, rows, n_ok, pid, a_ptr, y_ptr, post_ptr, h_ptr, aux_ptr, out_ptr, HALF, inv_y, scale, off,
+            K, BLOCK_N, BLOCK_K, PRO, HAS_SCALE, EPI, DT)
 
 
 # Tiles: the prologue's work grows with the program count (each recomputes its norms), so the
