@@ -130,6 +130,7 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     interpreter) gives the ordinary step's tokens and logits. The window (16) is shorter than the
     context, so ring-buffer slots wrap."""
     import fastgemma.kernels.gemv as gemv_mod
+    import fastgemma.kernels.w4a16 as w4a16_mod
     from fastgemma.kernels.decode_attention import decode_attention_ref
     from fastgemma.model.config import GEMMA4_TINY
     from fastgemma.transforms.fuse_layers import FuseLayers
@@ -158,7 +159,9 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     assert model.fused_decode is not None and t.describe()["fused_layers"]
     tokens, logits = _decode(model, cfg, prompt, 6)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # wide tiles: a handful of programs per launch keeps the interpreter fast
     monkeypatch.setattr(gemv_mod, "default_config", lambda N, K: GemvConfig(64, 64, 4))
+    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod.W4A16Config(64, 64, 1, 4))
     FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
     tokens, logits = _decode(model, cfg, prompt, 6)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
