@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .gemv import _INTERPRET, MAX_KB, GemvConfig, _wload, pdl_supported, resolve_config
+from .gemv import _INTERPRET, MAX_KB, GemvConfig, _wload_all, pdl_supported, resolve_config
 
 EPILOGUES = {"none": 0, "geglu": 1, "gelu_mul": 2}
 
@@ -176,37 +176,8 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    w0 = _wload(w_ptrs, 0, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 1:
-        w1 = _wload(w_ptrs, 1, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 2:
-        w2 = _wload(w_ptrs, 2, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 3:
-        w3 = _wload(w_ptrs, 3, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 4:
-        w4 = _wload(w_ptrs, 4, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 5:
-        w5 = _wload(w_ptrs, 5, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 6:
-        w6 = _wload(w_ptrs, 6, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 7:
-        w7 = _wload(w_ptrs, 7, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 8:
-        w8 = _wload(w_ptrs, 8, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 9:
-        w9 = _wload(w_ptrs, 9, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 10:
-        w10 = _wload(w_ptrs, 10, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 11:
-        w11 = _wload(w_ptrs, 11, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 12:
-        w12 = _wload(w_ptrs, 12, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 13:
-        w13 = _wload(w_ptrs, 13, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 14:
-        w14 = _wload(w_ptrs, 14, n_ok, offs_k, K, BLOCK_K)
-    if NKB > 15:
-        w15 = _wload(w_ptrs, 15, n_ok, offs_k, K, BLOCK_K)
+    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _wload_all(w_ptrs, n_ok, offs_k, K,
+                                                                                        BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernels' outputs are visible from here on
     DT: tl.constexpr = out_ptr.dtype.element_ty

@@ -65,33 +65,26 @@ def _wload(w_ptrs, kb: tl.constexpr, n_ok, offs_k, K: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _xfma(acc, w, x_ptrs, kb: tl.constexpr, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + w * x[kb block] in fp32."""
-    if (kb + 1) * BLOCK_K <= K:
-        x = tl.load(x_ptrs + kb * BLOCK_K)
-    else:
-        x = tl.load(x_ptrs + kb * BLOCK_K, mask=kb * BLOCK_K + offs_k < K, other=0.0)
-    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
-
-
-@triton.jit
-def _prefetch_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
-                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """The same GEMV with every weight block loaded into registers before x is touched. With
-    PDL (programmatic dependent launch, sm90+), the program lets the next kernel launch at once
-    and waits for the previous kernel only after its weight loads are issued: the weights (which
-    no kernel writes) stream in while the previous kernel finishes."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+def _wload_all(w_ptrs, n_ok, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Every weight block of a program (up to MAX_KB = 16), loads issued back to back; slots past
+    the last block repeat block 0 (never read, no load)."""
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     w0 = _wload(w_ptrs, 0, n_ok, offs_k, K, BLOCK_K)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    w4 = w0
+    w5 = w0
+    w6 = w0
+    w7 = w0
+    w8 = w0
+    w9 = w0
+    w10 = w0
+    w11 = w0
+    w12 = w0
+    w13 = w0
+    w14 = w0
+    w15 = w0
     if NKB > 1:
         w1 = _wload(w_ptrs, 1, n_ok, offs_k, K, BLOCK_K)
     if NKB > 2:
@@ -122,6 +115,38 @@ def _prefetch_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride
         w14 = _wload(w_ptrs, 14, n_ok, offs_k, K, BLOCK_K)
     if NKB > 15:
         w15 = _wload(w_ptrs, 15, n_ok, offs_k, K, BLOCK_K)
+    return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
+
+
+@triton.jit
+def _xfma(acc, w, x_ptrs, kb: tl.constexpr, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + w * x[kb block] in fp32."""
+    if (kb + 1) * BLOCK_K <= K:
+        x = tl.load(x_ptrs + kb * BLOCK_K)
+    else:
+        x = tl.load(x_ptrs + kb * BLOCK_K, mask=kb * BLOCK_K + offs_k < K, other=0.0)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _prefetch_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
+                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The same GEMV with every weight block loaded into registers before x is touched. With
+    PDL (programmatic dependent launch, sm90+), the program lets the next kernel launch at once
+    and waits for the previous kernel only after its weight loads are issued: the weights (which
+    no kernel writes) stream in while the previous kernel finishes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+    NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _wload_all(w_ptrs, n_ok, offs_k, K,
+                                                                                        BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, and reuse of out) are visible
     acc = _xfma(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w0, x_ptrs, 0, offs_k, K, BLOCK_K)
