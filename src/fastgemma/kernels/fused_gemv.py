@@ -257,12 +257,16 @@ _fused_gemv_tuned = triton.autotune(
 )(_fused_gemv_kernel)
 
 
-def _check(a, w, y, post, scale, pre, aux, epilogue):
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"fused_gemv epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
+def _check_dense(w) -> tuple[int, int]:
     if w.dim() != 2 or w.stride(1) != 1:
         raise ValueError(f"fused_gemv needs w [N, K] contiguous along K, got {tuple(w.shape)}")
-    N, K = w.shape
+    return w.shape
+
+
+def _check(a, N, K, y, post, scale, pre, aux, epilogue):
+    """The prologue / epilogue inputs of a one-row GEMV with an [N, K] weight (dense or int4)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"fused_gemv epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     if a.numel() != K:
         raise ValueError(f"fused_gemv runs one row: a must hold K={K} values, got shape {tuple(a.shape)}")
     for name, t in (("y", y), ("post", post), ("pre", pre)):
@@ -278,42 +282,52 @@ def _check(a, w, y, post, scale, pre, aux, epilogue):
         raise ValueError(f"fused_gemv gelu_mul needs aux with N={N} values")
 
 
+class _Launch:
+    """What the dense and int4 fused launchers share for one call: the prologue / epilogue modes,
+    the outputs, the pointer arguments before and after the weight's, the constexpr flags, the grid."""
+
+    def __init__(self, a, y, post, scale, pre, aux, N: int, K: int, device, epilogue: str, pdl: bool):
+        self.N, self.half, self.epi = N, N // 2, EPILOGUES[epilogue]
+        pro = 0 if y is None and pre is None else (1 if y is None else 2)
+        self.out = torch.empty(1, self.half if self.epi == 1 else N, device=device, dtype=a.dtype)
+        self.h = torch.empty(1, K, device=device, dtype=a.dtype) if pro == 2 else None
+        a = a.reshape(-1).contiguous()
+        flat = lambda t: a if t is None else t.reshape(-1).contiguous()  # noqa: E731  (a: an unread dummy)
+        # (a, y, post, scale, pre, h) come before the weight's pointers, (aux, out) after them
+        self.head = (a, flat(y), flat(post), flat(scale), flat(pre), self.out if self.h is None else self.h)
+        self.tail = (flat(aux), self.out)
+        use_pdl = pdl and pdl_supported(device)
+        self.flags = dict(K=K, PRO=pro, HAS_SCALE=scale is not None, HAS_PRE=pre is not None, EPI=self.epi,
+                          PDL=use_pdl, **({"launch_pdl": True} if use_pdl else {}))
+
+    def grid(self, block_n: int) -> tuple[int]:
+        """GeGLU programs take block_n / 2 gate rows and their up rows."""
+        return (triton.cdiv(self.half, block_n // 2) if self.epi == 1 else triton.cdiv(self.N, block_n),)
+
+
 def fused_gemv(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: float, offset: float = 0.0,
                epilogue: str = "none", config: GemvConfig | None = None, pdl: bool = False):
     """-> (out [1, N] or [1, N/2] for geglu, h [1, K] or None). a, y [K] any shape holding K values."""
-    _check(a, w, y, post, scale, pre, aux, epilogue)
+    N, K = _check_dense(w)
+    _check(a, N, K, y, post, scale, pre, aux, epilogue)
     if not (w.is_cuda or _INTERPRET):
         raise RuntimeError("fused_gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use fused_gemv_ref")
-    N, K = w.shape
-    pro = 0 if y is None and pre is None else (1 if y is None else 2)
-    epi = EPILOGUES[epilogue]
+    run = _Launch(a, y, post, scale, pre, aux, N, K, w.device, epilogue, pdl)
     tune = config is None and not _INTERPRET
     if not tune:
         cfg = resolve_config(N, K, config)
-        if epi == 1 and cfg.block_n < 2:
+        if run.epi == 1 and cfg.block_n < 2:
             cfg = GemvConfig(2, cfg.block_k, cfg.num_warps)
         if triton.cdiv(K, cfg.block_k) > MAX_KB:
             raise ValueError(f"fused_gemv holds at most {MAX_KB} K blocks; K={K} needs BLOCK_K >= "
                              f"{triton.cdiv(K, MAX_KB)}")
-    half = N // 2
-    out = torch.empty(1, half if epi == 1 else N, device=w.device, dtype=a.dtype)
-    h = torch.empty(1, K, device=w.device, dtype=a.dtype) if pro == 2 else None
-    a = a.reshape(-1).contiguous()
-    dummy = a
-    use_pdl = pdl and pdl_supported(w.device)
-    args = (a, y.reshape(-1).contiguous() if y is not None else dummy, post if post is not None else dummy,
-            scale if scale is not None else dummy, pre if pre is not None else dummy, h if h is not None else out,
-            w, aux.reshape(-1).contiguous() if aux is not None else dummy, out, N, half, w.stride(0), eps, offset)
-    flags = dict(K=K, PRO=pro, HAS_SCALE=scale is not None, HAS_PRE=pre is not None, EPI=epi, PDL=use_pdl,
-                 **({"launch_pdl": True} if use_pdl else {}))
+    args = (*run.head, w, *run.tail, N, run.half, w.stride(0), eps, offset)
     if tune:
-        grid = lambda meta: (triton.cdiv(half, meta["BLOCK_N"] // 2) if epi == 1  # noqa: E731
-                             else triton.cdiv(N, meta["BLOCK_N"]),)
-        _fused_gemv_tuned[grid](*args, **flags)
+        _fused_gemv_tuned[lambda meta: run.grid(meta["BLOCK_N"])](*args, **run.flags)
     else:
-        grid = (triton.cdiv(half, cfg.block_n // 2) if epi == 1 else triton.cdiv(N, cfg.block_n),)
-        _fused_gemv_kernel[grid](*args, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **flags)
-    return out, h
+        _fused_gemv_kernel[run.grid(cfg.block_n)](*args, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                                  num_warps=cfg.num_warps, **run.flags)
+    return run.out, run.h
 
 
 def _rms(v, w, eps, offset):
@@ -326,8 +340,8 @@ def _rms(v, w, eps, offset):
 def fused_gemv_ref(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: float, offset: float = 0.0,
                    epilogue: str = "none", config=None, pdl: bool = False):
     """The torch twin: the eager layer's ops in its order."""
-    _check(a, w, y, post, scale, pre, aux, epilogue)
-    N, K = w.shape
+    N, K = _check_dense(w)
+    _check(a, N, K, y, post, scale, pre, aux, epilogue)
     a = a.reshape(1, K)
     h = None
     if y is not None:

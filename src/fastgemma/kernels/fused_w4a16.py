@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_gemv import EPILOGUES, _check, _finish, _prologue_scalars, _rows, _x_block, fused_gemv_ref
-from .gemv import _INTERPRET, MAX_KB, pdl_supported
+from .fused_gemv import _check, _finish, _Launch, _prologue_scalars, _rows, _x_block, fused_gemv_ref
+from .gemv import _INTERPRET, MAX_KB
 from .w4a16 import dequantize_int4, resolve_config
 
 
@@ -72,31 +72,18 @@ def fused_w4a16(a, qweight, scales, zeros, group_size: int, y=None, post=None, s
                 eps: float, offset: float = 0.0, epilogue: str = "none", config=None, pdl: bool = False):
     """-> (out [1, N] or [1, N/2] for geglu, h [1, K] or None); see fused_gemv."""
     N, K = _check_int4(a, qweight, scales, zeros, group_size)
-    _check(a, torch.empty(N, K, device="meta"), y, post, scale, pre, aux, epilogue)
+    _check(a, N, K, y, post, scale, pre, aux, epilogue)
     if not (qweight.is_cuda or _INTERPRET):
         raise RuntimeError("fused_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use fused_w4a16_ref")
-    epi = EPILOGUES[epilogue]
-    pro = 0 if y is None and pre is None else (1 if y is None else 2)
     cfg = resolve_config(1, N, K, group_size, config)  # block_k: a group multiple dividing K
-    bn = max(cfg.block_n, 2) if epi == 1 else cfg.block_n
     if K // cfg.block_k > MAX_KB:
         raise ValueError(f"fused_w4a16 unrolls at most {MAX_KB} K blocks; K={K} needs block_k >= {K // MAX_KB}")
-    half = N // 2
-    out = torch.empty(1, half if epi == 1 else N, device=qweight.device, dtype=a.dtype)
-    h = torch.empty(1, K, device=qweight.device, dtype=a.dtype) if pro == 2 else None
-    a = a.reshape(-1).contiguous()
-    dummy = a
-    use_pdl = pdl and pdl_supported(qweight.device)
-    grid = (triton.cdiv(half, bn // 2) if epi == 1 else triton.cdiv(N, bn),)
-    _fused_w4a16_kernel[grid](
-        a, y.reshape(-1).contiguous() if y is not None else dummy, post if post is not None else dummy,
-        scale if scale is not None else dummy, pre if pre is not None else dummy, h if h is not None else out,
-        qweight, scales, zeros, aux.reshape(-1).contiguous() if aux is not None else dummy, out,
-        N, half, qweight.stride(0), eps, offset,
-        K=K, GROUP=group_size, BLOCK_N=bn, BLOCK_K=cfg.block_k, PRO=pro, HAS_SCALE=scale is not None,
-        HAS_PRE=pre is not None, EPI=epi, PDL=use_pdl, num_warps=cfg.num_warps,
-        **({"launch_pdl": True} if use_pdl else {}))
-    return out, h
+    run = _Launch(a, y, post, scale, pre, aux, N, K, qweight.device, epilogue, pdl)
+    bn = max(cfg.block_n, 2) if run.epi == 1 else cfg.block_n
+    _fused_w4a16_kernel[run.grid(bn)](*run.head, qweight, scales, zeros, *run.tail, N, run.half, qweight.stride(0),
+                                      eps, offset, GROUP=group_size, BLOCK_N=bn, BLOCK_K=cfg.block_k,
+                                      num_warps=cfg.num_warps, **run.flags)
+    return run.out, run.h
 
 
 def fused_w4a16_ref(a, qweight, scales, zeros, group_size: int, y=None, post=None, scale=None, pre=None, aux=None,
