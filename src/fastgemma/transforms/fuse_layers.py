@@ -30,15 +30,24 @@ from torch import nn
 from .fuse import MergeProjections
 
 
-def _linear(mod: nn.Module, name: str):
-    """A linear the fused step can read: dense bias-free nn.Linear (incl. GemvLinear) or Int4Linear."""
+def _layer_linears(i: int, layer) -> dict:
+    """The linears the fused step reads in layer i, by role, each checked: dense bias-free
+    nn.Linear (incl. GemvLinear) or Int4Linear."""
     from .gemv import GemvLinear
     from .quant import Int4Linear
 
-    if (type(mod) is nn.Linear or type(mod) is GemvLinear or type(mod) is Int4Linear) and mod.bias is None:
-        return mod
-    raise ValueError(f"fuse=layers runs bias-free dense or int4 linears through its fused GEMVs; {name} is "
-                     f"{type(mod).__name__}: use fuse=merged")
+    at, m = layer.self_attn, layer.mlp
+    named = {"in": ("self_attn.qkv_proj", at.qkv_proj) if layer.spec.stores_kv else ("self_attn.q_proj", at.q_proj),
+             "o": ("self_attn.o_proj", at.o_proj), "gate_up": ("mlp.gate_up_proj", m.gate_up_proj),
+             "down": ("mlp.down_proj", m.down_proj)}
+    if layer.ple:
+        named["ple_gate"] = ("per_layer_input_gate", layer.per_layer_input_gate)
+        named["ple_proj"] = ("per_layer_projection", layer.per_layer_projection)
+    for name, mod in named.values():
+        if type(mod) not in (nn.Linear, GemvLinear, Int4Linear) or mod.bias is not None:
+            raise ValueError(f"fuse=layers runs bias-free dense or int4 linears through its fused GEMVs; "
+                             f"layers.{i}.{name} is {type(mod).__name__}: use fuse=merged")
+    return {role: mod for role, (_, mod) in named.items()}
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
@@ -58,15 +67,16 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
         return gemv(a, mod.weight, y, post, scale, pre, aux, eps, off, epilogue, pdl)
 
     h = x.reshape(1, -1)
-    pend = None  # a residual update not yet applied: (res, y, post, scale): h = (res + rmsnorm(y) * post) * scale
+    # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
+    pend = None
     for i, layer in enumerate(model.layers):
         at, s = layer.self_attn, layer.spec
-        w_in = _linear(at.qkv_proj if s.stores_kv else at.q_proj, f"layers.{i}.self_attn")
+        lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
         if pend is None:
-            qkv, _ = call(h, w_in, pre=pre)
+            qkv, _ = call(h, lin["in"], pre=pre)
         else:
-            qkv, h = call(pend[0], w_in, pend[1], pend[2], pend[3], pre)
+            qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
         nq, nkv, d = at.num_heads * at.head_dim, at.num_kv_heads * at.head_dim, at.head_dim
         cos, sin = store_attend.rope[s.sliding]
         q = qkv[:, :nq].reshape(1, 1, at.num_heads, d)
@@ -76,22 +86,19 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
             q, k, v = at.finish(q, k, v, cos, sin)
         else:
             q, k, v = at.finish(q, None, None, cos, sin)
-        o, _ = call(store_attend(layer, q, k, v).reshape(1, -1), _linear(at.o_proj, f"layers.{i}.self_attn.o_proj"))
-        act, h = call(h, _linear(layer.mlp.gate_up_proj, f"layers.{i}.mlp.gate_up_proj"), o,
-                      layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight,
-                      epilogue="geglu")
-        dn, _ = call(act, _linear(layer.mlp.down_proj, f"layers.{i}.mlp.down_proj"))
+        o, _ = call(store_attend(layer, q, k, v).reshape(1, -1), lin["o"])
+        act, h = call(h, lin["gate_up"], o, layer.post_attention_layernorm.weight, None,
+                      layer.pre_feedforward_layernorm.weight, epilogue="geglu")
+        dn, _ = call(act, lin["down"])
         if layer.ple:
-            g, h = call(h, _linear(layer.per_layer_input_gate, f"layers.{i}.per_layer_input_gate"), dn,
-                        layer.post_feedforward_layernorm.weight, aux=ple[0, 0, i], epilogue="gelu_mul")
-            pp, _ = call(g, _linear(layer.per_layer_projection, f"layers.{i}.per_layer_projection"))
-            pend = (h, pp, layer.post_per_layer_input_norm.weight, layer.layer_scalar)
+            g, h = call(h, lin["ple_gate"], dn, layer.post_feedforward_layernorm.weight, aux=ple[0, 0, i],
+                        epilogue="gelu_mul")
+            pp, _ = call(g, lin["ple_proj"])
+            pend = (h, pp, layer.post_per_layer_input_norm, layer.layer_scalar)
         else:
-            pend = (h, dn, layer.post_feedforward_layernorm.weight, layer.layer_scalar)
-    last = model.layers[-1]
-    norm = last.post_per_layer_input_norm if last.ple else last.post_feedforward_layernorm
-    h = (pend[0] + norm(pend[1])) * pend[3]
-    return model.norm(h).reshape(1, 1, -1)
+            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
+    res, y, norm, scale = pend  # the last layer's update, in torch (no GEMV follows it)
+    return model.norm((res + norm(y)) * scale).reshape(1, 1, -1)
 
 
 class FuseLayers:
@@ -125,15 +132,7 @@ class FuseLayers:
     def validate(self, model) -> None:
         """Every linear the fused step reads is dense or int4 (after quant and the other groups ran)."""
         for i, layer in enumerate(model.layers):
-            at, m = layer.self_attn, layer.mlp
-            mods = {"self_attn.qkv_proj" if hasattr(at, "qkv_proj") else "self_attn.q_proj":
-                    getattr(at, "qkv_proj", None) or at.q_proj, "self_attn.o_proj": at.o_proj,
-                    "mlp.gate_up_proj": m.gate_up_proj, "mlp.down_proj": m.down_proj}
-            if layer.ple:
-                mods.update({"per_layer_input_gate": layer.per_layer_input_gate,
-                             "per_layer_projection": layer.per_layer_projection})
-            for name, mod in mods.items():
-                _linear(mod, f"layers.{i}.{name}")
+            _layer_linears(i, layer)
 
     def describe(self) -> dict:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl}
