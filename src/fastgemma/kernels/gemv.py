@@ -14,6 +14,7 @@ twin (F.linear). Tiles: `CONFIGS[(N, K)]` (E4B shapes on the H200) else `default
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,8 @@ _INTERPRET = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
-                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _program_ptrs(x_ptr, w_ptr, N, stride_xm, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's rows of W (BLOCK_N, program axis 0) and row of x (axis 1), first K block."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -36,6 +37,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+    return offs_n, n_ok, offs_k, w_ptrs, x_ptrs, pid_m
+
+
+@triton.jit
+def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride_om,
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n, n_ok, offs_k, w_ptrs, x_ptrs, pid_m = _program_ptrs(x_ptr, w_ptr, N, stride_xm, stride_wn, BLOCK_N,
+                                                                BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     FULL: tl.constexpr = K // BLOCK_K
     for kb in tl.static_range(FULL):  # unrolled: all loads of the slice can be in flight at once
@@ -137,13 +146,8 @@ def _prefetch_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_wn, stride
     no kernel writes) stream in while the previous kernel finishes."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + pid_m * stride_xm + offs_k
+    offs_n, n_ok, offs_k, w_ptrs, x_ptrs, pid_m = _program_ptrs(x_ptr, w_ptr, N, stride_xm, stride_wn, BLOCK_N,
+                                                                BLOCK_K)
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _wload_all(w_ptrs, n_ok, offs_k, K,
                                                                                         BLOCK_K)
@@ -231,8 +235,10 @@ def resolve_config(N: int, K: int, config: GemvConfig | None = None) -> GemvConf
 LAUNCHES = ("plain", "prefetch", "pdl")
 
 
+@functools.lru_cache(maxsize=None)
 def pdl_supported(device) -> bool:
-    """Programmatic dependent launch: sm90+ and a real launch (not the CPU interpreter)."""
+    """Programmatic dependent launch: sm90+ and a real launch (not the CPU interpreter). Asked once
+    per device: launchers call it on every launch."""
     return not _INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
