@@ -17,12 +17,19 @@ from ..model.layers import gelu_tanh
 from .quant import Int4Linear
 
 
-def _merged_project(self, x, cos, sin):
-    qkv = self.qkv_proj(x)
-    nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+def split_qkv(attn, qkv, cos, sin):
+    """A merged [..., q|k|v] projection output (or [..., q] on a KV-shared layer) -> q, k, v after
+    the attention's norms and RoPE (k, v None without them)."""
+    nq, nkv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    shape = lambda t, h: t.unflatten(-1, (h, attn.head_dim))  # noqa: E731
+    if qkv.shape[-1] == nq:
+        return attn.finish(shape(qkv, attn.num_heads), None, None, cos, sin)
     q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-    shape = lambda t, h: t.unflatten(-1, (h, self.head_dim))  # noqa: E731
-    return self.finish(shape(q, self.num_heads), shape(k, self.num_kv_heads), shape(v, self.num_kv_heads), cos, sin)
+    return attn.finish(shape(q, attn.num_heads), shape(k, attn.num_kv_heads), shape(v, attn.num_kv_heads), cos, sin)
+
+
+def _merged_project(self, x, cos, sin):
+    return split_qkv(self, self.qkv_proj(x), cos, sin)
 
 
 def _merged_mlp(self, x):

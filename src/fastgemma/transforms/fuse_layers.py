@@ -27,7 +27,7 @@ import functools
 import torch
 from torch import nn
 
-from .fuse import MergeProjections
+from .fuse import MergeProjections, split_qkv
 
 
 def _layer_linears(i: int, layer) -> dict:
@@ -70,22 +70,14 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
     pend = None
     for i, layer in enumerate(model.layers):
-        at, s = layer.self_attn, layer.spec
+        at = layer.self_attn
         lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
         if pend is None:
             qkv, _ = call(h, lin["in"], pre=pre)
         else:
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
-        nq, nkv, d = at.num_heads * at.head_dim, at.num_kv_heads * at.head_dim, at.head_dim
-        cos, sin = store_attend.rope[s.sliding]
-        q = qkv[:, :nq].reshape(1, 1, at.num_heads, d)
-        if s.stores_kv:
-            k = qkv[:, nq:nq + nkv].reshape(1, 1, at.num_kv_heads, d)
-            v = qkv[:, nq + nkv:].reshape(1, 1, at.num_kv_heads, d)
-            q, k, v = at.finish(q, k, v, cos, sin)
-        else:
-            q, k, v = at.finish(q, None, None, cos, sin)
+        q, k, v = split_qkv(at, qkv.reshape(1, 1, -1), *store_attend.rope[layer.spec.sliding])
         o, _ = call(store_attend(layer, q, k, v).reshape(1, -1), lin["o"])
         act, h = call(h, lin["gate_up"], o, layer.post_attention_layernorm.weight, None,
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
