@@ -82,3 +82,36 @@ def test_ladder_fused_variants_on_the_cpu(tmp_path):
     apply_variant(model, "compiled_triton_merged_gemv", state)
     assert model.fused_decode is None
     assert VARIANTS["compiled_triton_fused_int4"][4] and VARIANTS["compiled_triton_fused_int4"][6] == "layers"
+
+
+def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
+    """bench.stack on the tiny model: every body x head row, bytes that shrink with int4, a pruned
+    head whose keepset holds the full head's greedy tokens returns exactly its ids, and bad heads fail."""
+    import json
+
+    import pytest
+
+    from fastgemma.bench import stack
+
+    out = tmp_path / "stack.jsonl"
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "int4", "--heads", "full",
+                "int8", "pruned:40", "--prompts", "2", "--prompt-len", "12", "--new", "6", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["body"], r["head"]) for r in rows] == [
+        (b, h) for b in ("bf16", "int4") for h in ("full", "int8", "pruned:40")]
+    assert all("error" not in r for r in rows)
+    by = {(r["body"], r["head"]): r for r in rows}
+    for b in ("bf16", "int4"):
+        full, pruned = by[(b, "full")], by[(b, "pruned:40")]
+        assert full["identity_rate"] == 1.0 and pruned["identity_rate"] == 1.0 and pruned["prefix_mean"] == 6
+        assert pruned["lm_head"]["rows"] == 40 and pruned["head_mb"] < full["head_mb"]
+        assert by[(b, "int8")]["head_mb"] < full["head_mb"]
+        assert "FuseLayers" in full["stack"]
+    body_gb = {b: by[(b, "full")]["gb_per_token"] - by[(b, "full")]["head_mb"] / 1e3 for b in ("bf16", "int4")}
+    assert 0 < body_gb["int4"] < 0.4 * body_gb["bf16"]
+    table = capsys.readouterr().out.split("| body | head |")[1]
+    assert table.count("\n| bf16 |") == 3 and table.count("\n| int4 |") == 3
+    assert stack.keepset([5, 3, 5], 4, 10)[:2] == [5, 3] and len(set(stack.keepset([5, 3], 6, 10))) == 6
+    for bad in ("pruned", "pruned:0", "int3", "full:3"):
+        with pytest.raises(SystemExit, match="bad head"):
+            stack.parse_head(bad)

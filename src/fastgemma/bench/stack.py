@@ -1,0 +1,264 @@
+"""Body x head on one GPU, in one process: bf16 / int4 / nf4 bodies, each with the full / int8 / int4
+and pruned heads, on the same synthetic weights. The AR decode step of each pair, and the head alone.
+
+    python -m fastgemma.bench.stack --bodies bf16 int4 nf4 --heads full int8 int4 pruned:12288 pruned:16384 pruned:32768
+
+Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.compile):
+- bf16: `fuse=layers fuse.pdl=true` (the fused one-row GEMVs of kernels/fused_gemv.py);
+- int4: `quant=int4` g128 (per_layer_input_gate kept bf16) + `fuse=layers fuse.pdl=true`;
+- nf4: `quant=nf4`, bitsandbytes Linear4bit (its own kernels; no fused step).
+The body is compiled once; each head is then swapped in and the step re-captured, the head's pick
+(`sampler=fused_argmax`) outside the compiled region, so a head costs seconds, not a compile.
+Pruned heads keep N rows: the eos ids, the full head's greedy tokens on these prompts, then seeded
+random ids. On synthetic weights that says nothing about a keepset's quality (see the README for real
+weights); it makes `identity` a check of the pruned path: with every greedy token kept, its ids must
+equal the full head's. Quantized heads may flip near-ties of random weights: their identity is reported as is.
+Columns: GB read per token (body + head), tok/s (prefill included), median step ms, MBU against the
+device's copy bandwidth, the head's pick alone (CUDA graph of one call; heads under the L2 size stay
+partly cached between calls, so small heads read optimistic), identity and greedy prefix against the
+same body with the full head. Prints one JSON line per row (--out: JSONL) and a markdown table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ..engine.cache import KVCache
+from ..engine.generator import Generator
+from ..engine.steps import GraphStep, StaticStep
+from ..metrics.identity import common_prefix
+from ..model.config import preset
+from ..weights.synthetic import synthetic_model
+from .ladder import copy_bandwidth, decode_bytes
+
+BODIES = ("bf16", "int4", "nf4")
+
+
+def parse_head(spec: str) -> tuple[str, int | None]:
+    """'full' | 'int8' | 'int4' | 'pruned:N' -> (kind, rows)."""
+    kind, _, n = spec.partition(":")
+    if kind in ("full", "int8", "int4") and not n:
+        return kind, None
+    if kind == "pruned" and n.isdigit() and int(n) > 0:
+        return kind, int(n)
+    raise SystemExit(f"bad head {spec!r}: use full, int8, int4 or pruned:N (N rows kept)")
+
+
+def build_body(cfg, dev: str, body: str, dtype):
+    """Synthetic weights -> the body's transforms. -> (model, {transform: describe()})."""
+    from ..transforms.attention import TorchAttention, TritonAttention
+    from ..transforms.fuse import MergeProjections
+    from ..transforms.fuse_layers import FuseLayers
+    from ..transforms.quant import Int4Quant, Nf4Quant
+
+    cuda = dev.startswith("cuda")
+    backend = "triton" if cuda else "torch"
+    gs = 128 if cfg.hidden_size % 128 == 0 else 32
+    skip = ("per_layer_input_gate",) + (("per_layer_projection",) if cfg.ple_dim % gs else ())
+    parts = [MergeProjections()]
+    if body == "int4":
+        parts.append(Int4Quant(group_size=gs, skip=skip, backend=backend))
+    elif body == "nf4":
+        parts.append(Nf4Quant())
+    elif body != "bf16":
+        raise SystemExit(f"unknown body {body!r}; known: {', '.join(BODIES)}")
+    if body != "nf4":
+        parts.append(FuseLayers(backend=backend, pdl=cuda))
+    parts.append(TritonAttention() if cuda else TorchAttention())
+    model = synthetic_model(cfg, dev, dtype, seed=0)
+    for t in parts:
+        model = t.apply(model) or model
+    return model, {type(t).__name__: (t.describe() if hasattr(t, "describe") else {}) for t in parts}
+
+
+def set_head(model, kind: str, rows: int | None, keep_ids: list[int] | None, dev: str, workdir: str):
+    """Swap the model's head; -> (bytes the head reads per token, describe())."""
+    from ..transforms.lm_head import FullHead, Int4Head, Int8Head, PrunedHead, write_keepset
+
+    backend = "triton" if dev.startswith("cuda") else "torch"
+    model.logits_head = None
+    model.pruned_head = None
+    gs = 128 if model.config.hidden_size % 128 == 0 else 32
+    if kind == "full":
+        t = FullHead()
+    elif kind == "int8":
+        t = Int8Head(backend=backend)
+    elif kind == "int4":
+        t = Int4Head(group_size=gs, backend=backend)
+    else:
+        path = write_keepset(os.path.join(workdir, f"keep{rows}.txt"), keep_ids[:rows])
+        t = PrunedHead(rows=rows, keepset=str(path), source="file", backend=backend)
+    t.apply(model)
+    info = t.describe()
+    return info["head_bytes_per_token"], info
+
+
+def keepset(first: list[int], rows: int, vocab: int, seed: int = 0) -> list[int]:
+    """`first` (deduplicated, in order), then seeded random ids, `rows` in all."""
+    ids = list(dict.fromkeys(first))[:rows]
+    seen = set(ids)
+    g = torch.Generator().manual_seed(seed)
+    for i in torch.randperm(vocab, generator=g).tolist():
+        if len(ids) >= rows:
+            break
+        if i not in seen:
+            ids.append(i)
+            seen.add(i)
+    return ids
+
+
+def body_bytes(model) -> int:
+    """Weight bytes a decode step reads outside the head: decode_bytes without the tied embedding,
+    plus bitsandbytes' absmax statistics (buffers of its quant state, not parameters)."""
+    emb = model.embed_tokens.weight
+    n = decode_bytes(model) - emb.numel() * emb.element_size()
+    for mod in model.modules():
+        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
+        while qs is not None:
+            absmax = getattr(qs, "absmax", None)
+            n += 0 if absmax is None else absmax.numel() * absmax.element_size()
+            qs = getattr(qs, "state2", None)
+    return n
+
+
+def head_us(model, sampler, dev: str, rep_ms: int = 50) -> float:
+    """The head's pick alone: hidden [1, 1, H] -> id, median us (a CUDA graph of one call)."""
+    x = torch.randn(1, 1, model.config.hidden_size, device=dev, dtype=model.embed_tokens.weight.dtype)
+    sampler(model, x)  # buffers and autotuning before any capture
+    if dev.startswith("cuda"):
+        from triton.testing import do_bench_cudagraph
+
+        return 1e3 * do_bench_cudagraph(lambda: sampler(model, x), rep=rep_ms, return_mode="median")
+    t = time.perf_counter()
+    for _ in range(3):
+        sampler(model, x)
+    return (time.perf_counter() - t) / 3 * 1e6
+
+
+def main(argv=None):
+    from ..transforms.sampler import FusedArgmax
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma4_e4b")
+    ap.add_argument("--bodies", nargs="+", default=list(BODIES), choices=BODIES)
+    ap.add_argument("--heads", nargs="+", default=["full", "int8", "int4", "pruned:12288", "pruned:16384",
+                                                   "pruned:32768"])
+    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
+    a = ap.parse_args(argv)
+    heads = [parse_head(h) for h in a.heads]
+    if heads[0][0] != "full":
+        heads.insert(0, ("full", None))  # the reference of identity, and the pruned keepsets' first ids
+    dev = a.device
+    cuda = dev.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("fastgemma.bench.stack measures CUDA graphs on a GPU; no CUDA device here")
+    compiled = cuda and not a.no_compile
+    cfg = preset(a.model)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    bw = copy_bandwidth(dev) if cuda else float("nan")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    max_ctx = a.prompt_len + a.new + 16
+    sampler = FusedArgmax("triton" if cuda else "torch")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows = []
+    print(f"{gpu} | {cfg.name} synthetic | copy bw {bw / 1e12:.2f} TB/s | compile {compiled}", flush=True)
+    workdir = tempfile.mkdtemp(prefix="fastgemma-stack-")  # the pruned heads' keepset files
+    eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
+    for body in a.bodies:
+        t0 = time.perf_counter()
+        try:
+            model, desc = build_body(cfg, dev, body, dtype)
+        except Exception as e:  # nf4 without bitsandbytes, ...: report and go on
+            print(f"{body}: FAILED to build: {type(e).__name__}: {e}", flush=True)
+            rows.append(dict(body=body, head="*", error=f"{type(e).__name__}: {e}"))
+            continue
+        sync()
+        nbody = body_bytes(model)
+        print(f"{body}: built in {time.perf_counter() - t0:.1f}s, body reads {nbody / 1e9:.3f} GB/token", flush=True)
+        torch._dynamo.reset()
+        step_fn = model.step
+        if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles
+            model.step = torch.compile(step_fn, dynamic=False)
+        cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=dtype)
+        ref, full_tokens = None, []
+        for kind, n in heads:
+            name = kind if n is None else f"{kind}:{n}"
+            try:
+                nhead, hinfo = set_head(model, kind, n, keepset(eos + full_tokens, n, cfg.vocab_size) if n else None,
+                                        dev, workdir)
+                cache.reset()
+                step = (GraphStep if cuda else StaticStep)(model, cache, sampler)
+                gen = Generator(model, cache, step, sampler=sampler)
+                t = time.perf_counter()
+                step.prepare()
+                prep_s = time.perf_counter() - t
+                gen.generate(prompts[0][:32], 8)  # warm-up
+                sync()
+                t = time.perf_counter()
+                outs = [gen.generate(p, a.new) for p in prompts]
+                sync()
+                wall = time.perf_counter() - t
+                hus = head_us(model, sampler, dev)
+            except Exception as e:
+                print(f"{body} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
+                rows.append(dict(body=body, head=name, error=f"{type(e).__name__}: {e}"))
+                continue
+            tokens = [o.tokens for o in outs]
+            if ref is None:
+                ref = tokens
+                full_tokens = [t for ts in tokens for t in ts]
+            step_ms = statistics.median(s for o in outs for s in o.step_s) * 1e3
+            per_tok = nbody + nhead
+            row = dict(body=body, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
+                       tps=sum(len(t) for t in tokens) / wall, step_ms=step_ms,
+                       ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3,
+                       mbu=per_tok / (step_ms / 1e3) / bw if cuda else None, head_us=hus,
+                       identity_rate=sum(t == r for t, r in zip(tokens, ref)) / len(ref),
+                       prefix_mean=statistics.mean(common_prefix(t, r) for t, r in zip(tokens, ref)),
+                       prepare_s=prep_s, compile=compiled, gpu=gpu, model=cfg.name, prompts=a.prompts,
+                       prompt_len=a.prompt_len, new=a.new, stack=desc, lm_head=hinfo)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head")}), flush=True)
+            del step, gen
+        model.step = step_fn
+        del model, cache
+        torch._dynamo.reset()
+        if cuda:
+            torch.cuda.empty_cache()
+    shutil.rmtree(workdir, ignore_errors=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+    def f(x, nd=2):
+        return "" if x is None else f"{x:.{nd}f}"
+
+    print(f"\n{cfg.name} synthetic, merged + Triton attention + CUDA graphs{' + compile' if compiled else ''}, "
+          f"fused argmax; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}, copy bw {bw / 1e12:.2f} TB/s")
+    print("| body | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | prefix |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['body']} | {r['head']} | failed: {r['error'][:80]} | | | | | | | |")
+            continue
+        print(f"| {r['body']} | {r['head']} | {r['gb_per_token']:.3f} | {r['head_mb']:.1f} | {r['tps']:.1f} | {r['step_ms']:.3f} | "
+              f"{f(r['mbu'])} | {r['head_us']:.1f} | {r['identity_rate']:.2f} | {r['prefix_mean']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
