@@ -5,25 +5,32 @@
 #   gemv      our bf16 GEMV vs cuBLAS on every E4B shape, with a tile sweep (kernels.gemv.bench_shapes)
 #   chain     the step's 252 body GEMVs alone in one CUDA graph: cuBLAS, plain, prefetch, PDL (bench.chain)
 #   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes); INT4_MS=8
-#             sweeps the verify pass's row count instead of one row
+#             sweeps the verify pass's row count instead of one row (INT4_MS=1,8: both), INT4_SHAPES=qkv,o
+#             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates
+#   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
+#             STACK_ARGS, e.g. "--bodies int4"); nf4 needs bitsandbytes (a wheel in .whl)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
 #   spec      speculative decoding: depth x acceptance profile x window (bench.spec); compiled, as in
 #             the README: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
 #             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s)
 #   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
-# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, PROFILE_VARIANTS,
+# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PROFILE_VARIANTS,
 #   INT4_MS. The fused step: LADDER_VARIANTS=compiled_triton_merged_gemv,compiled_triton_fused_pdl,compiled_triton_fused
 #   LADDER_ARGS="--hf-new 0 --hf-check 0" (skip transformers' figure), PROFILE_VARIANTS=compiled_triton_fused_pdl.
 #   bash sweeps/h200.sh profile int4
-# On a GPU box without a registry, wheels from ../shared/tools/device-wheels.sh in .whl are installed
-# first (hydra and friends are not needed by these entries, only by the CLI).
+# On a GPU box without a registry, wheels in ./.whl (tools/device-wheels.sh of the steering repo,
+# e.g. with bitsandbytes for the stack part's nf4 body) are installed first into /tmp/site.
 set -u
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/results/h200}"
 mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && \
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src"
-part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, INT4_S, PROFILE_S, HEAD_S, SPEC_S, AGREEMENT_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, INT4_S, STACK_S, PROFILE_S, HEAD_S, SPEC_S, AGREEMENT_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -45,14 +52,18 @@ for p in "${parts[@]}"; do
                --out "$out/profile.jsonl" ;;
     gemv) run gemv python3 -c 'from fastgemma.kernels.gemv import bench_shapes; bench_shapes(sweep=True, rep_ms=10)' ;;
     chain) run chain python3 -m fastgemma.bench.chain --out "$out/chain.jsonl" ;;
-    int4) run int4 python3 -c "from fastgemma.kernels.w4a16 import bench_shapes; bench_shapes(ms=(${INT4_MS:-1},), sweep=True, rep_ms=10)" ;;
+    int4) run int4 python3 -c "from fastgemma.kernels.w4a16 import bench_shapes, E4B_SHAPES as S
+sh = '${INT4_SHAPES:-}'
+bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh else None, sweep=True, rep_ms=10,
+             per_group_only='${INT4_PER_GROUP:-0}' == '1')" ;;
+    stack) run stack python3 -m fastgemma.bench.stack ${STACK_ARGS:-} --out "$out/stack.jsonl" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, int4, head, spec, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, int4, stack, head, spec, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
@@ -61,7 +72,8 @@ for p in "${parts[@]}"; do
   case $p in
     profile) grep -E '^## |^\| (gemv|attention|fused|torch|int4|head|other|group)' "$out/profile.log" | head -40 ;;
     gemv) grep -vE '^ +skip' "$out/gemv.log" | tail -40 ;;
-    int4) grep -E "best|^ +[a-z/|_]+ +[0-9]+ +[0-9]+ +${INT4_MS:-1} " "$out/int4.log" | head -40; grep -A40 '^# CONFIGS' "$out/int4.log" ;;
+    int4) grep -E "best|per-group|WRONG|^ +[a-z/|_]+ +[0-9]+ +[0-9]+ +[0-9]+ \|" "$out/int4.log" | head -60
+          grep -A40 '^# CONFIGS' "$out/int4.log" ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
   tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true

@@ -1,5 +1,6 @@
 """Compile GPU-only kernel variants for sm_90a on a machine without a GPU (Triton front end +
-the bundled ptxas): PDL launches and every fused-GEMV prologue / epilogue. Run as a script (the
+the bundled ptxas): PDL launches, every fused-GEMV prologue / epilogue, and the int4 per-group
+tl.dot kernel with its inline-PTX bf16 dequantization. Run as a script (the
 interpreter must be off); prints one line per variant: name, registers, spill bytes."""
 import os
 import re
@@ -14,6 +15,7 @@ from triton.compiler import ASTSource
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
+from fastgemma.kernels.w4a16 import _group_mma_kernel
 
 D16 = [["tt.divisibility", 16]]
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -60,6 +62,16 @@ def main():
         ce = dict(K=K, GROUP=128, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
                   HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True)
         cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)) + (13,), warps))
+    # the per-group int4 tl.dot kernel with its bf16 PTX dequantization: tensor-core dots, the
+    # asm's packed fmas, no spills ("dot" lines: name, registers, spills, bf16x2 fmas, mma instructions)
+    dot_sig = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
+               "N": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_om": "i32", "stride_os": "i32"}
+    for name, bn, warps, even in [("int4 per-group 16x32", 32, 2, True), ("int4 per-group 16x64", 64, 4, True),
+                                  ("int4 per-group 16x128 tail", 128, 8, False)]:
+        ce = dict(K_SPLIT=2560, GROUP=128, BLOCK_M=16, BLOCK_N=bn, EVEN_N=even, ASM=True, DOT_PRECISION="tf32")
+        ptx, regs, spills = build(_group_mma_kernel, dot_sig, ce, (0, 1, 2, 3, 4, 8), warps)
+        mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
+        print(f"dot\t{name}\t{regs}\t{spills}\t{ptx.count('fma.rn.bf16x2')}\t{mma}")
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")

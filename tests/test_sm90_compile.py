@@ -1,6 +1,7 @@
-"""GPU-only kernel variants compile for sm_90a here (no GPU needed): PDL launches and every
-fused-GEMV prologue / epilogue (dense and int4), without register spills, with the PDL wait after
-the dense kernels' weight loads and before the int4 kernel's first load."""
+"""GPU-only kernel variants compile for sm_90a here (no GPU needed): PDL launches, every
+fused-GEMV prologue / epilogue (dense and int4) and the int4 per-group dot kernel, without register
+spills, with the PDL wait after the dense kernels' weight loads and before the int4 kernel's first
+load, and with the per-group kernel's inline PTX and tensor-core dots in place."""
 import os
 import subprocess
 import sys
@@ -12,8 +13,13 @@ def test_gpu_only_variants_compile_for_sm90():
     r = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_compile.py"))], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {line.split("\t")[0]: [int(x) for x in line.split("\t")[1:]] for line in r.stdout.splitlines() if "\t" in line}
-    assert len(rows) == 11, r.stdout
+    lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
+    rows = {f[0]: [int(x) for x in f[1:]] for f in lines if f[0] != "dot"}
+    dots = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "dot"}
+    assert len(rows) == 11 and len(dots) == 3, r.stdout
+    for name, (regs, spills, fmas, mmas) in dots.items():
+        # the inline PTX survived (8 packed fmas per 4 code bytes) and the dots run on tensor cores
+        assert spills == 0 and fmas >= 8 and fmas % 8 == 0 and mmas > 0, (name, regs, spills, fmas, mmas)
     for name, (regs, spills, waits, loads_before_wait, k_blocks) in rows.items():
         assert spills == 0 and regs <= 255, (name, regs, spills)
         assert waits == 1, name

@@ -149,3 +149,58 @@ def test_launcher_checks_shapes():
         w4a16_matmul(torch.randn(1, K + 128), qw, s, z, 128)
     with pytest.raises(ValueError, match="scales"):
         w4a16_matmul(torch.randn(1, K), qw, s, z, 64)
+
+
+def _bf16_pair(a: float, b: float) -> int:
+    bits = torch.tensor([a, b], dtype=torch.bfloat16).view(torch.int16)
+    return (int(bits[0]) & 0xFFFF) | (int(bits[1]) & 0xFFFF) << 16
+
+
+def test_bf16_dequant_asm_text():
+    """The PTX block of the per-group kernel, run instruction by instruction (tests/ptx_lite.py) on
+    every code byte: element i of each output pair is byte i's low / high nibble, q * s + z rounded
+    once to bf16 with the element's own scale and zero."""
+    from ptx_lite import run
+
+    from fastgemma.kernels.w4a16 import _DEQUANT_BF16
+
+    g = torch.Generator().manual_seed(5)
+    s = (torch.rand(4, generator=g) * 0.1 + 1e-3).bfloat16()
+    z = (-torch.rand(4, generator=g)).bfloat16()
+    for first in range(0, 256, 4):
+        b = [(first + 61 * i) % 256 for i in range(4)]  # every byte value appears in some lane
+        word = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+        out = run(_DEQUANT_BF16.value, [word, _bf16_pair(s[0], s[1]), _bf16_pair(s[2], s[3]),
+                                        _bf16_pair(z[0], z[1]), _bf16_pair(z[2], z[3])], 4)
+        got = torch.tensor([(r >> sh) & 0xFFFF for r in out for sh in (0, 16)], dtype=torch.int32)
+        got = (got << 16).view(torch.float32)
+        q = torch.tensor([x & 0xF for x in b] + [x >> 4 for x in b], dtype=torch.float64)
+        sd, zd = s.double().repeat(2), z.double().repeat(2)
+        want = (q * sd + zd).to(torch.bfloat16).float()
+        assert torch.equal(got, want), (b, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("G", GROUP_SIZES)
+@pytest.mark.parametrize("M,config", [(1, W4A16Config(16, 128, 1, 4, 3, 16, per_group=True)),
+                                      (5, W4A16Config(32, 128, 3, 4, 3, 16, per_group=True)),
+                                      (8, W4A16Config(64, 512, 2, 4, 3, 16, per_group=True))])
+def test_per_group_kernel_matches_twin(M, config, G, dtype):
+    # N = 100: a tail tile (EVEN_N false) for every block_n; the per-group kernel keeps block_k = G
+    w, qw, s, z = _weights(G, dtype=dtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    cfg = resolve_config(M, N, K, G, config)
+    assert cfg.block_k == G and cfg.per_group
+    y = w4a16_matmul(x, qw, s, z, G, config)
+    ref = w4a16_torch(x, qw, s, z, G)
+    _, rel_e = _err(y, ref)
+    assert y.shape == (M, N) and rel_e < TOL[dtype], rel_e
+    y64 = w4a16_matmul(x[:, :], qw[:64], s[:, :64].contiguous(), z[:, :64].contiguous(), G,
+                       W4A16Config(64, 128, 1, 4, 3, 16, per_group=True))  # EVEN_N: no masks
+    _, rel_e = _err(y64, ref[:, :64])
+    assert rel_e < TOL[dtype], rel_e
+
+
+def test_per_group_needs_a_dot_tile():
+    with pytest.raises(ValueError, match="per_group needs block_m >= 16"):
+        resolve_config(1, 2048, 2560, 128, W4A16Config(16, 128, per_group=True))

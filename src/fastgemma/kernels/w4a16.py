@@ -19,6 +19,11 @@ Kernels (one program = BLOCK_N rows x one K slice x one row tile of x; grid from
 - `_gemv_kernel` (M = 1, or any M with block_m = 1): CUDA-core dot products, three instructions per
   weight (codes become 1 + q/16 by bit operations; scale and zero are applied once per group).
 - `_mma_kernel` (M = 2..16, block_m >= 16): dequantize to x's dtype and tl.dot with fp32 accumulators.
+- `_group_mma_kernel` (block_m >= 16, per_group): one scale group per step, the [BLOCK_N, G/2] code
+  bytes dequantized where tl.dot reads them (no reshape, so Triton converts the codes, not the bf16
+  weights, into the mma operand layout). On bf16 a PTX block dequantizes 4 bytes (8 weights) with
+  3 shifts, 4 LOP3 (128 + q as bf16 pairs), 4 PRMT and 8 fma.bf16x2 (q exact, then q * s + z
+  rounded once); elsewhere (fp16 / fp32, the interpreter) the same arithmetic in Triton.
 - split_k > 1: fp32 partials [split_k, M, N] summed in a fixed order by `_splitk_reduce_kernel`
   (deterministic; no atomics, so greedy identity holds run to run).
 Tiles come from `CONFIGS` (E4B shapes on the H200) or `default_config`; `resolve_config` fits them
@@ -214,6 +219,95 @@ def _mma_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
+# 4 code bytes (the pack of 4 elements Triton hands the block, in element order) -> 8 weights:
+# $0 $1 the low nibbles, $2 $3 the high ones, as bf16 pairs; $5 $6 / $7 $8 the elements' scales /
+# zeros as bf16 pairs. LOP3 ORs two nibbles into the mantissas of 128.0 (0x4300: 128 + q exactly),
+# PRMT restores element order, one fma subtracts 128 (exact), one fma gives q * s + z, rounded once.
+_DEQUANT_BF16 = tl.constexpr("""{
+.reg .b32 a, b, c, d, t, one, m128;
+mov.b32 one, 0x3F803F80;
+mov.b32 m128, 0xC300C300;
+lop3.b32 a, $4, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 t, $4, 8;
+lop3.b32 b, t, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 t, $4, 4;
+lop3.b32 c, t, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 t, $4, 12;
+lop3.b32 d, t, 0x000F000F, 0x43004300, 0xEA;
+prmt.b32 $0, a, b, 0x5410;
+prmt.b32 $1, a, b, 0x7632;
+prmt.b32 $2, c, d, 0x5410;
+prmt.b32 $3, c, d, 0x7632;
+fma.rn.bf16x2 $0, $0, one, m128;
+fma.rn.bf16x2 $1, $1, one, m128;
+fma.rn.bf16x2 $2, $2, one, m128;
+fma.rn.bf16x2 $3, $3, one, m128;
+fma.rn.bf16x2 $0, $0, $5, $7;
+fma.rn.bf16x2 $1, $1, $6, $8;
+fma.rn.bf16x2 $2, $2, $5, $7;
+fma.rn.bf16x2 $3, $3, $6, $8;
+}""")
+
+
+@triton.jit
+def _dequant_bytes(w, s, z, ASM: tl.constexpr):
+    """Code bytes w (uint8) and their rows' scale / zero (broadcast to w's shape) -> (low, high
+    nibbles dequantized) in s's dtype: q * s + z rounded once."""
+    if ASM:  # bf16 on the GPU
+        return tl.inline_asm_elementwise(_DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r", [w, s, z],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    sf = s.to(tl.float32)
+    zf = z.to(tl.float32)
+    lo = (w & 0xF).to(tl.float32) * sf + zf
+    hi = (w >> 4).to(tl.float32) * sf + zf
+    return lo.to(s.dtype), hi.to(s.dtype)
+
+
+@triton.jit
+def _group_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+    M, N, stride_xm, stride_qn, stride_om, stride_os,
+    K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    HG: tl.constexpr = GROUP // 2  # bytes per group and row: k = 2j (low nibble), 2j + 1 (high)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    w_ptrs = qw_ptr + pid_k * (K_SPLIT // 2) + offs_n[:, None] * stride_qn + tl.arange(0, HG)[None, :]
+    g0 = pid_k * (K_SPLIT // GROUP)
+    s_ptrs = s_ptr + g0 * N + offs_n
+    z_ptrs = z_ptr + g0 * N + offs_n
+    x_ptrs = x_ptr + pid_k * K_SPLIT + offs_m[:, None] * stride_xm + tl.arange(0, GROUP)[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, K_SPLIT, GROUP):
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+            z = tl.load(z_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+            z = tl.load(z_ptrs, mask=n_ok, other=0.0)
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP]
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HG, 2)))
+        w_lo, w_hi = _dequant_bytes(w, s[:, None], z[:, None], ASM)
+        acc = tl.dot(w_lo.to(x.dtype), tl.trans(x_even), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(w_hi.to(x.dtype), tl.trans(x_odd), acc, input_precision=DOT_PRECISION)
+        w_ptrs += HG
+        s_ptrs += N
+        z_ptrs += N
+        x_ptrs += GROUP
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     # ws [SPLIT_K, M, N] fp32 -> out [M, N], summed in split order (deterministic)
@@ -240,6 +334,7 @@ class W4A16Config:
     num_stages: int = 3
     block_m: int = 1
     factored: bool = True  # GEMV only: scale / zero once per group (False: per weight, the baseline)
+    per_group: bool = False  # tl.dot only: `_group_mma_kernel` (block_k = the group size)
 
 
 def _gemv(bn, bk, split=1, warps=None, stages=3):
@@ -250,6 +345,10 @@ def _gemv(bn, bk, split=1, warps=None, stages=3):
 
 def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
     return W4A16Config(bn, bk, split, warps, stages, bm)
+
+
+def _grp(bn, split=1, warps=4, stages=3, bm=16):
+    return W4A16Config(bn, 128, split, warps, stages, bm, per_group=True)
 
 
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
@@ -328,8 +427,10 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
         raise ValueError(f"W4A16Config.block_m must be 1 (GEMV) or >= 16 (tl.dot), got {cfg.block_m}")
     if cfg.block_m >= 16 and cfg.block_n < 16:
         raise ValueError(f"tl.dot needs block_n >= 16, got {cfg.block_n}")
+    if cfg.per_group and cfg.block_m == 1:
+        raise ValueError("W4A16Config.per_group needs block_m >= 16 (it is a tl.dot kernel)")
     bk = group_size
-    while bk * 2 <= cfg.block_k and K % (bk * 2) == 0:
+    while bk * 2 <= cfg.block_k and K % (bk * 2) == 0 and not cfg.per_group:
         bk *= 2
     blocks = K // bk
     split = max(d for d in range(1, min(cfg.split_k, blocks) + 1) if blocks % d == 0)
@@ -379,6 +480,15 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
             K_SPLIT=k_split, GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FACTORED=cfg.factored,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+    elif cfg.per_group:
+        grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
+        asm = x.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16 and not _INTERPRET
+        _group_mma_kernel[grid](
+            x, qweight, scales, zeros, dst, M, N, x.stride(0), qweight.stride(0), N, stride_os,
+            K_SPLIT=k_split, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN_N=N % cfg.block_n == 0,
+            ASM=asm, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     else:
         grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
         _mma_kernel[grid](
@@ -405,22 +515,34 @@ E4B_SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K)
 }
 
 
-def candidates(M: int, N: int, K: int) -> list[W4A16Config]:
+def candidates(M: int, N: int, K: int, per_group_only: bool = False) -> list[W4A16Config]:
     """The grid `bench_shapes(sweep=True)` tries (before resolve_config fits it to the shape).
-    Kept to ~16 per shape: each distinct (K / split_k, tiles) is one compile."""
+    Kept to ~16 per kernel: each distinct (K / split_k, tiles) is one compile."""
+    if per_group_only:
+        return per_group_candidates(M) if M <= MAX_DECODE_M else []
     if M == 1:
-        return [_gemv(bn, bk, sk) for bn in (2, 4, 8, 16) for bk in (512, 1024) for sk in (1, 2)]
+        out = [_gemv(bn, bk, sk) for bn in (2, 4, 8, 16) for bk in (512, 1024) for sk in (1, 2)]
+        return out + per_group_candidates(M)
     bm = 16 if M <= MAX_DECODE_M else 64
     out = [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
-    return out + [_mma(bn, 256, sk, 4, 3, bm) for bn in (16, 32) for sk in (4, 8)] + [_mma(64, 256, 1, 8, 3, bm)]
+    out += [_mma(bn, 256, sk, 4, 3, bm) for bn in (16, 32) for sk in (4, 8)] + [_mma(64, 256, 1, 8, 3, bm)]
+    return out + (per_group_candidates(M) if bm == MAX_DECODE_M else [])
+
+
+def per_group_candidates(M: int) -> list[W4A16Config]:
+    """`_group_mma_kernel` tiles (block_n, split_k, warps), 16-row dot tiles, for M <= 16."""
+    return [_grp(bn, sk, w) for bn, sk, w in ((16, 1, 1), (16, 4, 1), (32, 1, 2), (32, 2, 2), (32, 4, 2), (64, 1, 4),
+                                              (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 4), (128, 2, 8), (128, 4, 8))]
 
 
 def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = None, dtype=torch.bfloat16,
-                 sweep: bool = False, graph: bool = True, rep_ms: int = 20, device: str = "cuda") -> list[dict]:
+                 sweep: bool = False, graph: bool = True, rep_ms: int = 20, device: str = "cuda",
+                 per_group_only: bool = False) -> list[dict]:
     """Time each E4B shape: int4 kernel vs cuBLAS bf16 (F.linear), weights rotated out of L2.
 
     graph=True times inside CUDA graphs (do_bench_cudagraph; the decode path), False times eager
-    launches (do_bench). sweep=True also tries `candidates` and prints CONFIGS lines for the best.
+    launches (do_bench). sweep=True also tries `candidates` and prints CONFIGS lines for the best
+    (per_group_only: the table's config and the per-group kernel's candidates only).
     Returns one dict per (shape, M). Needs a CUDA device.
     """
     from .bench_util import copies_past_l2, rotating, timer
@@ -453,14 +575,19 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
             if M == 1:  # the per-weight dequantisation baseline, same tiles
                 cfgs.append(dataclasses.replace(cfgs[0], factored=False))
             if sweep:
-                cfgs += [resolve_config(M, N, K, group_size, c) for c in candidates(M, N, K)]
+                cfgs += [resolve_config(M, N, K, group_size, c) for c in candidates(M, N, K, per_group_only)]
                 cfgs = list(dict.fromkeys(cfgs))
             results = []
             for cfg in cfgs:
                 try:
+                    got = w4a16_matmul(x, qw, s, z, group_size, cfg).float()
                     t = timed_us(rotating(qbufs, lambda a, b, c, cfg=cfg: w4a16_matmul(x, a, b, c, group_size, cfg)))
                 except Exception as e:  # out of resources for a candidate: skip it
                     print(f"    skip {cfg}: {type(e).__name__}")
+                    continue
+                e = ((got - ref).abs().max() / ref.abs().max()).item()
+                if not e < 2e-2:  # a wrong candidate is reported and never chosen
+                    print(f"    WRONG {cfg}: max rel err {e:.2e}")
                     continue
                 results.append((t, cfg))
             t_tab, cfg_tab = results[0]
@@ -474,6 +601,11 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
                   + (f" | unfactored {t_base:.2f} us" if M == 1 else ""))
             if sweep:
                 print(f"{'best':>10} {'':>6} {'':>6} {M:>3} | {t_best:8.2f} {q_bytes / t_best / 1e3:6.0f} | {cfg_best}")
+                pg = [r for r in results if r[1].per_group]
+                if pg:
+                    t_pg, cfg_pg = min(pg, key=lambda r: r[0])
+                    row.update(per_group_us=t_pg, per_group_config=cfg_pg)
+                    print(f"{'per-group':>10} {'':>6} {'':>6} {M:>3} | {t_pg:8.2f} {q_bytes / t_pg / 1e3:6.0f} | {cfg_pg}")
                 key = (m_bucket(M), N, K)
                 best_lines.append(f"    {key}: W4A16Config{dataclasses.astuple(cfg_best)},  # {name}")
         del qbufs, wbufs
