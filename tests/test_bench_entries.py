@@ -115,3 +115,24 @@ def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
     for bad in ("pruned", "pruned:0", "int3", "full:3"):
         with pytest.raises(SystemExit, match="bad head"):
             stack.parse_head(bad)
+
+
+def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
+    """bench.spec's CPU smoke run: the AR row, then replay rows for each verify tile table, identical
+    tokens to AR, and the per-group table restored afterwards."""
+    import json
+
+    from fastgemma.bench import spec
+    from fastgemma.kernels import w4a16
+
+    before = dict(w4a16.CONFIGS)
+    out = tmp_path / "spec.jsonl"
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
+               "--depths", "2", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
+               "--verify-tiles", "per_group,mma", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [(r["spec"], r.get("verify_tiles")) for r in rows] == [("none", None), ("replay", "per_group"),
+                                                                  ("replay", "mma")]
+    assert all(r["identity_rate"] == 1.0 for r in rows[1:])
+    assert w4a16.CONFIGS == before
+    assert all(c.per_group for k, c in w4a16.CONFIGS.items() if k in w4a16.MMA_M16)

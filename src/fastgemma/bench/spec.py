@@ -55,6 +55,26 @@ def build_stack(cfg, dev, head: str, dtype=torch.bfloat16):
     return model, FusedArgmax(backend), desc
 
 
+def use_verify_tiles(name: str) -> None:
+    """The W4A16 tiles of the verify pass (M = 2..16): per_group (the table) | mma (the first
+    tl.dot kernel's table, kept as the baseline). Tiles are looked up at launch, so this holds for
+    every graph captured after it."""
+    from ..kernels import w4a16
+
+    if name not in _TILES:
+        raise SystemExit(f"unknown verify tiles {name!r}; known: {', '.join(_TILES)}")
+    w4a16.CONFIGS.update(_TILES[name])
+
+
+def _tile_tables() -> dict:
+    from ..kernels import w4a16
+
+    return {"per_group": {k: v for k, v in w4a16.CONFIGS.items() if k in w4a16.MMA_M16}, "mma": dict(w4a16.MMA_M16)}
+
+
+_TILES = _tile_tables()
+
+
 def sync():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -108,6 +128,8 @@ def main(argv=None):
     ap.add_argument("--mtp-depth", type=int, default=7, help="depth of the untrained-drafter cost row (0: skip)")
     ap.add_argument("--centroid-top-k", type=int, default=0, help="0: the drafter's own (32)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the step bodies before capture (slow)")
+    ap.add_argument("--verify-tiles", default="per_group",
+                    help="int4 tiles of the k+1-row passes, comma-separated to compare in one run: per_group, mma")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
@@ -160,7 +182,9 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
-        for kind, k in plan:
+        plan = [(tiles, kind, k) for tiles in a.verify_tiles.split(",") for kind, k in plan]
+        for tiles, kind, k in plan:
+            use_verify_tiles(tiles)
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafter, k, sampler=sampler, replay=replay, graphs=cuda,
@@ -180,11 +204,12 @@ def main(argv=None):
                 outs, wall = timed(gen, prompts, a.new)
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
-                           prepare_s=prep_s, prime_s=prime_s)
+                           prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles)
                 emit(row)
             del gen, cache
             if cuda:
                 torch.cuda.empty_cache()
+    use_verify_tiles("per_group")  # the table as imported
 
     if a.out:
         with open(a.out, "w") as f:
@@ -198,12 +223,12 @@ def main(argv=None):
     stack_txt = (f"merged + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
+    print("| window | spec | tiles | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
           "| accept ms | step ms | identity | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
-        print(f"| {r['window']} | {r['spec']} | {r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
+        print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "
               f"{f(r.get('accept_ms'), 3)} | {f(r['step_ms'], 3)} | {f(r.get('identity_rate'))} | {abp} |")

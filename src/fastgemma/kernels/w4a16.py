@@ -352,10 +352,13 @@ def _grp(bn, split=1, warps=4, stages=3, bm=16):
 
 
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
-# At M = 8 the tl.dot path is 1.3-2.5x slower than the same shape at M = 1 and, below the head,
-# slower than cuBLAS on bf16 weights (4x the bytes): dequantising into the mma operand layout costs
-# more than the bytes it saves. The M = 1 sweeps were flat across tiles (within 5% on the large shapes): the GEMV is bound by
-# its per-weight instructions, not by its tiling; the factored kernel cut gate|up 21.6 -> 19.6 us. `bench_shapes(sweep=True)` prints lines to paste here.
+# M = 1: the sweeps were flat across tiles (within 5% on the large shapes): the GEMV is bound by its
+# per-weight instructions (~8 per weight in its sm_90a loop), not by its tiling; the factored kernel
+# cut gate|up 21.6 -> 19.6 us. The per-group tl.dot kernel loses at one row except on gate|up (18.84 vs
+# 19.50 us), so one row stays on the GEMV. M = 8: the first tl.dot kernel (MMA_M16) dequantized a
+# [BLOCK_N, BLOCK_K] tile and reshaped it, so Triton moved the bf16 weights through shared memory into
+# the mma layout; the per-group kernel converts the code bytes instead and is 1.1-1.8x faster, below
+# cuBLAS reading bf16 on gate|up and down. `bench_shapes(sweep=True)` prints lines to paste here.
 CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     # M = 1: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us,
     # factored kernel (scale / zero once per group); cuBLAS bf16 on the same shape after the slash
@@ -374,23 +377,36 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (1, 2560, 256): _gemv(4, 256, 1, 2),      # PLE projection: 1.93 / 3.17
     (1, 10752, 2560): _gemv(4, 512, 1, 2),    # W_plm: 12.43 / 15.50
     (1, 262144, 2560): _gemv(16, 512),        # tied head, if a head transform uses int4 (untimed)
-    # M = 2..16 (the verify pass): bench_shapes(ms=(8,), sweep=True) on the H200 (2026-11-30, graph-timed,
-    # weights out of L2), us at M = 8: this config / the first untimed guess / cuBLAS bf16
+    # M = 2..16 (the verify pass): the per-group kernel. bench_shapes(ms=(8,), sweep=True,
+    # per_group_only=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us at M = 8:
+    # this config / MMA_M16's / cuBLAS bf16
+    (16, 2048, 2560): _grp(64, 5, 4),       # q (KV-shared layers): untimed, q|k|v's tiles
+    (16, 4096, 2560): _grp(32, 4, 2),       # q (full): untimed, q|k|v (full)'s tiles
+    (16, 3072, 2560): _grp(64, 5, 4),       # q|k|v: 7.82 / 12.62 / 7.19
+    (16, 6144, 2560): _grp(32, 4, 2),       # q|k|v (full): 9.30 / 15.34 / 10.44
+    (16, 2560, 2048): _grp(32, 4, 2),       # o: 7.34 / 10.18 / 6.18
+    (16, 2560, 4096): _grp(64, 8, 4),       # o (full): 9.96 / 15.77 / 10.45
+    (16, 20480, 2560): _grp(32, 2, 2),      # gate|up: 18.66 / 27.25 / 29.02
+    (16, 2560, 10240): _grp(64, 8, 4),      # down: 16.65 / 29.79 / 18.45
+    (16, 2560, 256): _grp(16, 1, 1),        # PLE projection: 3.41 / 3.82 / 3.17
+    (16, 10752, 2560): _grp(32, 2, 2),      # W_plm: 13.71 / 18.86 / 15.80
+    (16, 262144, 2560): _mma(64, 128),      # head: 254.32 with this tl.dot config; per-group untimed
+}
+
+# M = 2..16 through the first tl.dot kernel (`_mma_kernel`): the table before the per-group
+# kernel, kept as the baseline of `bench.spec --verify-tiles mma`. bench_shapes(ms=(8,), sweep=True)
+# on the H200 (2026-11-30), us at M = 8: this config / the first untimed guess / cuBLAS bf16
+MMA_M16: dict[tuple[int, int, int], W4A16Config] = {
     (16, 2048, 2560): _mma(32, 256, 5),     # q: 10.31 / 17.66 / 6.74
     (16, 4096, 2560): _mma(64, 128, 2),     # q (full): 13.42 / 23.61 / 7.97
-    (16, 512, 2560): _mma(16, 256, 5),      # k / v (unmerged, untimed)
-    (16, 1024, 2560): _mma(16, 256, 5),     # k / v full (unmerged, untimed)
     (16, 3072, 2560): _mma(32, 256, 5),     # q|k|v: 12.56 / 23.64 / 7.24
     (16, 6144, 2560): _mma(64, 128, 2),     # q|k|v (full): 15.37 / 23.20 / 10.61
     (16, 2560, 2048): _mma(32, 256, 4),     # o: 10.26 / 19.38 / 6.22
     (16, 2560, 4096): _mma(32, 256, 8),     # o (full): 15.80 / 27.54 / 10.45
-    (16, 10240, 2560): _mma(32, 256),       # gate / up (unmerged, untimed)
     (16, 20480, 2560): _mma(64, 128, 2),    # gate|up: 27.37 / 33.96 / 29.50
     (16, 2560, 10240): _mma(32, 256, 8),    # down: 29.82 / 63.58 / 18.39
-    (16, 256, 2560): _mma(32, 256, 5),      # PLE gate: 5.54 / 6.68 / 6.30
     (16, 2560, 256): _mma(64, 256),         # PLE projection: 2.85 / 4.33 / 3.19
     (16, 10752, 2560): _mma(64, 128, 2),    # W_plm: 18.93 / 31.59 / 15.78
-    (16, 262144, 2560): _mma(64, 128),      # head: 254.32 / 306.62 / 317.93
 }
 
 
@@ -409,7 +425,7 @@ def default_config(M: int, N: int, K: int) -> W4A16Config:
     if bucket == MAX_DECODE_M:
         bn = 32 if N >= 8192 else 16
         split = max(1, min(8, (2 * _SMS) // triton.cdiv(N, bn)))
-        return _mma(bn, 256, split)
+        return _grp(bn, split, bn // 16)
     return _mma(64, 256, 1, 4, 3, 64)
 
 
