@@ -11,7 +11,7 @@ from fastgemma.metrics.identity import top1_agreement
 def test_profile_groups_kernel_names():
     assert group_of("_split_kernel") == group_of("_combine_kernel") == "attention"  # split-KV + combine
     assert group_of("_dense_gemv_kernel") == group_of("_fused_gemv_kernel") == "bf16 gemv (ours)"
-    assert group_of("_gemv_kernel") == "int4 gemv"
+    assert group_of("_gemv_kernel") == group_of("_fused_w4a16_kernel") == group_of("_group_mma_kernel") == "int4 gemv"
     assert group_of("nvjet_sm90_tst_192x8_64x8_4x1_v_bz_TNT") == "gemv/gemm (cuBLAS)"
     assert group_of("triton_red_fused__to_copy_add_mean_mul_pow_10") == "fused elementwise / reductions"
     assert group_of("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps>>") == "head argmax"
