@@ -118,8 +118,8 @@ def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
 
 
 def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
-    """bench.spec's CPU smoke run: the AR row, then replay rows for each verify tile table, identical
-    tokens to AR, and the per-group table restored afterwards."""
+    """bench.spec's CPU smoke run with a pruned head: the AR row, then replay rows for each verify
+    tile table, identical tokens to AR, and the per-group table restored afterwards."""
     import json
 
     from fastgemma.bench import spec
@@ -129,8 +129,10 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     out = tmp_path / "spec.jsonl"
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "2", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
-               "--verify-tiles", "per_group,mma", "--out", str(out)])
-    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+               "--verify-tiles", "per_group,mma", "--head", "pruned:50", "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["stack"]["lm_head"]["rows"] == 50  # the pruned head of the issue's stack
+    rows = lines[1:]
     assert [(r["spec"], r.get("verify_tiles")) for r in rows] == [("none", None), ("replay", "per_group"),
                                                                   ("replay", "mma")]
     assert all(r["identity_rate"] == 1.0 for r in rows[1:])

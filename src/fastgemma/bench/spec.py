@@ -1,6 +1,7 @@
 """Speculative decoding on one GPU, in one process: tok/s vs depth k and vs acceptance profile, with
 the sliding window native vs 188, on the int4 stack (merged q|k|v and gate|up, W4A16 g128 body,
-int4 head + fused argmax, Triton split-KV attention, CUDA graphs). Same synthetic weights for all.
+an int4 or pruned head + fused argmax, Triton split-KV attention, CUDA graphs). Same synthetic
+weights for all.
 
     python -m fastgemma.bench.spec --prompts 4 --prompt-len 256 --new 512
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import torch
@@ -31,27 +33,30 @@ from ..weights.synthetic import synthetic_model
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16):
-    """Synthetic weights -> merged projections -> int4 body -> head -> Triton attention (on a CPU,
-    a smoke test of this script: the torch twins of every kernel)."""
+    """Synthetic weights -> merged projections -> int4 body -> Triton attention -> head (on a CPU,
+    a smoke test of this script: the torch twins of every kernel). head: full | int8 | int4 |
+    pruned:N (bf16 rows: the eos ids, then seeded random ids; the pruned model's own greedy trace
+    is the reference, so the keepset only sets the cost)."""
     from ..transforms.attention import TorchAttention, TritonAttention
     from ..transforms.fuse import MergeProjections
-    from ..transforms.lm_head import FullHead, Int4Head, Int8Head
     from ..transforms.quant import Int4Quant
     from ..transforms.sampler import FusedArgmax
+    from .stack import keepset, parse_head, set_head
 
+    kind, rows = parse_head(head)
     cuda = dev.startswith("cuda")
     backend = "triton" if cuda else "torch"
     model = synthetic_model(cfg, dev, dtype, seed=0)
-    heads = {"full": FullHead, "int8": Int8Head, "int4": Int4Head}
     gs = 128 if cfg.hidden_size % 128 == 0 else 32
     skip = ("per_layer_input_gate",) + (("per_layer_projection",) if cfg.ple_dim % gs else ())
     parts = [MergeProjections(), Int4Quant(group_size=gs, skip=skip, backend=backend),
-             heads[head]() if head == "full" else heads[head](backend=backend) if head == "int8"
-             else heads[head](group_size=gs, backend=backend),
              TritonAttention() if cuda else TorchAttention()]
     for t in parts:
         model = t.apply(model) or model
     desc = {type(t).__name__: (t.describe() if hasattr(t, "describe") else {}) for t in parts}
+    with tempfile.TemporaryDirectory() as tmp:  # a pruned head's keepset file, read by apply()
+        keep = keepset(list(cfg.eos_ids), rows, cfg.vocab_size) if rows else None
+        desc["lm_head"] = set_head(model, kind, rows, keep, dev, tmp)[1]
     return model, FusedArgmax(backend), desc
 
 
@@ -124,7 +129,7 @@ def main(argv=None):
     ap.add_argument("--depths", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--profiles", default="frontier,stock,chat", help=f"names from {sorted(PROFILES)}")
     ap.add_argument("--windows", default="native,188", help="native or a number of keys")
-    ap.add_argument("--head", default="int4", choices=["full", "int8", "int4"])
+    ap.add_argument("--head", default="int4", help="full, int8, int4 or pruned:N (N bf16 rows, fused sparse argmax)")
     ap.add_argument("--mtp-depth", type=int, default=7, help="depth of the untrained-drafter cost row (0: skip)")
     ap.add_argument("--centroid-top-k", type=int, default=0, help="0: the drafter's own (32)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the step bodies before capture (slow)")
