@@ -4,9 +4,11 @@
 # greedy identity against plain eager AR decode (task=identity, workload=text: prompts cut from the
 # same text). Rows: window native (512) / 256 / 192 / 188 / 160 / 128; int4 group 128 / 64 / 32;
 # nf4 (bitsandbytes NF4, blocks of 64; on CUDA, or on a CPU with bitsandbytes >= 0.46: skipped
-# otherwise, with a note); LM-head pruning at 8k / 12k / 16k / 32k rows with the keepset from
-# MPL-2.0 (never the scored text), scatter=false so that ppl stays the full head's and the ppl pass
-# counts the keepset misses, sampler=fused_argmax so that greedy decode goes through the pruned head.
+# otherwise, with a note); quantized heads (lm_head=int8: one scale per row; int4: g128; both are
+# untied copies of the tied embedding); LM-head pruning at 8k / 12k / 16k / 32k rows with the keepset
+# from MPL-2.0 (never the scored text), scatter=false so that ppl stays the full head's and the ppl
+# pass counts the keepset misses, sampler=fused_argmax so that greedy decode goes through the pruned
+# head.
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -25,6 +27,7 @@ print(int(torch.cuda.is_available() or v >= (0, 46)))' 2>/dev/null || echo 0)
 
 windows=window=native,w256,w192,w188,w160,w128
 int4=(quant=int4 quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
+heads=(lm_head=int8,int4)
 pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
 
 read -r -a ppl_args <<< "${PPL_ARGS:-}"
@@ -39,6 +42,7 @@ for task in ppl identity; do
   else
     echo "quality: quant=nf4 skipped: it needs bitsandbytes, >= 0.46 on a CPU (pip install 'fastgemma[nf4]')" >&2
   fi
+  sweep "task=$task" "${heads[@]}" "${common[@]}"
   sweep "task=$task" "${pruned[@]}" "${common[@]}"
 done
 
