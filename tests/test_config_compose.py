@@ -98,7 +98,9 @@ def test_task_ppl_brings_eval_ppl_and_hf_brings_checkpoint_model():
 
 def test_experiment_overrides_and_command_line_wins():
     cfg = compose_cfg(["experiment=frontier"])
-    assert cfg.window.size == 188 and cfg.hydra.runtime.choices.quant == "int4"
+    ch = cfg.hydra.runtime.choices
+    assert cfg.window.size == 188 and ch.quant == "int4" and ch.fuse == "layers" and cfg.fuse.pdl
+    assert ch.lm_head == "pruned" and cfg.lm_head.rows == 12288 and ch.sampler == "fused_argmax"
     cfg = compose_cfg(["experiment=frontier", "window=native"])
     assert cfg.window.size is None
 
