@@ -25,6 +25,11 @@ def test_agree_counts_flips_and_confident_positions():
     assert abs(r["top1"] - 1 / 3) < 1e-6
     assert r["confident_positions"] == 2 and r["top1_confident"] == 0.5  # row 2 is confident and flipped
     assert r["worst_flipped_margin"] == 1.0 and r["max_abs_diff"] == 1.0
+    # a pruned head's unkept rows are -inf on both sides: no difference; -inf against a logit is one
+    inf = float("-inf")
+    pruned = torch.tensor([[3.0, inf, 0.5]])
+    assert top1_agreement(pruned, torch.tensor([[2.5, inf, 0.5]]))["max_abs_diff"] == 0.5
+    assert top1_agreement(pruned, torch.tensor([[3.0, 1.0, 0.5]]))["max_abs_diff"] == float("inf")
 
 
 def test_agreement_and_ladder_run_on_the_cpu(tmp_path, capsys):
@@ -119,7 +124,8 @@ def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
 
 def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     """bench.spec's CPU smoke run with a pruned head: the AR row, then replay rows for each verify
-    tile table, identical tokens to AR, and the per-group table restored afterwards."""
+    tile table, identical tokens to AR (no divergence, teacher-forced top-1 agreement 1), and the
+    per-group table restored afterwards."""
     import json
 
     from fastgemma.bench import spec
@@ -135,6 +141,9 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     rows = lines[1:]
     assert [(r["spec"], r.get("verify_tiles")) for r in rows] == [("none", None), ("replay", "per_group"),
                                                                   ("replay", "mma")]
-    assert all(r["identity_rate"] == 1.0 for r in rows[1:])
+    assert all(r["identity_rate"] == 1.0 and r["diverge_at"] == [8] for r in rows[1:])
+    # fp32: the k+1-row verify pass gives the AR step's logits on AR's trace (teacher-forced)
+    assert all(r["top1_agree"] == 1.0 and r["top1_agree_confident"] == 1.0 and r["max_abs_diff"] < 1e-3
+               for r in rows[1:])
     assert w4a16.CONFIGS == before
     assert all(c.per_group for k, c in w4a16.CONFIGS.items() if k in w4a16.MMA_M16)

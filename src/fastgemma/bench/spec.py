@@ -10,6 +10,10 @@ the cost floor, ~1 token per step), then `replay` for each depth and profile: th
 steps per verify (its cost counted) and its drafts follow the reference trace with the profile's
 per-position odds. Reference traces are primed once per (window, depth), untimed. Step time is
 split into draft / verify / accept with CUDA events between the three graphs (a separate pass).
+Speculative rows also carry `diverge_at` (per prompt, the first position where the tokens leave
+AR's; the length when equal) and the verify pass's teacher-forced top-1 agreement with the AR step
+over AR's trace of the first prompt (`top1_agree`, `top1_agree_confident`, `max_abs_diff`; the
+issue's bf16 check, skipped with --no-agreement).
 Prints one JSON line per row (--out: JSONL), then a markdown table last.
 """
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..engine.cache import KVCache
 from ..engine.generator import Generator
 from ..engine.speculative import PROFILES, Replay, SpecGenerator, expected_tokens_per_step
 from ..metrics.acceptance import acceptance_summary
+from ..metrics.identity import common_prefix, top1_agreement
 from ..engine.steps import GraphStep, StaticStep
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
@@ -133,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--mtp-depth", type=int, default=7, help="depth of the untrained-drafter cost row (0: skip)")
     ap.add_argument("--centroid-top-k", type=int, default=0, help="0: the drafter's own (32)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the step bodies before capture (slow)")
+    ap.add_argument("--no-agreement", dest="agreement", action="store_false",
+                    help="skip the teacher-forced top-1 agreement of the verify pass with the AR step")
     ap.add_argument("--verify-tiles", default="per_group",
                     help="int4 tiles of the k+1-row passes, comma-separated to compare in one run: per_group, mma")
     ap.add_argument("--out", default="")
@@ -180,6 +187,7 @@ def main(argv=None):
         ar.generate(prompts[0][:32], 8)
         outs, wall = timed(ar, prompts, a.new)
         ar_tokens = [o.tokens for o in outs]
+        ar_forced = ar.forced(prompts[0], ar_tokens[0]) if a.agreement else None
         base = summarize("none", wlabel, 0, None, outs, wall)
         emit(base)
         del step, ar, cache
@@ -209,7 +217,12 @@ def main(argv=None):
                 outs, wall = timed(gen, prompts, a.new)
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
-                           prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles)
+                           prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles,
+                           diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
+                if ar_forced is not None:  # the k+1-row pass against the AR step on AR's own trace
+                    agree = top1_agreement(ar_forced, gen.forced_verify(prompts[0], ar_tokens[0]))
+                    row.update(top1_agree=agree["top1"], top1_agree_confident=agree["top1_confident"],
+                               max_abs_diff=agree["max_abs_diff"])
                 emit(row)
             del gen, cache
             if cuda:
@@ -229,14 +242,16 @@ def main(argv=None):
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
     print("| window | spec | tiles | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
-          "| accept ms | step ms | identity | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| accept ms | step ms | identity | diverge at | top1 vs AR | top1 conf | accept_by_pos |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "
-              f"{f(r.get('accept_ms'), 3)} | {f(r['step_ms'], 3)} | {f(r.get('identity_rate'))} | {abp} |")
+              f"{f(r.get('accept_ms'), 3)} | {f(r['step_ms'], 3)} | {f(r.get('identity_rate'))} | "
+              f"{' '.join(str(x) for x in r.get('diverge_at') or [])} | {f(r.get('top1_agree'), 4)} | "
+              f"{f(r.get('top1_agree_confident'), 4)} | {abp} |")
 
 
 if __name__ == "__main__":

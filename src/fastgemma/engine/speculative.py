@@ -301,6 +301,28 @@ class SpecGenerator(Generator):
         self.replay.references[key] = g.tokens
         return g.tokens
 
+    @torch.inference_mode()
+    def forced_verify(self, prompt_ids, forced_tokens) -> torch.Tensor:
+        """Teacher-forced logits through the verify pass: forced_tokens go in k + 1 at a time, every
+        draft right, so each row comes from the k+1-row pass that verifies drafts (its kernels, tiles,
+        compiled function). -> fp32 logits [N, V] that predicted each forced token, row 0 from
+        prefill: the rows of Generator.forced, so the two paths compare position by position."""
+        ids = self._prompt(prompt_ids)
+        forced = torch.as_tensor(forced_tokens, dtype=torch.long, device=self.device).reshape(1, -1)
+        T, N, k = ids.shape[1], forced.shape[1], self.k
+        self._check_room(T, N + k)  # the last pass may run past the forced tokens (padding rows)
+        self.prepare()
+        h = self.prefill(ids)
+        _, logits = self.sampler(self.model, h)
+        rows = [logits[0].float().clone()]
+        padded = torch.cat([forced, forced[:, -1:].expand(1, k)], 1)
+        for i in range(0, N - 1, k + 1):
+            pos = torch.full((1, 1), T + i, dtype=torch.long, device=self.device)
+            _, hidden = self._verify_fn(padded[:, i:i + 1], padded[:, i + 1:i + 1 + k], pos)
+            lg = self.model.compute_logits(hidden[0]).float()  # [k + 1, V]
+            rows.extend(lg[: min(k + 1, N - 1 - i)])
+        return torch.stack(rows)
+
     def set_profile(self, profile):
         """Swap the acceptance profile in place (captured graphs read the buffer)."""
         if self.replay is None:

@@ -39,8 +39,15 @@ def top1_agreement(ref: torch.Tensor, logits: torch.Tensor, margin: float = 0.1,
     conf = margins > margin
     return dict(top1=hit.float().mean().item(),
                 top1_confident=hit[conf].float().mean().item() if conf.any() else float("nan"),
-                confident_positions=int(conf.sum()), max_abs_diff=(ref.float() - logits.float()).abs().max().item(),
+                confident_positions=int(conf.sum()), max_abs_diff=_max_abs_diff(ref, logits),
                 worst_flipped_margin=margins[~hit].max().item() if (~hit).any() else 0.0)
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, where equal entries count 0: -inf in both (a pruned head's unkept rows) is no
+    difference, -inf against a finite logit is an infinite one."""
+    a, b = a.float(), b.float()
+    return torch.where(a == b, 0.0, (a - b).abs()).max().item()
 
 
 class IdentityTally:
