@@ -235,7 +235,8 @@ class Int4Quant:
 class Nf4Quant:
     """quant=nf4: bitsandbytes Linear4bit (NF4, blocks of 64, compute dtype = the model's dtype), on
     CUDA or the CPU (bitsandbytes >= 0.46 quantizes and runs 4-bit layers on CPU tensors).
-    A memory / quality baseline (bitsandbytes 0.50 GEMV is slower than bf16 at one row on the H200)."""
+    A memory / quality baseline: on the H200 an E4B step with the nf4 body (bitsandbytes 0.50.2) takes
+    4.52 ms against 3.42 for int4 and 3.59 for the fused bf16 step (bench.stack, full head)."""
 
     needs_cuda = False
 
