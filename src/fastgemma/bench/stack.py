@@ -157,9 +157,8 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
-    heads = [parse_head(h) for h in a.heads]
-    if heads[0][0] != "full":
-        heads.insert(0, ("full", None))  # the reference of identity, and the pruned keepsets' first ids
+    # the full head first: the reference of identity, and the pruned keepsets' first ids
+    heads = [("full", None)] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads) if h != ("full", None)]
     dev = a.device
     cuda = dev.startswith("cuda")
     if cuda and not torch.cuda.is_available():
