@@ -7,6 +7,8 @@
 #   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes); INT4_MS=8
 #             sweeps the verify pass's row count instead of one row (INT4_MS=1,8: both), INT4_SHAPES=qkv,o
 #             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates
+#   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
+#             prints TILES lines)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
 #             STACK_ARGS, e.g. "--bodies int4"); nf4 needs bitsandbytes (a wheel in .whl)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
@@ -30,7 +32,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src"
-part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, INT4_S, STACK_S, PROFILE_S, HEAD_S, SPEC_S, AGREEMENT_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, SPEC_S, AGREEMENT_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -57,13 +59,14 @@ sh = '${INT4_SHAPES:-}'
 bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh else None, sweep=True, rep_ms=10,
              per_group_only='${INT4_PER_GROUP:-0}' == '1')" ;;
     stack) run stack python3 -m fastgemma.bench.stack ${STACK_ARGS:-} --out "$out/stack.jsonl" ;;
+    int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles; bench_tiles()" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, int4, stack, head, spec, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, int4, int4fused, stack, head, spec, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
@@ -74,6 +77,7 @@ for p in "${parts[@]}"; do
     gemv) grep -vE '^ +skip' "$out/gemv.log" | tail -40 ;;
     int4) grep -E "best|per-group|WRONG|^ +[a-z/|_]+ +[0-9]+ +[0-9]+ +[0-9]+ \|" "$out/int4.log" | head -60
           grep -A40 '^# CONFIGS' "$out/int4.log" ;;
+    int4fused) grep -E "WRONG|skip" "$out/int4fused.log" | head; grep -A20 '^# TILES' "$out/int4fused.log" ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
   tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true

@@ -228,3 +228,27 @@ def test_fuse_layers_from_the_config():
         ctx_for("fuse=layers", "fuse.backend=torch", "quant=nf4").factory.model
     with pytest.raises(BuildError, match="fuse.backend=torch"):
         ctx_for("fuse=layers").factory.model
+
+
+def test_fused_int4_tile_bench_and_table(monkeypatch, capsys):
+    """bench_tiles on tiny cases (interpreter, a stub timer): every candidate's output is checked
+    against the twin, the fastest becomes a TILES line, and a TILES entry is what a launch then uses."""
+    from fastgemma.kernels import fused_w4a16 as f4
+    from fastgemma.kernels.w4a16 import W4A16Config, pack_int4, quantize_int4
+
+    cands = [W4A16Config(4, 128, 1, 2), W4A16Config(8, 256, 1, 4)]
+    times = iter([3.0, 2.0, 1.0, 4.0, 5.0, 6.0])
+    rows = f4.bench_tiles({"r": (16, 256, "residual"), "g": (16, 256, "geglu"), "p": (8, 256, "plain")}, cands,
+                          dtype=torch.float32, timer=lambda fn: (fn(), next(times))[1], device="cpu")
+    assert len(rows) == 6 and all(r["ok"] for r in rows)
+    out = capsys.readouterr().out
+    assert "(16, 256, 2, 0): W4A16Config(8, 256, 1, 4)" in out  # residual: the 2.0 us one
+    assert "(16, 256, 2, 1): W4A16Config(4, 128, 1, 2)" in out  # geglu: 1.0 us
+    assert "(8, 256, 0, 0): W4A16Config(4, 128, 1, 2)" in out   # plain: 5.0 us
+    seen = []
+    real = f4.resolve_config
+    monkeypatch.setattr(f4, "resolve_config", lambda M, N, K, G, cfg=None: seen.append(cfg) or real(M, N, K, G, cfg))
+    monkeypatch.setitem(f4.TILES, (8, 256, 0, 0), W4A16Config(4, 128, 1, 2))
+    q, s, z = quantize_int4(torch.randn(8, 256), 128)
+    f4.fused_w4a16(torch.randn(1, 256), pack_int4(q), s, z, 128, eps=1e-6)
+    assert seen == [W4A16Config(4, 128, 1, 2)]

@@ -2,8 +2,9 @@
 residual update, layer scale) and epilogues (GeGLU, PLE gate), around the factored int4 GEMV of
 kernels/w4a16.py (per group and row: sum w*x = 16 s (sum f*x - sum x) + z sum x, f = 1 + q/16).
 
-Tiles come from the one-row W4A16 table (`w4a16.resolve_config(1, N, K, G)`), whole K per program
-(no split-K: the prologue and epilogue need every column), the K loop unrolled. `pdl` waits for the
+Tiles come from `TILES` (swept for the fused kernel by `bench_tiles`), else from the one-row W4A16
+table (`w4a16.resolve_config(1, N, K, G)`); whole K per program (no split-K: the prologue and
+epilogue need every column), the K loop unrolled. `pdl` waits for the
 previous kernel before the first load (the loop is not a prefetch here) and lets the next one launch.
 `fused_w4a16` launches, `fused_w4a16_op` is the opaque op, `fused_w4a16_ref` the twin (dequantize to
 the activation dtype, then the dense twin: what the unfused torch path computes).
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from .fused_gemv import _check, _finish, _Launch, _prologue_scalars, _rows, _x_block, fused_gemv_ref
 from .gemv import _INTERPRET, MAX_KB
-from .w4a16 import dequantize_int4, resolve_config
+from .w4a16 import W4A16Config, dequantize_int4, resolve_config
 
 
 @triton.jit
@@ -58,6 +59,92 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
             K, BLOCK_N, BLOCK_K, PRO, HAS_SCALE, EPI, DT)
 
 
+# (N, K, prologue, epilogue) -> tiles, ahead of the one-row W4A16 table. Empty until `bench_tiles`
+# has swept them on a GPU: the one-row table's tiles give each thread one row, so a prologue's x
+# work is repeated per row (sm_90a SASS, whole kernel: q|k|v with the residual prologue 18.2
+# instructions per weight at 4 x 512, 2 warps; 9.9 at 16 x 512, 4 warps).
+TILES: dict[tuple[int, int, int, int], W4A16Config] = {}
+
+# name -> (N, K, mode) as fuse=layers launches them on E4B (mode: residual = the residual update
+# with the layer scalar and the input norm; geglu = residual update, norm and GeGLU; plain = none)
+E4B_CASES = {
+    "q|k|v": (3072, 2560, "residual"), "q|k|v full": (6144, 2560, "residual"), "q": (2048, 2560, "residual"),
+    "o": (2560, 2048, "plain"), "o full": (2560, 4096, "plain"), "gate|up": (20480, 2560, "geglu"),
+    "down": (2560, 10240, "plain"), "PLE projection": (2560, 256, "plain"),
+}
+
+
+def tile_candidates() -> list[W4A16Config]:
+    """What `bench_tiles` tries (resolve_config fits block_k to K; > 16 K blocks are skipped)."""
+    return [W4A16Config(bn, bk, 1, w) for bn, bk, w in ((4, 512, 2), (8, 512, 2), (8, 512, 4), (16, 512, 2),
+                                                        (16, 512, 4), (32, 512, 4), (32, 512, 8), (8, 1024, 4),
+                                                        (16, 1024, 4), (32, 1024, 8))]
+
+
+def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 128, dtype=torch.bfloat16,
+                timer=None, device: str = "cuda", pdl: bool = True) -> list[dict]:
+    """Time every candidate tile of the fused int4 GEMV on each case, weights rotated out of L2, each
+    output checked against the twin first. Prints a table and TILES lines for the fastest; returns
+    one dict per (case, config). `timer(fn) -> us` defaults to CUDA graphs (tests pass their own)."""
+    from .bench_util import copies_past_l2, rotating
+    from .w4a16 import pack_int4, quantize_int4
+
+    dev = torch.device(device)
+    if timer is None:
+        from .bench_util import timer as make_timer
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("bench_tiles needs a CUDA device (or a timer)")
+        timer = make_timer(True, 10)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows, lines = [], []
+    print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}  fused int4 GEMV, group {group_size}, "
+          f"{'PDL' if pdl else 'plain launch'} (us; weights rotated out of L2)")
+    for name, (N, K, mode) in (cases or E4B_CASES).items():
+        w = torch.randn(N, K, device=dev, dtype=dtype, generator=gen) * 0.02
+        q, sc, zr = quantize_int4(w, group_size)
+        qw = pack_int4(q)
+        vec = lambda n: torch.randn(1, n, device=dev, dtype=dtype, generator=gen)  # noqa: E731
+        kw = dict(eps=1e-6, pdl=pdl)
+        if mode != "plain":
+            kw.update(y=vec(K), post=vec(K), pre=vec(K))
+            if mode == "residual":
+                kw["scale"] = vec(1)
+            else:
+                kw["epilogue"] = "geglu"
+        a = vec(K)
+        ref = fused_w4a16_ref(a, qw, sc, zr, group_size, **kw)[0].float()
+        nbytes = qw.numel() + 2 * sc.numel() * sc.element_size()
+        bufs = [(qw.clone(), sc.clone(), zr.clone())
+                for _ in range(copies_past_l2(nbytes, dev) if dev.type == "cuda" else 1)]
+        best = None
+        for cfg in candidates or tile_candidates():
+            fit = resolve_config(1, N, K, group_size, cfg)
+            if K // fit.block_k > MAX_KB:
+                continue
+            call = lambda q_, s_, z_, c=fit: fused_w4a16(a, q_, s_, z_, group_size, config=c, **kw)  # noqa: E731
+            try:
+                got = call(qw, sc, zr)[0].float()
+                us = timer(rotating(bufs, call))
+            except Exception as e:  # out of resources for a candidate: skip it
+                print(f"    skip {fit}: {type(e).__name__}")
+                continue
+            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+            ok = err < 2e-2
+            rows.append(dict(case=name, N=N, K=K, mode=mode, config=fit, us=us, max_rel_err=err, ok=ok))
+            print(f"{name:>16} {N:>6} {K:>6} {mode:>8} | {us:8.2f} | {'ok' if ok else 'WRONG'} {err:.1e} | {fit}")
+            if ok and (best is None or us < best[0]):
+                best = (us, fit)
+        if best:
+            key = (N, K, {"plain": 0}.get(mode, 2), 1 if mode == "geglu" else 0)
+            lines.append(f"    {key}: W4A16Config{(best[1].block_n, best[1].block_k, 1, best[1].num_warps)},"
+                         f"  # {name}: {best[0]:.2f} us")
+        del bufs
+    print("\n# TILES entries ((N, K, PRO, EPI): block_n, block_k, split_k, num_warps):")
+    print("\n".join(lines))
+    return rows
+
+
 def _check_int4(a, qweight, scales, zeros, group_size):
     N, K = qweight.shape[0], qweight.shape[1] * 2
     if qweight.dtype != torch.uint8 or scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
@@ -75,10 +162,11 @@ def fused_w4a16(a, qweight, scales, zeros, group_size: int, y=None, post=None, s
     _check(a, N, K, y, post, scale, pre, aux, epilogue)
     if not (qweight.is_cuda or _INTERPRET):
         raise RuntimeError("fused_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use fused_w4a16_ref")
-    cfg = resolve_config(1, N, K, group_size, config)  # block_k: a group multiple dividing K
+    run = _Launch(a, y, post, scale, pre, aux, N, K, qweight.device, epilogue, pdl)
+    # block_k: a group multiple dividing K
+    cfg = resolve_config(1, N, K, group_size, config or TILES.get((N, K, run.flags["PRO"], run.epi)))
     if K // cfg.block_k > MAX_KB:
         raise ValueError(f"fused_w4a16 unrolls at most {MAX_KB} K blocks; K={K} needs block_k >= {K // MAX_KB}")
-    run = _Launch(a, y, post, scale, pre, aux, N, K, qweight.device, epilogue, pdl)
     bn = max(cfg.block_n, 2) if run.epi == 1 else cfg.block_n
     _fused_w4a16_kernel[run.grid(bn)](*run.head, qweight, scales, zeros, *run.tail, N, run.half, qweight.stride(0),
                                       eps, offset, GROUP=group_size, BLOCK_N=bn, BLOCK_K=cfg.block_k,
