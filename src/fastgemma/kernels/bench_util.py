@@ -32,3 +32,12 @@ def copies_past_l2(nbytes: int, device) -> int:
     """How many copies of nbytes make one pass over them at least twice the L2."""
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     return max(2, math.ceil(2 * l2 / max(nbytes, 1)))
+
+
+WRONG_REL_ERR = 2e-2  # a tile candidate whose output is further from the twin than this is wrong
+
+
+def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|, in fp32 (the check every benchmarked tile passes first)."""
+    got, ref = got.float(), ref.float()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()

@@ -86,7 +86,7 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
     """Time every candidate tile of the fused int4 GEMV on each case, weights rotated out of L2, each
     output checked against the twin first. Prints a table and TILES lines for the fastest; returns
     one dict per (case, config). `timer(fn) -> us` defaults to CUDA graphs (tests pass their own)."""
-    from .bench_util import copies_past_l2, rotating
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating
     from .w4a16 import pack_int4, quantize_int4
 
     dev = torch.device(device)
@@ -113,7 +113,7 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
             else:
                 kw["epilogue"] = "geglu"
         a = vec(K)
-        ref = fused_w4a16_ref(a, qw, sc, zr, group_size, **kw)[0].float()
+        ref = fused_w4a16_ref(a, qw, sc, zr, group_size, **kw)[0]
         nbytes = qw.numel() + 2 * sc.numel() * sc.element_size()
         bufs = [(qw.clone(), sc.clone(), zr.clone())
                 for _ in range(copies_past_l2(nbytes, dev) if dev.type == "cuda" else 1)]
@@ -124,13 +124,13 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
                 continue
             call = lambda q_, s_, z_, c=fit: fused_w4a16(a, q_, s_, z_, group_size, config=c, **kw)  # noqa: E731
             try:
-                got = call(qw, sc, zr)[0].float()
+                got = call(qw, sc, zr)[0]
                 us = timer(rotating(bufs, call))
             except Exception as e:  # out of resources for a candidate: skip it
                 print(f"    skip {fit}: {type(e).__name__}")
                 continue
-            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-            ok = err < 2e-2
+            err = max_rel_err(got, ref)
+            ok = err < WRONG_REL_ERR
             rows.append(dict(case=name, N=N, K=K, mode=mode, config=fit, us=us, max_rel_err=err, ok=ok))
             print(f"{name:>16} {N:>6} {K:>6} {mode:>8} | {us:8.2f} | {'ok' if ok else 'WRONG'} {err:.1e} | {fit}")
             if ok and (best is None or us < best[0]):
