@@ -21,6 +21,7 @@ from ..kernels.decode_attention import decode_attention_op, decode_attention_ref
 from ..metrics.identity import common_prefix, top1_agreement
 from ..model.config import preset
 from ..transforms.fuse import MergeProjections
+from ..transforms.quant import nf4_stat_bytes
 from ..weights.synthetic import synthetic_model
 
 # variant -> (step class, attention, torch.compile, merged q|k|v and gate|up, int4 g128 body,
@@ -96,7 +97,8 @@ def copy_bandwidth(device, nbytes=2 << 30) -> float:
 
 def decode_bytes(model) -> int:
     """Bytes a decode step reads from weights: every matrix except the PLE table (one row gathered)
-    and the token embedding (one row), plus the tied head (the whole embedding)."""
+    and the token embedding (one row), plus the tied head (the whole embedding); quantised layers
+    with their scales (nf4: absmax)."""
     n = 0
     for name, p in model.named_parameters():
         if "embed_tokens" in name:
@@ -105,6 +107,7 @@ def decode_bytes(model) -> int:
     for mod in model.modules():  # quantised layers keep packed weights and scales as buffers
         if hasattr(mod, "weight_bytes"):
             n += mod.weight_bytes()
+        n += nf4_stat_bytes(getattr(mod, "weight", None))  # bitsandbytes' absmax, outside the parameters
     return n + model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
 
 

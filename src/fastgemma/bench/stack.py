@@ -115,17 +115,9 @@ def keepset(first: list[int], rows: int, vocab: int, seed: int = 0) -> list[int]
 
 
 def body_bytes(model) -> int:
-    """Weight bytes a decode step reads outside the head: decode_bytes without the tied embedding,
-    plus bitsandbytes' absmax statistics (buffers of its quant state, not parameters)."""
+    """Weight bytes a decode step reads outside the head: decode_bytes without the tied embedding."""
     emb = model.embed_tokens.weight
-    n = decode_bytes(model) - emb.numel() * emb.element_size()
-    for mod in model.modules():
-        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
-        while qs is not None:
-            absmax = getattr(qs, "absmax", None)
-            n += 0 if absmax is None else absmax.numel() * absmax.element_size()
-            qs = getattr(qs, "state2", None)
-    return n
+    return decode_bytes(model) - emb.numel() * emb.element_size()
 
 
 def head_us(model, sampler, dev: str, rep_ms: int = 50) -> float:

@@ -293,9 +293,16 @@ class Nf4Quant:
 
 
 def _nf4_bytes(q: nn.Module) -> int:
-    # packed nibbles + absmax (fp32 per 64, or uint8 + a second level when compress_statistics)
-    n = q.weight.numel() * q.weight.element_size()
-    qs = getattr(q.weight, "quant_state", None)
+    # packed nibbles + absmax
+    return q.weight.numel() * q.weight.element_size() + nf4_stat_bytes(q.weight)
+
+
+def nf4_stat_bytes(weight) -> int:
+    """Bytes of a bitsandbytes 4-bit weight's absmax statistics (fp32 per 64, or uint8 + a second
+    level when compress_statistics); 0 for any other tensor. They live in its quant state, not in
+    parameters or buffers."""
+    n = 0
+    qs = getattr(weight, "quant_state", None)
     while qs is not None:
         absmax = getattr(qs, "absmax", None)
         n += 0 if absmax is None else absmax.numel() * absmax.element_size()
