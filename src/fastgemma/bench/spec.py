@@ -34,35 +34,23 @@ from ..metrics.identity import common_prefix, top1_agreement
 from ..engine.steps import GraphStep, StaticStep
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
-from ..weights.synthetic import synthetic_model
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16):
-    """Synthetic weights -> merged projections -> int4 body -> Triton attention -> head (on a CPU,
-    a smoke test of this script: the torch twins of every kernel). head: full | int8 | int4 |
-    pruned:N (bf16 rows: the eos ids, then seeded random ids; the pruned model's own greedy trace
-    is the reference, so the keepset only sets the cost)."""
-    from ..transforms.attention import TorchAttention, TritonAttention
-    from ..transforms.fuse import MergeProjections
-    from ..transforms.quant import Int4Quant
+    """Synthetic weights -> merged projections -> int4 body -> Triton attention (bench.stack's int4
+    body without the fused one-row step) -> head (on a CPU, a smoke test of this script: the torch
+    twins of every kernel). head: full | int8 | int4 | pruned:N (bf16 rows: the eos ids, then seeded
+    random ids; the pruned model's own greedy trace is the reference, so the keepset only sets the
+    cost)."""
     from ..transforms.sampler import FusedArgmax
-    from .stack import keepset, parse_head, set_head
+    from .stack import build_body, keepset, parse_head, set_head
 
     kind, rows = parse_head(head)
-    cuda = dev.startswith("cuda")
-    backend = "triton" if cuda else "torch"
-    model = synthetic_model(cfg, dev, dtype, seed=0)
-    gs = 128 if cfg.hidden_size % 128 == 0 else 32
-    skip = ("per_layer_input_gate",) + (("per_layer_projection",) if cfg.ple_dim % gs else ())
-    parts = [MergeProjections(), Int4Quant(group_size=gs, skip=skip, backend=backend),
-             TritonAttention() if cuda else TorchAttention()]
-    for t in parts:
-        model = t.apply(model) or model
-    desc = {type(t).__name__: (t.describe() if hasattr(t, "describe") else {}) for t in parts}
+    model, desc = build_body(cfg, dev, "int4", dtype, fuse=False)
     with tempfile.TemporaryDirectory() as tmp:  # a pruned head's keepset file, read by apply()
         keep = keepset(list(cfg.eos_ids), rows, cfg.vocab_size) if rows else None
         desc["lm_head"] = set_head(model, kind, rows, keep, dev, tmp)[1]
-    return model, FusedArgmax(backend), desc
+    return model, FusedArgmax("triton" if dev.startswith("cuda") else "torch"), desc
 
 
 def use_verify_tiles(name: str) -> None:

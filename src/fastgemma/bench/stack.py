@@ -51,8 +51,14 @@ def parse_head(spec: str) -> tuple[str, int | None]:
     raise SystemExit(f"bad head {spec!r}: use full, int8, int4 or pruned:N (N rows kept)")
 
 
-def build_body(cfg, dev: str, body: str, dtype):
-    """Synthetic weights -> the body's transforms. -> (model, {transform: describe()})."""
+def int4_group_size(cfg) -> int:
+    """128 where the hidden size allows it (E4B), else 32 (the tiny test models)."""
+    return 128 if cfg.hidden_size % 128 == 0 else 32
+
+
+def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True):
+    """Synthetic weights -> the body's transforms (fuse: the fused one-row step, bf16 and int4
+    bodies). -> (model, {transform: describe()})."""
     from ..transforms.attention import TorchAttention, TritonAttention
     from ..transforms.fuse import MergeProjections
     from ..transforms.fuse_layers import FuseLayers
@@ -60,7 +66,7 @@ def build_body(cfg, dev: str, body: str, dtype):
 
     cuda = dev.startswith("cuda")
     backend = "triton" if cuda else "torch"
-    gs = 128 if cfg.hidden_size % 128 == 0 else 32
+    gs = int4_group_size(cfg)
     skip = ("per_layer_input_gate",) + (("per_layer_projection",) if cfg.ple_dim % gs else ())
     parts = [MergeProjections()]
     if body == "int4":
@@ -69,7 +75,7 @@ def build_body(cfg, dev: str, body: str, dtype):
         parts.append(Nf4Quant())
     elif body != "bf16":
         raise SystemExit(f"unknown body {body!r}; known: {', '.join(BODIES)}")
-    if body != "nf4":
+    if fuse and body != "nf4":
         parts.append(FuseLayers(backend=backend, pdl=cuda))
     parts.append(TritonAttention() if cuda else TorchAttention())
     model = synthetic_model(cfg, dev, dtype, seed=0)
@@ -85,13 +91,12 @@ def set_head(model, kind: str, rows: int | None, keep_ids: list[int] | None, dev
     backend = "triton" if dev.startswith("cuda") else "torch"
     model.logits_head = None
     model.pruned_head = None
-    gs = 128 if model.config.hidden_size % 128 == 0 else 32
     if kind == "full":
         t = FullHead()
     elif kind == "int8":
         t = Int8Head(backend=backend)
     elif kind == "int4":
-        t = Int4Head(group_size=gs, backend=backend)
+        t = Int4Head(group_size=int4_group_size(model.config), backend=backend)
     else:
         path = write_keepset(os.path.join(workdir, f"keep{rows}.txt"), keep_ids[:rows])
         t = PrunedHead(rows=rows, keepset=str(path), source="file", backend=backend)
