@@ -29,7 +29,9 @@ def rotating(bufs, call):
 
 
 def copies_past_l2(nbytes: int, device) -> int:
-    """How many copies of nbytes make one pass over them at least twice the L2."""
+    """How many copies of nbytes make one pass over them at least twice the L2 (1 off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return 1
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     return max(2, math.ceil(2 * l2 / max(nbytes, 1)))
 

@@ -115,8 +115,7 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
         a = vec(K)
         ref = fused_w4a16_ref(a, qw, sc, zr, group_size, **kw)[0]
         nbytes = qw.numel() + 2 * sc.numel() * sc.element_size()
-        bufs = [(qw.clone(), sc.clone(), zr.clone())
-                for _ in range(copies_past_l2(nbytes, dev) if dev.type == "cuda" else 1)]
+        bufs = [(qw.clone(), sc.clone(), zr.clone()) for _ in range(copies_past_l2(nbytes, dev))]
         best = None
         for cfg in candidates or tile_candidates():
             fit = resolve_config(1, N, K, group_size, cfg)
