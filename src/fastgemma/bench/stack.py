@@ -130,9 +130,9 @@ def head_us(model, sampler, dev: str, rep_ms: int = 50) -> float:
     x = torch.randn(1, 1, model.config.hidden_size, device=dev, dtype=model.embed_tokens.weight.dtype)
     sampler(model, x)  # buffers and autotuning before any capture
     if dev.startswith("cuda"):
-        from triton.testing import do_bench_cudagraph
+        from ..kernels.bench_util import timer
 
-        return 1e3 * do_bench_cudagraph(lambda: sampler(model, x), rep=rep_ms, return_mode="median")
+        return timer(True, rep_ms)(lambda: sampler(model, x))
     t = time.perf_counter()
     for _ in range(3):
         sampler(model, x)
