@@ -62,9 +62,11 @@ def test_fused_gemv_matches_twin(case, N, K, cfg, dtype):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_w4a16_matches_twin(case, group, dtype):
-    """The int4 kernel (factored GEMV) against dequantize + the dense twin; N = 38 (and 19 GeGLU
-    pairs) not a multiple of the tile, K = 512 in blocks of 256: two unrolled blocks."""
+@pytest.mark.parametrize("words", [False, True])
+def test_fused_w4a16_matches_twin(case, group, dtype, words):
+    """The int4 kernel (factored GEMV, byte and word loops) against dequantize + the dense twin;
+    N = 38 (and 19 GeGLU pairs) not a multiple of the tile, K = 512 in blocks of 256: two unrolled
+    blocks. fp16 takes the word loop's inexact pair (the GPU's arithmetic), fp32 its exact one."""
     from fastgemma.kernels.fused_w4a16 import fused_w4a16, fused_w4a16_ref
     from fastgemma.kernels.w4a16 import W4A16Config, pack_int4, quantize_int4
 
@@ -74,7 +76,7 @@ def test_fused_w4a16_matches_twin(case, group, dtype):
     qw, sc, zr = pack_int4(q), sc.to(dtype), zr.to(dtype)
     build, epi = CASES[case]
     kw = dict(build(t), eps=1e-6, epilogue=epi)
-    out, h = fused_w4a16(t["a"], qw, sc, zr, group, config=W4A16Config(4, 256, 1, 2), **kw)
+    out, h = fused_w4a16(t["a"], qw, sc, zr, group, config=W4A16Config(4, 256, 1, 2, words=words), **kw)
     ref, href = fused_w4a16_ref(t["a"], qw, sc, zr, group, **kw)
     assert out.shape == ref.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -236,13 +238,13 @@ def test_fused_int4_tile_bench_and_table(monkeypatch, capsys):
     from fastgemma.kernels import fused_w4a16 as f4
     from fastgemma.kernels.w4a16 import W4A16Config, pack_int4, quantize_int4
 
-    cands = [W4A16Config(4, 128, 1, 2), W4A16Config(8, 256, 1, 4)]
+    cands = [W4A16Config(4, 128, 1, 2), W4A16Config(8, 256, 1, 4, words=True)]
     times = iter([3.0, 2.0, 1.0, 4.0, 5.0, 6.0])
     rows = f4.bench_tiles({"r": (16, 256, "residual"), "g": (16, 256, "geglu"), "p": (8, 256, "plain")}, cands,
                           dtype=torch.float32, timer=lambda fn: (fn(), next(times))[1], device="cpu")
     assert len(rows) == 6 and all(r["ok"] for r in rows)
     out = capsys.readouterr().out
-    assert "(16, 256, 2, 0): W4A16Config(8, 256, 1, 4)" in out  # residual: the 2.0 us one
+    assert "(16, 256, 2, 0): W4A16Config(8, 256, 1, 4, words=True)" in out  # residual: the 2.0 us one
     assert "(16, 256, 2, 1): W4A16Config(4, 128, 1, 2)" in out  # geglu: 1.0 us
     assert "(8, 256, 0, 0): W4A16Config(4, 128, 1, 2)" in out   # plain: 5.0 us
     seen = []

@@ -4,7 +4,9 @@ kernels/w4a16.py (per group and row: sum w*x = 16 s (sum f*x - sum x) + z sum x,
 
 Tiles come from `TILES` (swept for the fused kernel by `bench_tiles`), else from the one-row W4A16
 table (`w4a16.resolve_config(1, N, K, G)`); whole K per program (no split-K: the prologue and
-epilogue need every column), the K loop unrolled. `pdl` waits for the
+epilogue need every column), the K loop unrolled. The config's `words` picks the inner loop: the
+byte loop, or the word loop of `w4a16._gemv_kernel` with x computed as [words, 8] (one vector per
+word, no repeated prologue work per code) and split into the 8 code positions in registers. `pdl` waits for the
 previous kernel before the first load (the loop is not a prefetch here) and lets the next one launch.
 `fused_w4a16` launches, `fused_w4a16_op` is the opaque op, `fused_w4a16_ref` the twin (dequantize to
 the activation dtype, then the dense twin: what the unfused torch path computes).
@@ -17,7 +19,20 @@ import triton.language as tl
 
 from .fused_gemv import _check, _finish, _Launch, _prologue_scalars, _rows, _x_block, fused_gemv_ref
 from .gemv import _INTERPRET, MAX_KB
-from .w4a16 import W4A16Config, dequantize_int4, resolve_config
+from .w4a16 import W4A16Config, _group_terms, _word_dot, dequantize_int4, resolve_config
+
+
+@triton.jit
+def _split8(x):
+    """[W, 8] -> its 8 columns, in the order 0, 4, 2, 6, 1, 5, 3, 7 (three in-register splits)."""
+    ev, od = tl.split(tl.reshape(x, (x.shape[0], 4, 2)))
+    e0, e1 = tl.split(tl.reshape(ev, (x.shape[0], 2, 2)))
+    o0, o1 = tl.split(tl.reshape(od, (x.shape[0], 2, 2)))
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x4, x2, x6, x1, x5, x3, x7
 
 
 @triton.jit
@@ -25,45 +40,68 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
                         N, HALF, stride_qn, eps, off,
                         K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRO: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, EPI: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     rows, n_ok = _rows(pid, N, HALF, BLOCK_N, EPI)
     NG: tl.constexpr = BLOCK_K // GROUP
-    HG: tl.constexpr = GROUP // 2  # bytes per group and row
     offs_g = tl.arange(0, NG)
-    w_ptrs = qw_ptr + rows[:, None, None] * stride_qn + offs_g[None, :, None] * HG + tl.arange(0, HG)[None, None, :]
     s_ptrs = s_ptr + offs_g[None, :] * N + rows[:, None]  # [BLOCK_N, NG]
     z_ptrs = z_ptr + offs_g[None, :] * N + rows[:, None]
-    offs_x = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns of a K block
     DT: tl.constexpr = out_ptr.dtype.element_ty
     inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
                                             PRO, HAS_SCALE, HAS_PRE, DT)
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    for kb in tl.static_range(K // BLOCK_K):
-        w = tl.load(w_ptrs + kb * (BLOCK_K // 2), mask=n_ok[:, None, None], other=0).to(tl.int32)
-        s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
-                     K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)  # [NG, GROUP] fp32
-        x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
-        xs = tl.sum(x, axis=1)
-        f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-        f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-        p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)
-        acc += (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
+    if WORDS:  # int32 words, codes two at a time (w4a16._nibble_pair); x as [WK, 8], split in registers
+        WG: tl.constexpr = GROUP // 8  # int32 words per group and row
+        WK: tl.constexpr = BLOCK_K // 8
+        offs_w = tl.arange(0, WK)
+        w_ptrs = qw_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + offs_w[None, :]  # [BLOCK_N, WK]
+        offs_x = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WK, 8] k of each word's codes in a K block
+        for kb in tl.static_range(K // BLOCK_K):
+            w = tl.load(w_ptrs + kb * WK, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+            x0, x4, x2, x6, x1, x5, x3, x7 = _split8(x)
+            p = _word_dot(w, x0, x4, x1, x5, x2, x6, x3, x7, ASM, EXACT)
+            acc += _group_terms(p, x0 + x1 + x2 + x3, x4 + x5 + x6 + x7, s, z, BLOCK_N, NG, WG, EXACT)
+    else:  # bytes: one code byte per int32, each code shifted and masked on its own
+        HG: tl.constexpr = GROUP // 2  # bytes per group and row
+        w_ptrs = (qw_ptr + rows[:, None, None] * (K // 2) + offs_g[None, :, None] * HG
+                  + tl.arange(0, HG)[None, None, :])
+        offs_x = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns of a K block
+        for kb in tl.static_range(K // BLOCK_K):
+            w = tl.load(w_ptrs + kb * (BLOCK_K // 2), mask=n_ok[:, None, None], other=0).to(tl.int32)
+            s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)  # [NG, GROUP] fp32
+            x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
+            xs = tl.sum(x, axis=1)
+            f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+            f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+            p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)
+            acc += (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
     y = tl.sum(acc, axis=1)
     _finish(y, rows, n_ok, pid, a_ptr, y_ptr, post_ptr, h_ptr, aux_ptr, out_ptr, HALF, inv_y, scale, off,
             K, BLOCK_N, BLOCK_K, PRO, HAS_SCALE, EPI, DT)
 
 
-# (N, K, prologue, epilogue) -> tiles, ahead of the one-row W4A16 table. Empty until `bench_tiles`
-# has swept them on a GPU: the one-row table's tiles give each thread one row, so a prologue's x
-# work is repeated per row (sm_90a SASS, whole kernel: q|k|v with the residual prologue 18.2
-# instructions per weight at 4 x 512, 2 warps; 9.9 at 16 x 512, 4 warps).
-TILES: dict[tuple[int, int, int, int], W4A16Config] = {}
+# (N, K, prologue, epilogue) -> tiles, ahead of the one-row W4A16 table. `bench_tiles` on the H200
+# (2026-11-30, run Q, PDL launches, weights rotated out of L2), us: this entry / the one-row table's
+# tiles with the byte loop (what launched before). o, o full and down keep the table's tiles (4.45,
+# 6.40, 14.19 us): no candidate beat them.
+TILES: dict[tuple[int, int, int, int], W4A16Config] = {
+    (3072, 2560, 2, 0): W4A16Config(4, 512, 1, 4),  # q|k|v: 9.61 / 11.10
+    (6144, 2560, 2, 0): W4A16Config(4, 512, 1, 1, words=True),  # q|k|v full: 10.12 / 12.09
+    (2048, 2560, 2, 0): W4A16Config(4, 512, 1, 4),  # q (KV-shared layers): 8.63 / 11.38
+    (20480, 2560, 2, 1): W4A16Config(16, 512, 1, 2, words=True),  # gate|up with GeGLU: 14.97 / 26.51
+    (2560, 256, 0, 0): W4A16Config(8, 256, 1, 1, words=True),  # PLE projection: 1.42 / 1.93
+}
 
 # name -> (N, K, mode) as fuse=layers launches them on E4B (mode: residual = the residual update
 # with the layer scalar and the input norm; geglu = residual update, norm and GeGLU; plain = none)
@@ -75,10 +113,12 @@ E4B_CASES = {
 
 
 def tile_candidates() -> list[W4A16Config]:
-    """What `bench_tiles` tries (resolve_config fits block_k to K; > 16 K blocks are skipped)."""
-    return [W4A16Config(bn, bk, 1, w) for bn, bk, w in ((4, 512, 2), (8, 512, 2), (8, 512, 4), (16, 512, 2),
-                                                        (16, 512, 4), (32, 512, 4), (32, 512, 8), (8, 1024, 4),
-                                                        (16, 1024, 4), (32, 1024, 8))]
+    """What `bench_tiles` tries (resolve_config fits block_k to K; > 16 K blocks are skipped): the byte
+    loop on small tiles (the one-row table's among them), the word loop on 4-32 rows."""
+    out = [W4A16Config(bn, bk, 1, w) for bn, bk, w in ((4, 512, 2), (4, 1024, 4), (8, 512, 4), (8, 1024, 2),
+                                                       (16, 1024, 4))]
+    return out + [W4A16Config(bn, 1024, 1, w, words=True) for bn, w in ((4, 1), (8, 1), (8, 2), (16, 1), (16, 2),
+                                                                        (32, 2))]
 
 
 def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 128, dtype=torch.bfloat16,
@@ -116,11 +156,12 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
         ref = fused_w4a16_ref(a, qw, sc, zr, group_size, **kw)[0]
         nbytes = qw.numel() + 2 * sc.numel() * sc.element_size()
         bufs = [(qw.clone(), sc.clone(), zr.clone()) for _ in range(copies_past_l2(nbytes, dev))]
-        best = None
+        best, seen = None, set()
         for cfg in candidates or tile_candidates():
             fit = resolve_config(1, N, K, group_size, cfg)
-            if K // fit.block_k > MAX_KB:
+            if K // fit.block_k > MAX_KB or fit in seen:
                 continue
+            seen.add(fit)
             call = lambda q_, s_, z_, c=fit: fused_w4a16(a, q_, s_, z_, group_size, config=c, **kw)  # noqa: E731
             try:
                 got = call(qw, sc, zr)[0]
@@ -136,10 +177,11 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
                 best = (us, fit)
         if best:
             key = (N, K, {"plain": 0}.get(mode, 2), 1 if mode == "geglu" else 0)
-            lines.append(f"    {key}: W4A16Config{(best[1].block_n, best[1].block_k, 1, best[1].num_warps)},"
-                         f"  # {name}: {best[0]:.2f} us")
+            c = best[1]
+            lines.append(f"    {key}: W4A16Config({c.block_n}, {c.block_k}, 1, {c.num_warps}"
+                         f"{', words=True' if c.words else ''}),  # {name}: {best[0]:.2f} us")
         del bufs
-    print("\n# TILES entries ((N, K, PRO, EPI): block_n, block_k, split_k, num_warps):")
+    print("\n# TILES entries ((N, K, PRO, EPI): block_n, block_k, split_k, num_warps[, words]):")
     print("\n".join(lines))
     return rows
 
@@ -169,6 +211,7 @@ def fused_w4a16(a, qweight, scales, zeros, group_size: int, y=None, post=None, s
     bn = max(cfg.block_n, 2) if run.epi == 1 else cfg.block_n
     _fused_w4a16_kernel[run.grid(bn)](*run.head, qweight, scales, zeros, *run.tail, N, run.half, qweight.stride(0),
                                       eps, offset, GROUP=group_size, BLOCK_N=bn, BLOCK_K=cfg.block_k,
+                                      WORDS=cfg.words, ASM=not _INTERPRET, EXACT=a.dtype == torch.float32,
                                       num_warps=cfg.num_warps, **run.flags)
     return run.out, run.h
 

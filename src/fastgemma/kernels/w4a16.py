@@ -117,57 +117,143 @@ def _dequant(w, s, z):
     return f * s + z
 
 
+# The word loop's nibble pairs: LOP3 puts nibble m at bits 3-6 and nibble m + 4 at bits 19-22 of
+# 0x3F803F80, two bf16 1.0s. The high half read as fp32 is 1 + q/16 + C + q' 2^-20 (C = 0x3F80 2^-23,
+# removed per group through the sum of those x; the q' term is 2^-16 of the weight's step, far below
+# a 16-bit x's rounding); the low half shifted up 16 is 1 + q/16 exactly. So 8 weights take 4 shifts,
+# 4 LOP3, 4 shifts and 8 FMAs. EXACT (fp32 x) clears the high half's low bits first: one more LOP3
+# per pair, and f is exactly 1 + q/16 as in the byte loop.
+_PAIR_C = tl.constexpr(0.0019378662109375)  # 0x3F80 / 2^23
+_LOP3_PAIR = tl.constexpr("lop3.b32 $0, $1, 0x00780078, 0x3F803F80, 0xEA;")
+
+
+@triton.jit
+def _nibble_pair(w, M: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
+    """int32 words w (8 codes, code j = bits 4j..4j+3) -> (1 + q_m/16, 1 + q_(m+4)/16 [+ C + noise]) fp32."""
+    if M == 0:
+        t = w << 3
+    else:
+        t = w >> (4 * M - 3)
+    if ASM:  # one LOP3 ((t & mask) | magic); Triton's own and / or compile to two
+        v = tl.inline_asm_elementwise(_LOP3_PAIR, "=r,r", [t], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        v = (t & 0x00780078) | 0x3F803F80
+    hi = v & -65536 if EXACT else v  # -65536: 0xFFFF0000
+    return (v << 16).to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_dot(w, x_lo0, x_hi0, x_lo1, x_hi1, x_lo2, x_hi2, x_lo3, x_hi3, ASM: tl.constexpr, EXACT: tl.constexpr):
+    """sum_j f_j x_j over each word's 8 codes ([R, W] words, x_* [W]: x of code m and m + 4)."""
+    f_lo, f_hi = _nibble_pair(w, 0, ASM, EXACT)
+    p = f_lo * x_lo0[None, :]
+    p += f_hi * x_hi0[None, :]
+    f_lo, f_hi = _nibble_pair(w, 1, ASM, EXACT)
+    p += f_lo * x_lo1[None, :]
+    p += f_hi * x_hi1[None, :]
+    f_lo, f_hi = _nibble_pair(w, 2, ASM, EXACT)
+    p += f_lo * x_lo2[None, :]
+    p += f_hi * x_hi2[None, :]
+    f_lo, f_hi = _nibble_pair(w, 3, ASM, EXACT)
+    p += f_lo * x_lo3[None, :]
+    p += f_hi * x_hi3[None, :]
+    return p
+
+
+@triton.jit
+def _group_terms(p, x_lo, x_hi, s, z, BLOCK_N: tl.constexpr, NG: tl.constexpr, WG: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """Per (row, group) sum w*x = 16 s (P - xs - C xs_hi) + z xs from the words' sums p [BLOCK_N, NG*WG]
+    and the x sums of the low / high codes [NG*WG]; s, z [BLOCK_N, NG] fp32."""
+    pg = tl.sum(tl.reshape(p, (BLOCK_N, NG, WG)), axis=2)
+    xh = tl.sum(tl.reshape(x_hi, (NG, WG)), axis=1)
+    xs = tl.sum(tl.reshape(x_lo, (NG, WG)), axis=1) + xh
+    if EXACT:
+        d = pg - xs[None, :]
+    else:
+        d = pg - xs[None, :] - _PAIR_C * xh[None, :]
+    return (16.0 * s) * d + z * xs[None, :]
+
+
 @triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     N, stride_xm, stride_qn, stride_om, stride_os,
     K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FACTORED: tl.constexpr,
+    FACTORED: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
 ):
-    # At one row the GEMV is bound by its per-weight instructions, not by its tiles, so the inner
-    # loop does three per weight: a shift and a LOP3 put the code q in the top mantissa bits of 1.0,
-    # giving f = 1 + q/16 exactly, and one FMA with x. Per group g and row n, with p = sum f*x and
-    # xs = sum x over the group:  sum w*x = s * sum q*x + z * xs = 16 * s * (p - xs) + z * xs.
+    # At one row the GEMV is bound by its per-weight instructions, not by its tiles. Factored: codes
+    # become f = 1 + q/16 by bit operations and one FMA with x each; per group g and row n, with
+    # p = sum f*x and xs = sum x over the group: sum w*x = s * sum q*x + z * xs = 16 s (p - xs) + z xs.
+    # WORDS (the default) reads int32 words and makes the f two at a time (_nibble_pair): ~1.5
+    # instructions per weight before its FMA, against ~3 for the byte loop (a byte per int32, then
+    # a shift, an AND and an OR per code).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     NG: tl.constexpr = BLOCK_K // GROUP
     HG: tl.constexpr = GROUP // 2  # bytes per group and row
+    WG: tl.constexpr = GROUP // 8  # int32 words per group and row
+    WK: tl.constexpr = BLOCK_K // 8
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_g = tl.arange(0, NG)
-    offs_b = tl.arange(0, HG)
-    # [BLOCK_N, NG, HG] bytes: BLOCK_N * BLOCK_K / 2 per iteration, 16-byte vectors along K
-    w_ptrs = (qw_ptr + pid_k * (K_SPLIT // 2) + offs_n[:, None, None] * stride_qn
-              + offs_g[None, :, None] * HG + offs_b[None, None, :])
     g0 = pid_k * (K_SPLIT // GROUP)
     s_ptrs = s_ptr + (g0 + offs_g)[None, :] * N + offs_n[:, None]  # [BLOCK_N, NG]
     z_ptrs = z_ptr + (g0 + offs_g)[None, :] * N + offs_n[:, None]
-    x_ptrs = x_ptr + pid_m * stride_xm + pid_k * K_SPLIT + offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    for _ in range(0, K_SPLIT, BLOCK_K):
-        w = tl.load(w_ptrs, mask=n_ok[:, None, None], other=0).to(tl.int32)
-        s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        x = tl.load(x_ptrs).to(tl.float32)  # [NG, GROUP]
-        # [NG, GROUP] -> even / odd k, matching the low / high nibbles
-        x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
-        if FACTORED:
-            xs = tl.sum(x, axis=1)  # [NG]
-            f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-            f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-            p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)  # [BLOCK_N, NG]
-            acc += (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
-        else:  # the first version, kept as the baseline of bench_shapes: dequantise, then FMA
-            t = _dequant(w & 0xF, s[:, :, None], z[:, :, None]) * x_even[None, :, :]
-            t += _dequant(w >> 4, s[:, :, None], z[:, :, None]) * x_odd[None, :, :]
-            acc += tl.sum(t, axis=2)
-        w_ptrs += BLOCK_K // 2
-        s_ptrs += NG * N
-        z_ptrs += NG * N
-        x_ptrs += BLOCK_K
+    if WORDS:
+        offs_w = tl.arange(0, WK)
+        q32_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + pid_k * (K_SPLIT // 8) + offs_n[:, None] * (stride_qn // 4)
+                    + offs_w[None, :])  # [BLOCK_N, WK] words: 8 consecutive k each
+        xw_ptrs = x_ptr + pid_m * stride_xm + pid_k * K_SPLIT + offs_w * 8  # k of each word's code 0
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            w = tl.load(q32_ptrs, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            x0 = tl.load(xw_ptrs).to(tl.float32)
+            x4 = tl.load(xw_ptrs + 4).to(tl.float32)
+            x1 = tl.load(xw_ptrs + 1).to(tl.float32)
+            x5 = tl.load(xw_ptrs + 5).to(tl.float32)
+            x2 = tl.load(xw_ptrs + 2).to(tl.float32)
+            x6 = tl.load(xw_ptrs + 6).to(tl.float32)
+            x3 = tl.load(xw_ptrs + 3).to(tl.float32)
+            x7 = tl.load(xw_ptrs + 7).to(tl.float32)
+            p = _word_dot(w, x0, x4, x1, x5, x2, x6, x3, x7, ASM, EXACT)
+            acc += _group_terms(p, x0 + x1 + x2 + x3, x4 + x5 + x6 + x7, s, z, BLOCK_N, NG, WG, EXACT)
+            q32_ptrs += WK
+            s_ptrs += NG * N
+            z_ptrs += NG * N
+            xw_ptrs += BLOCK_K
+    else:
+        offs_b = tl.arange(0, HG)
+        # [BLOCK_N, NG, HG] bytes: BLOCK_N * BLOCK_K / 2 per iteration, 16-byte vectors along K
+        w_ptrs = (qw_ptr + pid_k * (K_SPLIT // 2) + offs_n[:, None, None] * stride_qn
+                  + offs_g[None, :, None] * HG + offs_b[None, None, :])
+        x_ptrs = (x_ptr + pid_m * stride_xm + pid_k * K_SPLIT + offs_g[:, None] * GROUP
+                  + tl.arange(0, GROUP)[None, :])
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            w = tl.load(w_ptrs, mask=n_ok[:, None, None], other=0).to(tl.int32)
+            s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            z = tl.load(z_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs).to(tl.float32)  # [NG, GROUP]
+            # [NG, GROUP] -> even / odd k, matching the low / high nibbles
+            x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
+            if FACTORED:
+                xs = tl.sum(x, axis=1)  # [NG]
+                f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+                f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+                p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)  # [BLOCK_N, NG]
+                acc += (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
+            else:  # the first version, kept as the baseline of bench_shapes: dequantise, then FMA
+                t = _dequant(w & 0xF, s[:, :, None], z[:, :, None]) * x_even[None, :, :]
+                t += _dequant(w >> 4, s[:, :, None], z[:, :, None]) * x_odd[None, :, :]
+                acc += tl.sum(t, axis=2)
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += NG * N
+            z_ptrs += NG * N
+            x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -334,13 +420,14 @@ class W4A16Config:
     num_stages: int = 3
     block_m: int = 1
     factored: bool = True  # GEMV only: scale / zero once per group (False: per weight, the baseline)
+    words: bool = False  # GEMV only, factored: the int32 word loop (False: the byte loop)
     per_group: bool = False  # tl.dot only: `_group_mma_kernel` (block_k = the group size)
 
 
-def _gemv(bn, bk, split=1, warps=None, stages=3):
+def _gemv(bn, bk, split=1, warps=None, stages=3, words=False):
     # default warps: one 16-byte weight vector per thread and iteration
     warps = warps or max(1, min(8, bn * bk // 2 // 16 // 32))
-    return W4A16Config(bn, bk, split, warps, stages, 1)
+    return W4A16Config(bn, bk, split, warps, stages, 1, words=words)
 
 
 def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
@@ -352,30 +439,33 @@ def _grp(bn, split=1, warps=4, stages=3, bm=16):
 
 
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
-# M = 1: the sweeps were flat across tiles (within 5% on the large shapes): the GEMV is bound by its
-# per-weight instructions (~8 per weight in its sm_90a loop), not by its tiling; the factored kernel
-# cut gate|up 21.6 -> 19.6 us. The per-group tl.dot kernel loses at one row except on gate|up (18.84 vs
-# 19.50 us), so one row stays on the GEMV. M = 8: the first tl.dot kernel (MMA_M16) dequantized a
-# [BLOCK_N, BLOCK_K] tile and reshaped it, so Triton moved the bf16 weights through shared memory into
-# the mma layout; the per-group kernel converts the code bytes instead and is 1.1-1.8x faster, below
-# cuBLAS reading bf16 on gate|up and down. `bench_shapes(sweep=True)` prints lines to paste here.
+# M = 1: the GEMV is bound by its per-weight instructions (~8 per weight in the byte loop's sm_90a
+# code), not by its tiling. The word loop (~3.6 at 16-32 rows per program) wins where N is large
+# (gate|up 19.58 -> 12.55 us, W_plm 12.44 -> 9.62); below ~10k rows its larger tiles leave too few
+# programs and the byte loop's small tiles stay ahead. The per-group tl.dot kernel loses at one row.
+# M = 8: the first tl.dot kernel (MMA_M16) dequantized a [BLOCK_N, BLOCK_K] tile and reshaped it, so
+# Triton moved the bf16 weights through shared memory into the mma layout; the per-group kernel
+# converts the code bytes instead and is 1.1-1.8x faster, below cuBLAS reading bf16 on gate|up and
+# down. `bench_shapes(sweep=True)` prints lines to paste here.
 CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     # M = 1: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us,
-    # factored kernel (scale / zero once per group); cuBLAS bf16 on the same shape after the slash
-    (1, 2048, 2560): _gemv(4, 512, 1, 2),     # q (KV-shared layers): 5.24 / 6.69
-    (1, 4096, 2560): _gemv(4, 512, 1, 2),     # q (full, head_dim 512): 6.29 / 8.08
+    # factored kernel (scale / zero once per group); cuBLAS bf16 on the same shape after the slash.
+    # Byte loop rows: this config / the word loop on its tiles (run P), else an earlier run.
+    (1, 2048, 2560): _gemv(4, 512, 1, 2),     # q (KV-shared layers): 5.42 / 6.78 / 6.73
+    (1, 4096, 2560): _gemv(4, 512, 1, 2),     # q (full, head_dim 512): 6.40 / 8.07 / 8.01
     (1, 512, 2560): _gemv(4, 512, 1, 2),      # k / v (sliding): 4.68 / 6.36
     (1, 1024, 2560): _gemv(4, 512, 1, 2),     # k / v (full): 4.93 / 15.22
-    (1, 3072, 2560): _gemv(4, 512, 1, 2),     # q|k|v merged (sliding): 5.75 / 7.19
-    (1, 6144, 2560): _gemv(4, 512, 1, 2),     # q|k|v merged (full): 7.86 / 11.36
-    (1, 2560, 2048): _gemv(4, 1024, 1, 4),    # o (sliding): 4.21 / 6.17
-    (1, 2560, 4096): _gemv(4, 1024, 1, 4),    # o (full): 5.96 / 10.52
+    (1, 3072, 2560): _gemv(4, 512, 1, 2),     # q|k|v merged (sliding): 5.93 / 7.29 / 7.24
+    (1, 6144, 2560): _gemv(4, 512, 1, 2),     # q|k|v merged (full): 7.93 / 10.14 / 11.45
+    (1, 2560, 2048): _gemv(4, 1024, 1, 4),    # o (sliding): 4.26 / 4.74 / 6.22
+    (1, 2560, 4096): _gemv(4, 1024, 1, 4),    # o (full): 6.08 / 7.76 / 10.59
     (1, 10240, 2560): _gemv(4, 512, 1, 2),    # gate / up: 12.02 / 15.27
-    (1, 20480, 2560): _gemv(8, 512, 1, 4),    # gate|up merged: 19.61 / 28.85
-    (1, 2560, 10240): _gemv(4, 1024, 1, 4),   # down: 11.83 / 18.09
+    (1, 2560, 10240): _gemv(4, 1024, 1, 4),   # down: 11.87 / 16.46 / 18.15
     (1, 256, 2560): _gemv(4, 512, 1, 4),      # PLE gate (skipped by default): 4.17 / 6.31
-    (1, 2560, 256): _gemv(4, 256, 1, 2),      # PLE projection: 1.93 / 3.17
-    (1, 10752, 2560): _gemv(4, 512, 1, 2),    # W_plm: 12.43 / 15.50
+    (1, 2560, 256): _gemv(4, 256, 1, 2),      # PLE projection: 2.10 / 2.36 / 3.22
+    # word loop (run P): this config / the byte loop on the old table's tiles / cuBLAS bf16
+    (1, 20480, 2560): _gemv(16, 512, 1, 2, words=True),  # gate|up merged: 12.55 / 19.58 / 28.21
+    (1, 10752, 2560): _gemv(16, 512, 1, 2, words=True),  # W_plm: 9.62 / 12.44 / 15.40
     (1, 262144, 2560): _gemv(16, 512),        # tied head, if a head transform uses int4 (untimed)
     # M = 2..16 (the verify pass): the per-group kernel. bench_shapes(ms=(8,), sweep=True,
     # per_group_only=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us at M = 8:
@@ -494,6 +584,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
         _gemv_kernel[grid](
             x, qweight, scales, zeros, dst, N, x.stride(0), qweight.stride(0), N, stride_os,
             K_SPLIT=k_split, GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FACTORED=cfg.factored,
+            WORDS=cfg.words and cfg.factored, ASM=not _INTERPRET, EXACT=x.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:  # the tl.dot kernels: programs over N tiles, K splits and M tiles
@@ -530,8 +621,11 @@ def candidates(M: int, N: int, K: int, per_group_only: bool = False) -> list[W4A
     Kept to ~16 per kernel: each distinct (K / split_k, tiles) is one compile."""
     if per_group_only:
         return per_group_candidates(M) if M <= MAX_DECODE_M else []
-    if M == 1:
-        out = [_gemv(bn, bk, sk) for bn in (2, 4, 8, 16) for bk in (512, 1024) for sk in (1, 2)]
+    if M == 1:  # byte loop: small tiles; word loop: several rows per thread (they share x's loads)
+        out = [_gemv(bn, bk, sk) for bn in (2, 4, 8) for bk in (512, 1024) for sk in (1, 2)]
+        out += [_gemv(bn, bk, sk, w, words=True) for bn, bk, sk, w in (
+            (8, 512, 1, 2), (16, 512, 1, 2), (16, 512, 2, 2), (32, 512, 1, 2), (32, 512, 2, 2), (32, 512, 4, 2),
+            (16, 1024, 1, 4), (32, 1024, 1, 4), (32, 1024, 2, 4))]
         return out + per_group_candidates(M)
     bm = 16 if M <= MAX_DECODE_M else 64
     out = [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
@@ -581,8 +675,9 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
             ref = w4a16_torch(x, qw, s, z, group_size)
             t_ref = timed_us(rotating(wbufs, lambda w_: F.linear(x, w_)))
             cfgs = [resolve_config(M, N, K, group_size)]
-            if M == 1:  # the per-weight dequantisation baseline, same tiles
+            if M == 1:  # the baselines, same tiles: per-weight dequantisation, then the other loop
                 cfgs.append(dataclasses.replace(cfgs[0], factored=False))
+                cfgs.append(dataclasses.replace(cfgs[0], words=not cfgs[0].words))
             if sweep:
                 cfgs += [resolve_config(M, N, K, group_size, c) for c in candidates(M, N, K, per_group_only)]
                 cfgs = list(dict.fromkeys(cfgs))
@@ -603,12 +698,15 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
             t_tab, cfg_tab = results[0]
             t_best, cfg_best = min((r for r in results if r[1].factored), key=lambda r: r[0])
             t_base = next((t for t, c in results if not c.factored), float("nan"))
-            row = dict(shape=name, N=N, K=K, M=M, int4_us=t_tab, unfactored_us=t_base, bf16_us=t_ref, config=cfg_tab,
-                       best_us=t_best, best_config=cfg_best, max_rel_err=err)
+            t_other = next((t for t, c in results if c.factored and c.words != cfg_tab.words
+                            and dataclasses.replace(c, words=cfg_tab.words) == cfg_tab), float("nan"))
+            row = dict(shape=name, N=N, K=K, M=M, int4_us=t_tab, unfactored_us=t_base, other_loop_us=t_other,
+                       bf16_us=t_ref, config=cfg_tab, best_us=t_best, best_config=cfg_best, max_rel_err=err)
             rows.append(row)
             print(f"{name:>10} {N:>6} {K:>6} {M:>3} | {t_tab:8.2f} {q_bytes / t_tab / 1e3:6.0f} | "
                   f"{t_ref:8.2f} {2 * N * K / t_ref / 1e3:6.0f} | {t_ref / t_tab:5.2f} | {err:8.1e} | {cfg_tab}"
-                  + (f" | unfactored {t_base:.2f} us" if M == 1 else ""))
+                  + (f" | unfactored {t_base:.2f} us, {'byte' if cfg_tab.words else 'word'} loop {t_other:.2f} us"
+                     if M == 1 else ""))
             if sweep:
                 print(f"{'best':>10} {'':>6} {'':>6} {M:>3} | {t_best:8.2f} {q_bytes / t_best / 1e3:6.0f} | {cfg_best}")
                 pg = [r for r in results if r[1].per_group]
@@ -617,7 +715,7 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
                     row.update(per_group_us=t_pg, per_group_config=cfg_pg)
                     print(f"{'per-group':>10} {'':>6} {'':>6} {M:>3} | {t_pg:8.2f} {q_bytes / t_pg / 1e3:6.0f} | {cfg_pg}")
                 key = (m_bucket(M), N, K)
-                best_lines.append(f"    {key}: W4A16Config{dataclasses.astuple(cfg_best)},  # {name}")
+                best_lines.append(f"    {key}: {cfg_best!r},  # {name}: {t_best:.2f} us")
         del qbufs, wbufs
     if sweep:
         print("\n# CONFIGS entries (block_n, block_k, split_k, num_warps, num_stages, block_m):")
