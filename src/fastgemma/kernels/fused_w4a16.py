@@ -6,8 +6,9 @@ Tiles come from `TILES` (swept for the fused kernel by `bench_tiles`), else from
 table (`w4a16.resolve_config(1, N, K, G)`); whole K per program (no split-K: the prologue and
 epilogue need every column), the K loop unrolled. The config's `words` picks the inner loop: the
 byte loop, or the word loop of `w4a16._gemv_kernel` with x computed as [words, 8] (one vector per
-word, no repeated prologue work per code) and split into the 8 code positions in registers. `pdl` waits for the
-previous kernel before the first load (the loop is not a prefetch here) and lets the next one launch.
+word, no repeated prologue work per code) and split into the 8 code positions in registers. The
+byte loop loads every block's weights before the PDL wait (a prefetch, as the dense fused GEMV
+does); the word loop waits first. `pdl` also lets the next kernel launch at once.
 `fused_w4a16` launches, `fused_w4a16_op` is the opaque op, `fused_w4a16_ref` the twin (dequantize to
 the activation dtype, then the dense twin: what the unfused torch path computes).
 """
@@ -43,41 +44,59 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
                         PDL: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     rows, n_ok = _rows(pid, N, HALF, BLOCK_N, EPI)
     NG: tl.constexpr = BLOCK_K // GROUP
+    NKB: tl.constexpr = K // BLOCK_K
     offs_g = tl.arange(0, NG)
     s_ptrs = s_ptr + offs_g[None, :] * N + rows[:, None]  # [BLOCK_N, NG]
     z_ptrs = z_ptr + offs_g[None, :] * N + rows[:, None]
+    WG: tl.constexpr = GROUP // 8  # int32 words per group and row
+    WK: tl.constexpr = BLOCK_K // 8
+    HG: tl.constexpr = GROUP // 2  # bytes per group and row
+    if WORDS:  # [BLOCK_N, WK] int32 words: 8 consecutive k each
+        w_ptrs = qw_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + tl.arange(0, WK)[None, :]
+        w_mask = n_ok[:, None]
+    else:  # [BLOCK_N, NG, HG] code bytes
+        w_ptrs = (qw_ptr + rows[:, None, None] * (K // 2) + offs_g[None, :, None] * HG
+                  + tl.arange(0, HG)[None, None, :])
+        w_mask = n_ok[:, None, None]
+    WSTEP: tl.constexpr = BLOCK_K // 8 if WORDS else BLOCK_K // 2  # pointer step per K block
+    if not WORDS:
+        # byte loop: every block's weights, scales and zeros are loaded first; with PDL they stream in
+        # while the previous kernel finishes (they are constants; its outputs are read after the wait).
+        # The word loop loads per block after the wait: up front, its 16-row tiles ran slower on the
+        # H200 (gate|up 14.97 -> 22.98 us)
+        ws = ()
+        ss = ()
+        zs = ()
+        for kb in tl.static_range(NKB):
+            ws = ws + (tl.load(w_ptrs + kb * WSTEP, mask=w_mask, other=0),)
+            ss = ss + (tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0),)
+            zs = zs + (tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0),)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     DT: tl.constexpr = out_ptr.dtype.element_ty
     inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
                                             PRO, HAS_SCALE, HAS_PRE, DT)
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    if WORDS:  # int32 words, codes two at a time (w4a16._nibble_pair); x as [WK, 8], split in registers
-        WG: tl.constexpr = GROUP // 8  # int32 words per group and row
-        WK: tl.constexpr = BLOCK_K // 8
-        offs_w = tl.arange(0, WK)
-        w_ptrs = qw_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + offs_w[None, :]  # [BLOCK_N, WK]
-        offs_x = offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WK, 8] k of each word's codes in a K block
-        for kb in tl.static_range(K // BLOCK_K):
-            w = tl.load(w_ptrs + kb * WK, mask=n_ok[:, None], other=0)
-            s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    if WORDS:  # codes two at a time (w4a16._nibble_pair); x as [WK, 8], split in registers
+        offs_x = tl.arange(0, WK)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WK, 8] k of each word's codes
+        for kb in tl.static_range(NKB):
             x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
             x0, x4, x2, x6, x1, x5, x3, x7 = _split8(x)
+            w = tl.load(w_ptrs + kb * WSTEP, mask=w_mask, other=0)
+            s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
             p = _word_dot(w, x0, x4, x1, x5, x2, x6, x3, x7, ASM, EXACT)
             acc += _group_terms(p, x0 + x1 + x2 + x3, x4 + x5 + x6 + x7, s, z, BLOCK_N, NG, WG, EXACT)
     else:  # bytes: one code byte per int32, each code shifted and masked on its own
-        HG: tl.constexpr = GROUP // 2  # bytes per group and row
-        w_ptrs = (qw_ptr + rows[:, None, None] * (K // 2) + offs_g[None, :, None] * HG
-                  + tl.arange(0, HG)[None, None, :])
         offs_x = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns of a K block
-        for kb in tl.static_range(K // BLOCK_K):
-            w = tl.load(w_ptrs + kb * (BLOCK_K // 2), mask=n_ok[:, None, None], other=0).to(tl.int32)
-            s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        for kb in tl.static_range(NKB):
+            w = ws[kb].to(tl.int32)
+            s = ss[kb].to(tl.float32)
+            z = zs[kb].to(tl.float32)
             x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)  # [NG, GROUP] fp32
             x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
@@ -92,15 +111,18 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
 
 
 # (N, K, prologue, epilogue) -> tiles, ahead of the one-row W4A16 table. `bench_tiles` on the H200
-# (2026-11-30, run Q, PDL launches, weights rotated out of L2), us: this entry / the one-row table's
-# tiles with the byte loop (what launched before). o, o full and down keep the table's tiles (4.45,
-# 6.40, 14.19 us): no candidate beat them.
+# (2026-11-30, PDL launches, weights rotated out of L2), us: this entry / what launched before (the
+# one-row table's tiles, byte loop, no prefetch; run Q). Byte-loop rows from run S (prefetch before
+# the PDL wait), the word-loop row from run Q (no prefetch; with it, 22.98 us).
 TILES: dict[tuple[int, int, int, int], W4A16Config] = {
-    (3072, 2560, 2, 0): W4A16Config(4, 512, 1, 4),  # q|k|v: 9.61 / 11.10
-    (6144, 2560, 2, 0): W4A16Config(4, 512, 1, 1, words=True),  # q|k|v full: 10.12 / 12.09
-    (2048, 2560, 2, 0): W4A16Config(4, 512, 1, 4),  # q (KV-shared layers): 8.63 / 11.38
+    (3072, 2560, 2, 0): W4A16Config(16, 512, 1, 4),  # q|k|v: 7.39 / 11.10
+    (6144, 2560, 2, 0): W4A16Config(16, 512, 1, 4),  # q|k|v full: 7.87 / 12.09
+    (2048, 2560, 2, 0): W4A16Config(4, 512, 1, 4),  # q (KV-shared layers): 5.66 / 11.38
+    (2560, 2048, 0, 0): W4A16Config(4, 1024, 1, 4),  # o: 4.11 / 4.45
+    (2560, 4096, 0, 0): W4A16Config(8, 512, 1, 4),  # o full: 4.90 / 6.40
     (20480, 2560, 2, 1): W4A16Config(16, 512, 1, 2, words=True),  # gate|up with GeGLU: 14.97 / 26.51
-    (2560, 256, 0, 0): W4A16Config(8, 256, 1, 1, words=True),  # PLE projection: 1.42 / 1.93
+    (2560, 10240, 0, 0): W4A16Config(4, 1024, 1, 4),  # down: 11.09 / 14.19
+    (2560, 256, 0, 0): W4A16Config(4, 256, 1, 2),  # PLE projection: 1.42 / 1.93
 }
 
 # name -> (N, K, mode) as fuse=layers launches them on E4B (mode: residual = the residual update
