@@ -80,6 +80,8 @@ CASES = [
     (1, GEMV),
     (3, GEMV),  # the GEMV kernel also serves M > 1: one program row per row of x
     (2, W4A16Config(block_n=8, block_k=256, split_k=3, factored=False)),  # the baseline dequantisation
+    (1, W4A16Config(block_n=16, block_k=256, num_warps=2, words=True)),  # the word loop, N tail
+    (3, W4A16Config(block_n=8, block_k=128, split_k=3, words=True)),  # word loop, rows of x, split-K
     (3, W4A16Config(block_n=64, block_k=128, block_m=16)),
     (8, W4A16Config(block_n=32, block_k=128, split_k=3, block_m=16)),
     (16, None),
@@ -104,7 +106,8 @@ def test_kernel_matches_twin(M, config, G, dtype):
 
 
 @pytest.mark.parametrize("config", [GEMV, W4A16Config(block_n=16, block_k=128, split_k=3, num_warps=4),
-                                    W4A16Config(block_n=16, block_k=128, factored=False)])
+                                    W4A16Config(block_n=16, block_k=128, factored=False),
+                                    W4A16Config(block_n=16, block_k=128, split_k=3, words=True)])
 def test_gemv_bf16(config):
     # the production dtype (bf16 x, bf16 scales) through the GEMV kernel, which has no tl.dot
     w, qw, s, z = _weights(64, dtype=torch.bfloat16)
@@ -204,3 +207,25 @@ def test_per_group_kernel_matches_twin(M, config, G, dtype):
 def test_per_group_needs_a_dot_tile():
     with pytest.raises(ValueError, match="per_group needs block_m >= 16"):
         resolve_config(1, 2048, 2560, 128, W4A16Config(16, 128, per_group=True))
+
+
+def test_word_loop_lop3_text_and_pair_values():
+    """The word loop's PTX LOP3 (tests/ptx_lite.py) gives the bits of its Triton twin, and for every
+    code pair the two halves are what _group_terms assumes: low << 16 = 1 + q_m / 16 exactly; high as
+    fp32 = 1 + q_(m+4) / 16 + C + q_m 2^-20, C = 0x3F80 2^-23 (= _PAIR_C)."""
+    import struct
+
+    from ptx_lite import run
+
+    from fastgemma.kernels.w4a16 import _LOP3_PAIR, _PAIR_C
+
+    assert _PAIR_C.value == 0x3F80 / 2**23
+    f32 = lambda bits: struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]  # noqa: E731
+    for word in (0x76543210, 0xFEDCBA98, 0x0F0F0F0F, 0xF0F0F0F0, 0x13579BDF, 0xFFFFFFFF, 0):
+        codes = [(word >> (4 * j)) & 0xF for j in range(8)]
+        for m in range(4):
+            t = (word << 3) & 0xFFFFFFFF if m == 0 else word >> (4 * m - 3)  # the kernel's shifts
+            (v,) = run(_LOP3_PAIR.value, [t], 1)
+            assert v == (t & 0x00780078) | 0x3F803F80  # the interpreter path's and / or
+            assert f32(v << 16) == 1 + codes[m] / 16
+            assert f32(v) == 1 + codes[m + 4] / 16 + _PAIR_C.value + codes[m] * 2.0**-20
