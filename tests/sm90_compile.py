@@ -55,7 +55,7 @@ def main():
         cases.append((name, _fused_gemv_kernel, fused_sig, ce, tuple(range(9)) + (11,), warps))
     int4_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr")}
     int4_sig.update(qw_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", aux_ptr="*bf16", out_ptr="*bf16", N="i32", HALF="i32",
-                    stride_qn="i32", eps="fp32", off="fp32")
+                    eps="fp32", off="fp32")
     for name, pro, epi, K, bn, bk, warps, words in [
             ("int4 fused residual qkv", 2, 0, 2560, 4, 512, 4, False),
             ("int4 fused geglu gate|up", 2, 1, 2560, 8, 512, 4, False),
@@ -64,7 +64,7 @@ def main():
             ("int4 fused words residual qkv full", 2, 0, 2560, 4, 512, 1, True)]:
         ce = dict(K=K, GROUP=128, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
                   HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True, WORDS=words, ASM=True, EXACT=False)
-        cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)) + (13,), warps))
+        cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)), warps))
     # the per-group int4 tl.dot kernel with its bf16 PTX dequantization: tensor-core dots, the
     # asm's packed fmas, no spills ("dot" lines: name, registers, spills, bf16x2 fmas, mma instructions)
     dot_sig = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .fused_gemv import _check, _finish, _Launch, _prologue_scalars, _rows, _x_block, fused_gemv_ref
 from .gemv import _INTERPRET, MAX_KB
-from .w4a16 import W4A16Config, _group_terms, _word_dot, dequantize_int4, resolve_config
+from .w4a16 import W4A16Config, _byte_terms, _group_terms, _word_dot, dequantize_int4, resolve_config
 
 
 @triton.jit
@@ -37,8 +37,17 @@ def _split8(x):
 
 
 @triton.jit
+def _block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb: tl.constexpr, WSTEP: tl.constexpr, NG: tl.constexpr, N):
+    """K block kb's codes, scales and zeros (as stored)."""
+    w = tl.load(w_ptrs + kb * WSTEP, mask=w_mask, other=0)
+    s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0)
+    z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0)
+    return w, s, z
+
+
+@triton.jit
 def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_ptr, s_ptr, z_ptr, aux_ptr, out_ptr,
-                        N, HALF, stride_qn, eps, off,
+                        N, HALF, eps, off,
                         K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRO: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, EPI: tl.constexpr,
                         PDL: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
@@ -67,13 +76,9 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
         # while the previous kernel finishes (they are constants; its outputs are read after the wait).
         # The word loop loads per block after the wait: up front, its 16-row tiles ran slower on the
         # H200 (gate|up 14.97 -> 22.98 us)
-        ws = ()
-        ss = ()
-        zs = ()
+        blocks = ()
         for kb in tl.static_range(NKB):
-            ws = ws + (tl.load(w_ptrs + kb * WSTEP, mask=w_mask, other=0),)
-            ss = ss + (tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0),)
-            zs = zs + (tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0),)
+            blocks = blocks + (_block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N),)
     if PDL:
         tl.extra.cuda.gdc_wait()
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -86,25 +91,21 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
             x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
             x0, x4, x2, x6, x1, x5, x3, x7 = _split8(x)
-            w = tl.load(w_ptrs + kb * WSTEP, mask=w_mask, other=0)
-            s = tl.load(s_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            z = tl.load(z_ptrs + kb * NG * N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            w, s, z = _block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N)
             p = _word_dot(w, x0, x4, x1, x5, x2, x6, x3, x7, ASM, EXACT)
-            acc += _group_terms(p, x0 + x1 + x2 + x3, x4 + x5 + x6 + x7, s, z, BLOCK_N, NG, WG, EXACT)
+            acc += _group_terms(p, x0 + x1 + x2 + x3, x4 + x5 + x6 + x7, s.to(tl.float32), z.to(tl.float32),
+                                BLOCK_N, NG, WG, EXACT)
     else:  # bytes: one code byte per int32, each code shifted and masked on its own
         offs_x = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns of a K block
         for kb in tl.static_range(NKB):
-            w = ws[kb].to(tl.int32)
-            s = ss[kb].to(tl.float32)
-            z = zs[kb].to(tl.float32)
+            w, s, z = blocks[kb]
+            w = w.to(tl.int32)
+            s = s.to(tl.float32)
+            z = z.to(tl.float32)
             x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)  # [NG, GROUP] fp32
             x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
-            xs = tl.sum(x, axis=1)
-            f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-            f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-            p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)
-            acc += (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
+            acc += _byte_terms(w, x_even, x_odd, tl.sum(x, axis=1), s, z)
     y = tl.sum(acc, axis=1)
     _finish(y, rows, n_ok, pid, a_ptr, y_ptr, post_ptr, h_ptr, aux_ptr, out_ptr, HALF, inv_y, scale, off,
             K, BLOCK_N, BLOCK_K, PRO, HAS_SCALE, EPI, DT)
@@ -231,8 +232,8 @@ def fused_w4a16(a, qweight, scales, zeros, group_size: int, y=None, post=None, s
     if K // cfg.block_k > MAX_KB:
         raise ValueError(f"fused_w4a16 unrolls at most {MAX_KB} K blocks; K={K} needs block_k >= {K // MAX_KB}")
     bn = max(cfg.block_n, 2) if run.epi == 1 else cfg.block_n
-    _fused_w4a16_kernel[run.grid(bn)](*run.head, qweight, scales, zeros, *run.tail, N, run.half, qweight.stride(0),
-                                      eps, offset, GROUP=group_size, BLOCK_N=bn, BLOCK_K=cfg.block_k,
+    _fused_w4a16_kernel[run.grid(bn)](*run.head, qweight, scales, zeros, *run.tail, N, run.half, eps, offset,
+                                      GROUP=group_size, BLOCK_N=bn, BLOCK_K=cfg.block_k,
                                       WORDS=cfg.words, ASM=not _INTERPRET, EXACT=a.dtype == torch.float32,
                                       num_warps=cfg.num_warps, **run.flags)
     return run.out, run.h

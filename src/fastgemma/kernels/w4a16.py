@@ -176,6 +176,17 @@ def _group_terms(p, x_lo, x_hi, s, z, BLOCK_N: tl.constexpr, NG: tl.constexpr, W
 
 
 @triton.jit
+def _byte_terms(w, x_even, x_odd, xs, s, z):
+    """The byte loop's per (row, group) sum w*x = 16 s (p - xs) + z xs: code bytes w (int32)
+    [BLOCK_N, NG, HG] -> f = 1 + q/16 by a shift and a mask each, x_even / x_odd [NG, HG] the x of
+    the low / high codes, xs [NG] their sums; s, z [BLOCK_N, NG] fp32."""
+    f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+    f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+    p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)  # [BLOCK_N, NG]
+    return (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     N, stride_xm, stride_qn, stride_om, stride_os,
@@ -185,9 +196,9 @@ def _gemv_kernel(
     # At one row the GEMV is bound by its per-weight instructions, not by its tiles. Factored: codes
     # become f = 1 + q/16 by bit operations and one FMA with x each; per group g and row n, with
     # p = sum f*x and xs = sum x over the group: sum w*x = s * sum q*x + z * xs = 16 s (p - xs) + z xs.
-    # WORDS (the default) reads int32 words and makes the f two at a time (_nibble_pair): ~1.5
-    # instructions per weight before its FMA, against ~3 for the byte loop (a byte per int32, then
-    # a shift, an AND and an OR per code).
+    # WORDS reads int32 words and makes the f two at a time (_nibble_pair): ~1.5 instructions per
+    # weight before its FMA, against ~3 for the byte loop (a byte per int32, then a shift, an AND
+    # and an OR per code). Each CONFIGS entry picks the loop (W4A16Config.words).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -241,11 +252,7 @@ def _gemv_kernel(
             # [NG, GROUP] -> even / odd k, matching the low / high nibbles
             x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
             if FACTORED:
-                xs = tl.sum(x, axis=1)  # [NG]
-                f_lo = (((w << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-                f_hi = (((w << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-                p = tl.sum(f_lo * x_even[None, :, :] + f_hi * x_odd[None, :, :], axis=2)  # [BLOCK_N, NG]
-                acc += (16.0 * s) * (p - xs[None, :]) + z * xs[None, :]
+                acc += _byte_terms(w, x_even, x_odd, tl.sum(x, axis=1), s, z)
             else:  # the first version, kept as the baseline of bench_shapes: dequantise, then FMA
                 t = _dequant(w & 0xF, s[:, :, None], z[:, :, None]) * x_even[None, :, :]
                 t += _dequant(w >> 4, s[:, :, None], z[:, :, None]) * x_odd[None, :, :]
