@@ -16,8 +16,10 @@ E4B: 4.644B matrix params (tied head included) -> 2.32 GB int4 + 145 MB scale/ze
 (290 MB g64, 580 MB g32); the body alone (3.973B) -> 1.99 GB + 124 MB; bf16 reads 9.29 GB.
 
 Kernels (one program = BLOCK_N rows x one K slice x one row tile of x; grid from shapes only):
-- `_gemv_kernel` (M = 1, or any M with block_m = 1): CUDA-core dot products, three instructions per
-  weight (codes become 1 + q/16 by bit operations; scale and zero are applied once per group).
+- `_gemv_kernel` (M = 1, or any M with block_m = 1): CUDA-core dot products; codes become 1 + q/16 by
+  bit operations, scale and zero are applied once per group. Two inner loops (W4A16Config.words):
+  the byte loop (a code byte per register, each code shifted and masked) and the word loop (int32
+  words, two codes per LOP3: `_nibble_pair`), which wins on the large-N shapes.
 - `_mma_kernel` (M = 2..16, block_m >= 16): dequantize to x's dtype and tl.dot with fp32 accumulators.
 - `_group_mma_kernel` (block_m >= 16, per_group): one scale group per step, the [BLOCK_N, G/2] code
   bytes dequantized where tl.dot reads them (no reshape, so Triton converts the codes, not the bf16
