@@ -147,3 +147,23 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
                for r in rows[1:])
     assert w4a16.CONFIGS == before
     assert all(c.per_group for k, c in w4a16.CONFIGS.items() if k in w4a16.MMA_M16)
+
+
+def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
+    """--fuse layers: the AR rows take the fused one-row step (its torch twin here), the k+1-row passes
+    the ordinary step; speculative tokens still equal AR's and the verify pass agrees with the fused
+    AR step on every teacher-forced position (fp32)."""
+    import json
+
+    from fastgemma.bench import spec
+
+    out = tmp_path / "spec.jsonl"
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
+               "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
+               "--fuse", "layers", "--head", "pruned:50", "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["stack"]["FuseLayers"]["fused_layers"] is True
+    rows = lines[1:]
+    assert [r["spec"] for r in rows] == ["none", "replay"]
+    assert rows[1]["identity_rate"] == 1.0 and rows[1]["diverge_at"] == [8]
+    assert rows[1]["top1_agree"] == 1.0 and rows[1]["max_abs_diff"] < 1e-3

@@ -41,14 +41,13 @@ def group_of(name: str) -> str:
     return next((g for g, pat in GROUPS if pat.search(name)), "other")
 
 
-def profile_step(step, steps: int):
-    """Kernel events of `steps` calls of step(): {name: (count, total_us)}."""
+def profile_calls(fn, steps: int):
+    """Kernel events of `steps` calls of fn(): {name: (count, total_us)}."""
     from torch.profiler import ProfilerActivity, profile
 
-    tok = step.out_tok if isinstance(step, GraphStep) else torch.tensor([[5]], device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            tok = step(tok)
+            fn()
         torch.cuda.synchronize()
     out = collections.defaultdict(lambda: [0, 0.0])
     for e in prof.events():
@@ -57,6 +56,40 @@ def profile_step(step, steps: int):
         out[e.name][0] += 1
         out[e.name][1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
     return out
+
+
+def profile_step(step, steps: int):
+    """Kernel events of `steps` decode steps: {name: (count, total_us)}."""
+    state = {"tok": step.out_tok if isinstance(step, GraphStep) else torch.tensor([[5]], device="cuda")}
+
+    def one():
+        state["tok"] = step(state["tok"])
+
+    return profile_calls(one, steps)
+
+
+def summarize_kernels(kern, steps: int, top: int) -> dict:
+    """Per call: kernels, kernel time, groups {group: {n, us}}, the `top` kernels by time."""
+    groups = collections.defaultdict(lambda: [0.0, 0.0])
+    for k, (c, t) in kern.items():
+        g = groups[group_of(k)]
+        g[0] += c / steps
+        g[1] += t / steps
+    return dict(kernels_per_step=sum(c for c, _ in kern.values()) / steps,
+                kernel_us=sum(t for _, t in kern.values()) / steps,
+                groups={k: dict(n=v[0], us=v[1]) for k, v in sorted(groups.items(), key=lambda kv: -kv[1][1])},
+                top=[dict(name=k[:90], n=c / steps, us=t / steps) for k, (c, t) in
+                     sorted(kern.items(), key=lambda kv: -kv[1][1])[:top]])
+
+
+def print_kernels(row: dict) -> None:
+    print("| group | kernels/step | us/step | us/kernel |")
+    print("|---|---|---|---|")
+    for g, v in row["groups"].items():
+        print(f"| {g} | {v['n']:.0f} | {v['us']:.0f} | {v['us'] / max(v['n'], 1):.2f} |")
+    print("| top kernel | n/step | us/step |\n|---|---|---|")
+    for r in row["top"]:
+        print(f"| {r['name']} | {r['n']:.0f} | {r['us']:.0f} |")
 
 
 def wall_ms(step, steps: int = 200) -> float:
@@ -96,27 +129,13 @@ def main(argv=None):
         ms = wall_ms(step)
         step.begin(a.context)
         kern = profile_step(step, a.steps)
-        n = sum(c for c, _ in kern.values()) / a.steps
-        busy = sum(t for _, t in kern.values()) / a.steps
-        groups = collections.defaultdict(lambda: [0.0, 0.0])
-        for k, (c, t) in kern.items():
-            g = groups[group_of(k)]
-            g[0] += c / a.steps
-            g[1] += t / a.steps
-        row = dict(variant=name, step_ms=ms, kernels_per_step=n, kernel_us=busy, gap_us=ms * 1e3 - busy,
-                   weight_gb=decode_bytes(model) / 1e9, groups={k: dict(n=v[0], us=v[1]) for k, v in groups.items()},
-                   top=[dict(name=k[:90], n=c / a.steps, us=t / a.steps) for k, (c, t) in
-                        sorted(kern.items(), key=lambda kv: -kv[1][1])[: a.top]])
+        row = dict(variant=name, step_ms=ms, **summarize_kernels(kern, a.steps, a.top),
+                   weight_gb=decode_bytes(model) / 1e9)
+        row["gap_us"] = ms * 1e3 - row["kernel_us"]
         rows.append(row)
-        print(f"\n## {name}: step {ms:.3f} ms, {n:.0f} kernels/step, kernel time {busy:.0f} us, "
-              f"gaps {row['gap_us']:.0f} us, weights read {row['weight_gb']:.2f} GB")
-        print("| group | kernels/step | us/step | us/kernel |")
-        print("|---|---|---|---|")
-        for g, (c, t) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
-            print(f"| {g} | {c:.0f} | {t:.0f} | {t / max(c, 1):.2f} |")
-        print("| top kernel | n/step | us/step |\n|---|---|---|")
-        for r in row["top"]:
-            print(f"| {r['name']} | {r['n']:.0f} | {r['us']:.0f} |")
+        print(f"\n## {name}: step {ms:.3f} ms, {row['kernels_per_step']:.0f} kernels/step, kernel time "
+              f"{row['kernel_us']:.0f} us, gaps {row['gap_us']:.0f} us, weights read {row['weight_gb']:.2f} GB")
+        print_kernels(row)
         del step, cache
         torch.cuda.empty_cache()
     if a.out:

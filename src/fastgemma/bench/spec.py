@@ -36,9 +36,9 @@ from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 
 
-def build_stack(cfg, dev, head: str, dtype=torch.bfloat16):
+def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False):
     """Synthetic weights -> merged projections -> int4 body -> Triton attention (bench.stack's int4
-    body without the fused one-row step) -> head (on a CPU, a smoke test of this script: the torch
+    body; fuse: with its fused one-row step, which the AR rows take and the k+1-row passes do not) -> head (on a CPU, a smoke test of this script: the torch
     twins of every kernel). head: full | int8 | int4 | pruned:N (bf16 rows: the eos ids, then seeded
     random ids; the pruned model's own greedy trace is the reference, so the keepset only sets the
     cost)."""
@@ -46,7 +46,7 @@ def build_stack(cfg, dev, head: str, dtype=torch.bfloat16):
     from .stack import build_body, keepset, parse_head, set_head
 
     kind, rows = parse_head(head)
-    model, desc = build_body(cfg, dev, "int4", dtype, fuse=False)
+    model, desc = build_body(cfg, dev, "int4", dtype, fuse=fuse)
     with tempfile.TemporaryDirectory() as tmp:  # a pruned head's keepset file, read by apply()
         keep = keepset(list(cfg.eos_ids), rows, cfg.vocab_size) if rows else None
         desc["lm_head"] = set_head(model, kind, rows, keep, dev, tmp)[1]
@@ -113,6 +113,23 @@ def split_ms(gen, prompt, new) -> dict:
     return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in gen.last_split_s.items() if v}
 
 
+def profile_phases(gen, steps: int, top: int = 8) -> dict:
+    """Kernels of the captured draft and verify graphs, `steps` replays each at the generator's
+    current state (replaying them alone changes only the drafts, the verify rows and their cache
+    rows): {phase: summarize_kernels(...)}, printed as tables."""
+    from .profile import print_kernels, profile_calls, summarize_kernels
+
+    out = {}
+    for phase, g in zip(("draft", "verify"), gen._graphs):
+        g.replay()
+        row = summarize_kernels(profile_calls(g.replay, steps), steps, top)
+        out[phase] = row
+        print(f"\n### {phase} graph: {row['kernels_per_step']:.0f} kernels, kernel time {row['kernel_us']:.0f} us",
+              flush=True)
+        print_kernels(row)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gemma4_e4b")
@@ -130,6 +147,10 @@ def main(argv=None):
                     help="skip the teacher-forced top-1 agreement of the verify pass with the AR step")
     ap.add_argument("--verify-tiles", default="per_group",
                     help="int4 tiles of the k+1-row passes, comma-separated to compare in one run: per_group, mma")
+    ap.add_argument("--fuse", default="none", choices=("none", "layers"),
+                    help="layers: the body's fused one-row step (fuse=layers fuse.pdl=true) for the AR rows")
+    ap.add_argument("--profile-phases", type=int, default=0,
+                    help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
@@ -144,7 +165,7 @@ def main(argv=None):
     cfg = preset(a.model)
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
-    model, sampler, stack = build_stack(cfg, dev, a.head, dtype)
+    model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers")
     drafter = synthetic_drafter(cfg, dev, dtype, seed=0)
     drafter.set_top_k(a.centroid_top_k or None)
     sync()
@@ -158,6 +179,7 @@ def main(argv=None):
     depths = [int(x) for x in a.depths.split(",") if x]
     profiles = [p for p in a.profiles.split(",") if p]
     rows = []
+    profiled = False
 
     def emit(row):
         row.update(gpu=gpu, model=cfg.name, head=a.head, compile=a.compile, prompts=a.prompts,
@@ -198,6 +220,11 @@ def main(argv=None):
                 for p in prompts:
                     gen.prime(p, a.new)
             prime_s = time.perf_counter() - t
+            phases = None
+            if a.profile_phases and cuda and gen._graphs is not None and not profiled:
+                gen._reset_state(a.prompt_len)
+                phases = profile_phases(gen, a.profile_phases)
+                profiled = True
             for prof in (profiles if replay is not None else [None]):
                 if prof:
                     gen.set_profile(prof)
@@ -207,6 +234,8 @@ def main(argv=None):
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
+                if phases:
+                    row["phase_kernels"], phases = phases, None
                 if ar_forced is not None:  # the k+1-row pass against the AR step on AR's own trace
                     agree = top1_agreement(ar_forced, gen.forced_verify(prompts[0], ar_tokens[0]))
                     row.update(top1_agree=agree["top1"], top1_agree_confident=agree["top1_confident"],
@@ -226,7 +255,7 @@ def main(argv=None):
     def f(x, nd=2):
         return "" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
-    stack_txt = (f"merged + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
+    stack_txt = (f"merged{' + fused one-row step' if a.fuse == 'layers' else ''} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
     print("| window | spec | tiles | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
