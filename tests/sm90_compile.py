@@ -56,17 +56,14 @@ def main():
     int4_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr")}
     int4_sig.update(qw_ptr="*u8", s_ptr="*bf16", z_ptr="*bf16", aux_ptr="*bf16", out_ptr="*bf16", N="i32", HALF="i32",
                     eps="fp32", off="fp32")
-    for name, pro, epi, K, bn, bk, warps, words, pre in [
-            ("int4 fused residual qkv", 2, 0, 2560, 4, 512, 4, False, 5),
-            ("int4 fused geglu gate|up", 2, 1, 2560, 8, 512, 4, False, 5),
-            ("int4 fused plain down", 0, 0, 10240, 4, 1024, 4, False, 10),
-            ("int4 fused ple gate", 2, 2, 2560, 4, 512, 4, False, 5),
-            ("int4 fused words geglu gate|up", 2, 1, 2560, 16, 512, 2, True, 0),
-            ("int4 fused words prefetch-1 geglu gate|up", 2, 1, 2560, 16, 512, 2, True, 1),
-            ("int4 fused words residual qkv full", 2, 0, 2560, 4, 512, 1, True, 0)]:
-        # PREFETCH: K blocks loaded before the PDL wait (the launcher passes all of them for the byte loop)
+    for name, pro, epi, K, bn, bk, warps, words in [
+            ("int4 fused residual qkv", 2, 0, 2560, 4, 512, 4, False),
+            ("int4 fused geglu gate|up", 2, 1, 2560, 8, 512, 4, False),
+            ("int4 fused plain down", 0, 0, 10240, 4, 1024, 4, False), ("int4 fused ple gate", 2, 2, 2560, 4, 512, 4, False),
+            ("int4 fused words geglu gate|up", 2, 1, 2560, 16, 512, 2, True),
+            ("int4 fused words residual qkv full", 2, 0, 2560, 4, 512, 1, True)]:
         ce = dict(K=K, GROUP=128, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
-                  HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True, WORDS=words, PREFETCH=pre, ASM=True, EXACT=False)
+                  HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True, WORDS=words, ASM=True, EXACT=False)
         cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)), warps))
     # the per-group int4 tl.dot kernel with its bf16 PTX dequantization: tensor-core dots, the
     # asm's packed fmas, no spills ("dot" lines: name, registers, spills, bf16x2 fmas, mma instructions)
@@ -81,14 +78,13 @@ def main():
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")
-        # the PDL wait comes after the prefetched weight blocks' loads (dense: all of them)
+        # the PDL wait comes after every weight block's loads (a prefetch)
         first_wait = ptx.index("griddepcontrol.wait")
         w_loads_before = ptx[:first_wait].count("ld.global")
-        k_blocks = -(-ce["K"] // ce["BLOCK_K"])
-        prefetched = ce.get("PREFETCH", k_blocks)
+        expect = -(-ce["K"] // ce["BLOCK_K"])
         # the word loop's nibble pairs: one LOP3 with the 0x3F803F80 magic per pair of codes
         pairs = ptx.count("0x3F803F80") if ce.get("WORDS") else 0
-        print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{prefetched}\t{k_blocks}\t{pairs}")
+        print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{expect}\t{pairs}")
 
 
 if __name__ == "__main__":

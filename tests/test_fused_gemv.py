@@ -254,27 +254,3 @@ def test_fused_int4_tile_bench_and_table(monkeypatch, capsys):
     q, s, z = quantize_int4(torch.randn(8, 256), 128)
     f4.fused_w4a16(torch.randn(1, 256), pack_int4(q), s, z, 128, eps=1e-6)
     assert seen == [W4A16Config(4, 128, 1, 2)]
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("prefetch", [1, 3])
-def test_fused_w4a16_word_loop_prefetch_matches_twin(case, prefetch):
-    """The word loop with K blocks loaded before the PDL wait (1 of 2, and more than there are: all):
-    the same output as the twin, fp16 (the GPU's inexact pair)."""
-    from fastgemma.kernels.fused_w4a16 import fused_w4a16, fused_w4a16_ref
-    from fastgemma.kernels.w4a16 import W4A16Config, pack_int4, quantize_int4
-
-    N, K, group, dtype = 38, 512, 64, torch.float16
-    t = _tensors(N, K, dtype, seed=5)
-    q, sc, zr = quantize_int4(t["w"].float(), group)
-    qw, sc, zr = pack_int4(q), sc.to(dtype), zr.to(dtype)
-    build, epi = CASES[case]
-    kw = dict(build(t), eps=1e-6, epilogue=epi)
-    cfg = W4A16Config(4, 256, 1, 2, words=True, prefetch=prefetch)
-    out, h = fused_w4a16(t["a"], qw, sc, zr, group, config=cfg, **kw)
-    ref, href = fused_w4a16_ref(t["a"], qw, sc, zr, group, **kw)
-    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
-    if "y" in kw:
-        assert ((h.float() - href.float()).abs().max() / href.float().abs().max()).item() < 1e-2
-    with pytest.raises(ValueError, match="prefetch must be >= 0"):
-        fused_w4a16(t["a"], qw, sc, zr, group, config=W4A16Config(4, 256, 1, 2, words=True, prefetch=-1), **kw)

@@ -8,7 +8,7 @@ epilogue need every column), the K loop unrolled. The config's `words` picks the
 byte loop, or the word loop of `w4a16._gemv_kernel` with x computed as [words, 8] (one vector per
 word, no repeated prologue work per code) and split into the 8 code positions in registers. The
 byte loop loads every block's weights before the PDL wait (a prefetch, as the dense fused GEMV
-does); the word loop loads `config.prefetch` blocks before it (default none). `pdl` also lets the next kernel launch at once.
+does); the word loop waits first. `pdl` also lets the next kernel launch at once.
 `fused_w4a16` launches, `fused_w4a16_op` is the opaque op, `fused_w4a16_ref` the twin (dequantize to
 the activation dtype, then the dense twin: what the unfused torch path computes).
 """
@@ -50,8 +50,7 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
                         N, HALF, eps, off,
                         K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRO: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, EPI: tl.constexpr,
-                        PDL: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                        EXACT: tl.constexpr):
+                        PDL: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -72,13 +71,15 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
                   + tl.arange(0, HG)[None, None, :])
         w_mask = n_ok[:, None, None]
     WSTEP: tl.constexpr = BLOCK_K // 8 if WORDS else BLOCK_K // 2  # pointer step per K block
-    # PREFETCH K blocks' weights, scales and zeros are loaded first; with PDL they stream in while the
-    # previous kernel finishes (they are constants; its outputs are read after the wait). The byte loop
-    # takes all blocks; the word loop at most a few: all up front, its 16-row tiles ran slower on the
-    # H200 (gate|up 14.97 -> 22.98 us)
-    blocks = ()
-    for kb in tl.static_range(PREFETCH):
-        blocks = blocks + (_block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N),)
+    if not WORDS:
+        # byte loop: every block's weights, scales and zeros are loaded first; with PDL they stream in
+        # while the previous kernel finishes (they are constants; its outputs are read after the wait).
+        # The word loop loads per block after the wait: up front, its 16-row tiles ran slower on the
+        # H200 (gate|up 14.97 -> 22.98 us; only the first one or two blocks up front: 15.32 -> 19.25 /
+        # 19.44 us, run W)
+        blocks = ()
+        for kb in tl.static_range(NKB):
+            blocks = blocks + (_block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N),)
     if PDL:
         tl.extra.cuda.gdc_wait()
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -91,10 +92,7 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
             x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
             x0, x4, x2, x6, x1, x5, x3, x7 = _split8(x)
-            if kb < PREFETCH:
-                w, s, z = blocks[kb]
-            else:
-                w, s, z = _block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N)
+            w, s, z = _block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N)
             p = _word_dot(w, x0, x4, x1, x5, x2, x6, x3, x7, ASM, EXACT)
             acc += _group_terms(p, x0 + x1 + x2 + x3, x4 + x5 + x6 + x7, s.to(tl.float32), z.to(tl.float32),
                                 BLOCK_N, NG, WG, EXACT)
@@ -140,13 +138,11 @@ E4B_CASES = {
 
 def tile_candidates() -> list[W4A16Config]:
     """What `bench_tiles` tries (resolve_config fits block_k to K; > 16 K blocks are skipped): the byte
-    loop on small tiles (the one-row table's among them), the word loop on 4-32 rows, without and with
-    1-2 K blocks loaded before the PDL wait."""
+    loop on small tiles (the one-row table's among them), the word loop on 4-32 rows."""
     out = [W4A16Config(bn, bk, 1, w) for bn, bk, w in ((4, 512, 2), (4, 1024, 4), (8, 512, 4), (8, 1024, 2),
                                                        (16, 1024, 4))]
-    out += [W4A16Config(bn, 1024, 1, w, words=True) for bn, w in ((4, 1), (8, 1), (8, 2), (16, 1), (16, 2), (32, 2))]
-    return out + [W4A16Config(bn, 1024, 1, w, words=True, prefetch=p)
-                  for bn, w, p in ((4, 1, 1), (8, 2, 1), (16, 2, 1), (16, 2, 2), (32, 2, 1))]
+    return out + [W4A16Config(bn, 1024, 1, w, words=True) for bn, w in ((4, 1), (8, 1), (8, 2), (16, 1), (16, 2),
+                                                                        (32, 2))]
 
 
 def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 128, dtype=torch.bfloat16,
@@ -207,10 +203,9 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
             key = (N, K, {"plain": 0}.get(mode, 2), 1 if mode == "geglu" else 0)
             c = best[1]
             lines.append(f"    {key}: W4A16Config({c.block_n}, {c.block_k}, 1, {c.num_warps}"
-                         f"{', words=True' if c.words else ''}{f', prefetch={c.prefetch}' if c.prefetch else ''}),"
-                         f"  # {name}: {best[0]:.2f} us")
+                         f"{', words=True' if c.words else ''}),  # {name}: {best[0]:.2f} us")
         del bufs
-    print("\n# TILES entries ((N, K, PRO, EPI): block_n, block_k, split_k, num_warps[, words, prefetch]):")
+    print("\n# TILES entries ((N, K, PRO, EPI): block_n, block_k, split_k, num_warps[, words]):")
     print("\n".join(lines))
     return rows
 
@@ -235,14 +230,12 @@ def fused_w4a16(a, qweight, scales, zeros, group_size: int, y=None, post=None, s
     run = _Launch(a, y, post, scale, pre, aux, N, K, qweight.device, epilogue, pdl)
     # block_k: a group multiple dividing K
     cfg = resolve_config(1, N, K, group_size, config or TILES.get((N, K, run.flags["PRO"], run.epi)))
-    nkb = K // cfg.block_k
-    if nkb > MAX_KB:
+    if K // cfg.block_k > MAX_KB:
         raise ValueError(f"fused_w4a16 unrolls at most {MAX_KB} K blocks; K={K} needs block_k >= {K // MAX_KB}")
     bn = max(cfg.block_n, 2) if run.epi == 1 else cfg.block_n
     _fused_w4a16_kernel[run.grid(bn)](*run.head, qweight, scales, zeros, *run.tail, N, run.half, eps, offset,
                                       GROUP=group_size, BLOCK_N=bn, BLOCK_K=cfg.block_k,
-                                      WORDS=cfg.words, PREFETCH=min(cfg.prefetch, nkb) if cfg.words else nkb,
-                                      ASM=not _INTERPRET, EXACT=a.dtype == torch.float32,
+                                      WORDS=cfg.words, ASM=not _INTERPRET, EXACT=a.dtype == torch.float32,
                                       num_warps=cfg.num_warps, **run.flags)
     return run.out, run.h
 

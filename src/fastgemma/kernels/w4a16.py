@@ -431,7 +431,6 @@ class W4A16Config:
     factored: bool = True  # GEMV only: scale / zero once per group (False: per weight, the baseline)
     words: bool = False  # GEMV only, factored: the int32 word loop (False: the byte loop)
     per_group: bool = False  # tl.dot only: `_group_mma_kernel` (block_k = the group size)
-    prefetch: int = 0  # fused word loop only: K blocks loaded before the PDL wait (the byte loop: all)
 
 
 def _gemv(bn, bk, split=1, warps=None, stages=3, words=False):
@@ -544,8 +543,6 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
         raise ValueError(f"W4A16Config.block_m must be 1 (GEMV) or >= 16 (tl.dot), got {cfg.block_m}")
     if cfg.block_m >= 16 and cfg.block_n < 16:
         raise ValueError(f"tl.dot needs block_n >= 16, got {cfg.block_n}")
-    if cfg.prefetch < 0:
-        raise ValueError(f"W4A16Config.prefetch must be >= 0 K blocks, got {cfg.prefetch}")
     if cfg.per_group and cfg.block_m == 1:
         raise ValueError("W4A16Config.per_group needs block_m >= 16 (it is a tl.dot kernel)")
     bk = group_size
