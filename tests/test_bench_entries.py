@@ -151,8 +151,9 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
 
 def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
     """--fuse layers: the AR rows take the fused one-row step (its torch twin here), the k+1-row passes
-    the ordinary step; speculative tokens still equal AR's and the verify pass agrees with the fused
-    AR step on every teacher-forced position (fp32)."""
+    the ordinary step, the drafter its fused step or the unfused one (a row each); speculative tokens
+    still equal AR's and the verify pass agrees with the fused AR step on every teacher-forced
+    position (fp32)."""
     import json
 
     from fastgemma.bench import spec
@@ -160,10 +161,14 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
     out = tmp_path / "spec.jsonl"
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
-               "--fuse", "layers", "--head", "pruned:50", "--out", str(out)])
+               "--fuse", "layers", "--drafter-steps", "fused,unfused", "--head", "pruned:50", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["stack"]["FuseLayers"]["fused_layers"] is True
     rows = lines[1:]
-    assert [r["spec"] for r in rows] == ["none", "replay"]
-    assert rows[1]["identity_rate"] == 1.0 and rows[1]["diverge_at"] == [8]
-    assert rows[1]["top1_agree"] == 1.0 and rows[1]["max_abs_diff"] < 1e-3
+    assert [(r["spec"], r.get("drafter_step")) for r in rows] == [("none", None), ("replay", "fused"),
+                                                                  ("replay", "unfused")]
+    for r in rows[1:]:
+        assert r["identity_rate"] == 1.0 and r["diverge_at"] == [8]
+        assert r["top1_agree"] == 1.0 and r["max_abs_diff"] < 1e-3
+    with pytest.raises(SystemExit, match="fused needs --fuse layers"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--drafter-steps", "fused"])

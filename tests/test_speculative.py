@@ -219,3 +219,85 @@ def test_spec_group_builds_through_the_factory():
     assert g.tokens == Generator(m, cache, EagerStep(m, cache)).generate(PROMPT, 20).tokens
     forced = eng.generator.forced(PROMPT, g.tokens)  # teacher-forced logits still come from the AR step
     assert forced.argmax(-1).tolist() == g.tokens
+
+
+@pytest.fixture(scope="module")
+def fused_pair():
+    """fuse=layers on a copy of the tiny target (torch twins of the fused GEMVs) and its drafter."""
+    from fastgemma.transforms.fuse_layers import FuseLayers
+
+    m = synthetic_model(TINY, dtype=torch.float32, seed=3)
+    m.step_attention = decode_attention_ref
+    FuseLayers(backend="torch").apply(m)
+    return m, m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_drafter_step_matches_the_drafter(model, drafter, backend):
+    """fuse=layers' drafter step (the twins, and the Triton kernels in the interpreter) gives the
+    unfused drafter's final-norm state and projected hidden state on one row, over a window shorter
+    than the context; its merged gate|up also serves the unfused path (batches) unchanged."""
+    from fastgemma.transforms.fuse_layers import FuseLayers
+
+    m = synthetic_model(TINY, dtype=torch.float32, seed=3)
+    m.step_attention = decode_attention_ref
+    FuseLayers(backend=backend).apply(m)
+    fused = m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0))
+    assert fused.fused_forward is not None and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
+    cache = KVCache(TINY, 1, MAX_CTX, window=12, dtype=torch.float32)
+    ids = torch.tensor([PROMPT + [7, 9, 11, 13]])
+    h = Generator(model, cache, prefill_chunk=16).prefill(ids)
+    pos = torch.tensor([[ids.shape[1]]])
+    rope = drafter.rope(pos, h.dtype)
+    tok = torch.tensor([[42]])
+    for _ in range(3):  # a few steps of the draft loop, each state fed to the next
+        x = torch.cat([drafter.embed_input(tok, model.embed_tokens.weight), h], -1)
+        g_ref, h_ref = drafter(x, rope, pos - 1, cache, decode_attention_ref)
+        g, hf = fused(x, rope, pos - 1, cache, decode_attention_ref)
+        assert (g - g_ref).abs().max().item() < 1e-4 and (hf - h_ref).abs().max().item() < 1e-4
+        fused_forward, fused.fused_forward = fused.fused_forward, None
+        g2, h2 = fused(x, rope, pos - 1, cache, decode_attention_ref)  # merged gate|up, unfused step
+        fused.fused_forward = fused_forward
+        assert (g2 - g_ref).abs().max().item() < 1e-4 and (h2 - h_ref).abs().max().item() < 1e-4
+        tok, h = drafter.next_token(g_ref), h_ref
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_fused_spec_equals_ar(model, fused_pair, k):
+    """fuse=layers throughout (one-row AR step and drafter fused, the k+1-row verify unfused): the
+    replayed speculative tokens equal plain AR's, window 12 < context."""
+    m, d = fused_pair
+    cache = KVCache(TINY, 1, len(PROMPT) + NEW, window=12, dtype=torch.float32)
+    g = SpecGenerator(m, cache, d, k, replay=Replay("frontier", seed=k)).generate(PROMPT, NEW)
+    assert g.tokens == ar_tokens(model, 12)
+
+
+def test_fuse_drafter_refuses_non_dense_layers():
+    from fastgemma.transforms.fuse_layers import fuse_drafter
+    from fastgemma.transforms.quant import Int4Quant
+
+    d = synthetic_drafter(TINY, dtype=torch.float32, seed=0)
+    Int4Quant(group_size=32, backend="torch").apply(d.model)
+    with pytest.raises(ValueError, match="drafter layers.0.self_attn.q_proj is Int4Linear"):
+        fuse_drafter(d, gemv=None, gemv4=None)
+
+
+def test_spec_with_fuse_layers_fuses_the_drafter_through_the_factory():
+    """fuse=layers + spec=replay from the config: the drafter is built fused (recorded), and the
+    speculative tokens equal the fused engine's own AR tokens."""
+    from fgcli_helpers import TINY as TINY_CLI, compose_cfg
+    from hydra.core.hydra_config import HydraConfig
+
+    from fastgemma.build import build_context
+
+    cfg = compose_cfg([*TINY_CLI, "spec=replay", "spec.depth=3", "graphs=static", "fuse=layers", "fuse.backend=torch"])
+    HydraConfig.instance().set_config(cfg)
+    ctx = build_context(cfg, dict(cfg.hydra.runtime.choices), "/tmp")
+    eng = ctx.factory.engine(64)
+    assert eng.generator.drafter.fused_forward is not None
+    assert ctx.factory.parts.spec.describe()["drafter_fused"] is True
+    with pytest.warns(UserWarning, match="priming"):
+        g = eng.generator.generate(PROMPT, 20)
+    m = ctx.factory.model
+    cache = KVCache(m.config, 1, 64, dtype=m.embed_tokens.weight.dtype)
+    assert g.tokens == Generator(m, cache, EagerStep(m, cache)).generate(PROMPT, 20).tokens

@@ -60,6 +60,7 @@ def apply_variant(model, name, state):
         MergeProjections().apply(model)
         state["merged"] = True
     model.fused_decode = None
+    model.fuse_drafter = None
     if fused:
         from ..transforms.fuse_layers import FuseLayers
 

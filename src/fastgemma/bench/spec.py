@@ -38,7 +38,8 @@ from ..model.drafter import synthetic_drafter
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False):
     """Synthetic weights -> merged projections -> int4 body -> Triton attention (bench.stack's int4
-    body; fuse: with its fused one-row step, which the AR rows take and the k+1-row passes do not) -> head (on a CPU, a smoke test of this script: the torch
+    body; fuse: with its fused one-row step, which the AR rows and the drafter can take and the
+    k+1-row passes do not) -> head (on a CPU, a smoke test of this script: the torch
     twins of every kernel). head: full | int8 | int4 | pruned:N (bf16 rows: the eos ids, then seeded
     random ids; the pruned model's own greedy trace is the reference, so the keepset only sets the
     cost)."""
@@ -149,6 +150,8 @@ def main(argv=None):
                     help="int4 tiles of the k+1-row passes, comma-separated to compare in one run: per_group, mma")
     ap.add_argument("--fuse", default="none", choices=("none", "layers"),
                     help="layers: the body's fused one-row step (fuse=layers fuse.pdl=true) for the AR rows")
+    ap.add_argument("--drafter-steps", default="",
+                    help="fused, unfused or both (comma-separated, one row each); default: fused with --fuse layers")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--out", default="")
@@ -166,8 +169,15 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers")
-    drafter = synthetic_drafter(cfg, dev, dtype, seed=0)
-    drafter.set_top_k(a.centroid_top_k or None)
+    steps = [x for x in (a.drafter_steps or ("fused" if a.fuse == "layers" else "unfused")).split(",") if x]
+    if set(steps) - {"fused", "unfused"} or ("fused" in steps and a.fuse != "layers"):
+        raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused and / or unfused; fused needs --fuse layers")
+    drafters = {}
+    for name in steps:  # the same seeded weights; fusing merges gate|up of its own copy
+        d = synthetic_drafter(cfg, dev, dtype, seed=0)
+        d.set_top_k(a.centroid_top_k or None)
+        drafters[name] = model.fuse_drafter(d) if name == "fused" else d
+    drafter = next(iter(drafters.values()))
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -205,12 +215,13 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
-        plan = [(tiles, kind, k) for tiles in a.verify_tiles.split(",") for kind, k in plan]
-        for tiles, kind, k in plan:
+        plan = [(tiles, dname, kind, k) for tiles in a.verify_tiles.split(",") for dname in drafters
+                for kind, k in plan]
+        for tiles, dname, kind, k in plan:
             use_verify_tiles(tiles)
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
-            gen = SpecGenerator(model, cache, drafter, k, sampler=sampler, replay=replay, graphs=cuda,
+            gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
                                 compile=a.compile)
             t = time.perf_counter()
             gen.prepare()
@@ -232,7 +243,7 @@ def main(argv=None):
                 outs, wall = timed(gen, prompts, a.new)
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
-                           prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles,
+                           prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
@@ -255,15 +266,17 @@ def main(argv=None):
     def f(x, nd=2):
         return "" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
-    stack_txt = (f"merged{' + fused one-row step' if a.fuse == 'layers' else ''} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
+    fused = " + fused one-row step" if a.fuse == "layers" else ""
+    stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
+    print("| window | spec | tiles | drafter | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
           "| accept ms | step ms | identity | diverge at | top1 vs AR | top1 conf | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
-        print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
+        print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
+              f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "
               f"{f(r.get('accept_ms'), 3)} | {f(r['step_ms'], 3)} | {f(r.get('identity_rate'))} | "

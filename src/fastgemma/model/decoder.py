@@ -130,6 +130,7 @@ class Gemma4Model(nn.Module):
         self.step_attention = None  # set by the builder: fn(q, k, v, q_pos, slot_pos, window, scale)
         self.logits_head = None     # optional head override: fn(hidden) -> logits (pruned / quantised)
         self.fused_decode = None    # optional one-row step: fn(model, ids, pos, cache) -> hidden (fuse=layers)
+        self.fuse_drafter = None    # fn(drafter) -> drafter: the same fusion for an MTP drafter (fuse=layers)
 
     def init_buffers(self):
         """(Re)compute non-persistent buffers: after building on the meta device and to_empty()."""

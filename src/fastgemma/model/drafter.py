@@ -185,6 +185,7 @@ class Drafter(nn.Module):
         self.masked_embedding = MaskedEmbedder(cfg) if cfg.ordered_embeddings else None
         register_rope_buffers(self, cfg)
         self.top_k = cfg.centroid_top_k
+        self.fused_forward = None  # fn(drafter, x, rope, q_pos, cache, attn) -> (g, h'): fuse=layers
         self.init_buffers()
 
     def init_buffers(self):
@@ -212,21 +213,28 @@ class Drafter(nn.Module):
         """tok [B, 1] -> E_target[tok] * sqrt(H_target) in the weight dtype's rounding (as transformers)."""
         return F.embedding(tok, target_embed) * _rounded(self.config.backbone_hidden_size ** 0.5, target_embed.dtype)
 
+    @staticmethod
+    def attend_target(layer, q, q_pos, cache, attn):
+        """q [B, 1, H, D] (normed, RoPE'd) -> [B, 1, H * D] over the target's K/V of the layer's kind."""
+        s = layer.spec
+        src = s.kv_source
+        if s.sliding:
+            o = attn(q, cache.k[src], cache.v[src], q_pos, cache.ring_pos, cache.window, 1.0)
+        else:
+            o = attn(q, cache.k[src], cache.v[src], q_pos, None, 0, 1.0)
+        return o.flatten(2)
+
     def forward(self, x, rope, q_pos, cache, attn):
         """x [B, 1, 2 * H_target] (embedding ; hidden) -> g [B, 1, hidden] (final-norm), h' [B, 1, H_target].
-        q_pos [B, 1]: the masking position, one before the RoPE position (keys strictly before it)."""
+        q_pos [B, 1]: the masking position, one before the RoPE position (keys strictly before it).
+        One row (B = 1) takes `fused_forward` when fuse=layers set it (decided when traced)."""
+        if self.fused_forward is not None and x.shape[0] == 1:
+            return self.fused_forward(self, x, rope, q_pos, cache, attn)
         z = self.pre_projection(x)
-        window = cache.window
 
         def attend(layer, a):
-            s = layer.spec
-            q, _, _ = layer.self_attn.project(a, *rope[s.sliding])
-            src = s.kv_source
-            if s.sliding:
-                o = attn(q, cache.k[src], cache.v[src], q_pos, cache.ring_pos, window, 1.0)
-            else:
-                o = attn(q, cache.k[src], cache.v[src], q_pos, None, 0, 1.0)
-            return o.flatten(2)
+            q, _, _ = layer.self_attn.project(a, *rope[layer.spec.sliding])
+            return self.attend_target(layer, q, q_pos, cache, attn)
 
         for layer in self.model.layers:
             z = layer(z, None, attend)

@@ -15,7 +15,9 @@ Per layer at one row, five GEMVs with their neighbours folded in, then the PLE p
 q/k/v norms, RoPE, the cache writes and the attention are the static step's own (compiled, they
 fuse among themselves). Models without PLE carry the MLP's residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
-wider steps (the verify pass, batches) the ordinary one.
+wider steps (the verify pass, batches) the ordinary one. The MTP drafter's one-row step takes the
+same GEMVs (`fused_draft`: pre-projection, then per layer q, o, gate|up + GeGLU, down, then the
+post-projection), set on the drafter by `model.fuse_drafter` when speculative decoding builds it.
 Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a16`), each layer
 as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+).
@@ -50,15 +52,9 @@ def _layer_linears(i: int, layer) -> dict:
     return {role: mod for role, (_, mod) in named.items()}
 
 
-def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
-    """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
-    fused ops (fused_gemv_op, fused_w4a16_op) or their twins."""
+def _caller(gemv, gemv4, pdl: bool, eps: float, off: float):
+    """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op."""
     from .quant import Int4Linear
-
-    c = model.config
-    eps, off = c.rms_eps, c.norm_offset
-    x, ple = model.embed(ids)
-    store_attend = model.step_store_attend(ids, pos, cache)
 
     def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
         if isinstance(mod, Int4Linear):
@@ -66,6 +62,16 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
                          epilogue, pdl)
         return gemv(a, mod.weight, y, post, scale, pre, aux, eps, off, epilogue, pdl)
 
+    return call
+
+
+def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
+    """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
+    fused ops (fused_gemv_op, fused_w4a16_op) or their twins."""
+    c = model.config
+    x, ple = model.embed(ids)
+    store_attend = model.step_store_attend(ids, pos, cache)
+    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset)
     h = x.reshape(1, -1)
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
     pend = None
@@ -91,6 +97,49 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
             pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
     res, y, norm, scale = pend  # the last layer's update, in torch (no GEMV follows it)
     return model.norm((res + norm(y)) * scale).reshape(1, 1, -1)
+
+
+def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
+    """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
+    -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
+    previous layer's residual update with its layer scalar, then input_layernorm), o, gate|up (+ the
+    residual update, pre_feedforward_layernorm, GeGLU), down; q norm + RoPE and the attention over
+    the target's K/V as in the unfused step. The last update and the final norm run in torch."""
+    body = d.config.body_config()
+    call = _caller(gemv, gemv4, pdl, body.rms_eps, body.norm_offset)
+    h, _ = call(x.reshape(1, -1), d.pre_projection)
+    pend = None
+    for layer in d.model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        pre = layer.input_layernorm.weight
+        if pend is None:
+            q, _ = call(h, at.q_proj, pre=pre)
+        else:
+            q, h = call(pend[0], at.q_proj, pend[1], pend[2].weight, pend[3], pre)
+        q, _, _ = split_qkv(at, q.reshape(1, 1, -1), *rope[layer.spec.sliding])
+        o, _ = call(d.attend_target(layer, q, q_pos, cache, attn).reshape(1, -1), at.o_proj)
+        act, h = call(h, mlp.gate_up_proj, o, layer.post_attention_layernorm.weight, None,
+                      layer.pre_feedforward_layernorm.weight, epilogue="geglu")
+        dn, _ = call(act, mlp.down_proj)
+        pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
+    res, y, norm, scale = pend
+    g = d.model.norm((res + norm(y)) * scale)
+    hp, _ = call(g, d.post_projection)
+    return g.reshape(1, 1, -1), hp.reshape(1, 1, -1)
+
+
+def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False):
+    """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`.
+    Dense bias-free linears only (a quantized drafter keeps the unfused step: refused here)."""
+    for i, layer in enumerate(drafter.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            mod = layer.get_submodule(name)
+            if type(mod) is not nn.Linear or mod.bias is not None:
+                raise ValueError(f"fuse=layers fuses the drafter's bias-free nn.Linear layers; drafter layers.{i}.{name} "
+                                 f"is {type(mod).__name__}")
+    MergeProjections(qkv=False).apply(drafter.model)
+    drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl)
+    return drafter
 
 
 class FuseLayers:
@@ -119,6 +168,8 @@ class FuseLayers:
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
+        # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
+        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         return model
 
     def validate(self, model) -> None:

@@ -68,10 +68,13 @@ class MtpSpec:
         else:
             d = load_drafter(self.drafter, model.config, device=w.device, dtype=w.dtype)
         d.set_top_k(self.centroid_top_k)
+        if model.fuse_drafter is not None:  # fuse=layers: the drafter's one-row step fused too
+            d = model.fuse_drafter(d)
         c = d.config
         self._drafter_info = {"drafter_name": c.name, "drafter_hidden": c.hidden_size,
                               "drafter_params": sum(p.numel() for p in d.parameters()),
-                              "centroid_top_k_effective": d.top_k, "drafter_bytes_per_step": d.nbytes_per_step()}
+                              "centroid_top_k_effective": d.top_k, "drafter_bytes_per_step": d.nbytes_per_step(),
+                              "drafter_fused": d.fused_forward is not None}
         return d
 
     def replay(self):
