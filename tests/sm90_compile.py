@@ -67,14 +67,24 @@ def main():
         cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)), warps))
     # the per-group int4 tl.dot kernel with its bf16 PTX dequantization: tensor-core dots, the
     # asm's packed fmas, no spills ("dot" lines: name, registers, spills, bf16x2 fmas, mma instructions)
-    dot_sig = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32",
-               "N": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_om": "i32", "stride_os": "i32"}
-    for name, bn, warps, even in [("int4 per-group 16x32", 32, 2, True), ("int4 per-group 16x64", 64, 4, True),
-                                  ("int4 per-group 16x128 tail", 128, 8, False)]:
-        ce = dict(K_SPLIT=2560, GROUP=128, BLOCK_M=16, BLOCK_N=bn, EVEN_N=even, ASM=True, DOT_PRECISION="tf32")
-        ptx, regs, spills = build(_group_mma_kernel, dot_sig, ce, (0, 1, 2, 3, 4, 8), warps)
+    # split 4 with the fixup: the last program of a tile sums the partials (an acq_rel atomic at GPU
+    # scope after a barrier, then L2 loads), extra columns: atomics, barriers before the first one, .cg loads
+    dot_sig = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
+               "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_qn": "i32",
+               "stride_om": "i32"}
+    for name, bn, warps, even, split in [("int4 per-group 16x32", 32, 2, True, 1),
+                                         ("int4 per-group 16x64", 64, 4, True, 1),
+                                         ("int4 per-group 16x128 tail", 128, 8, False, 1),
+                                         ("int4 per-group 16x64 split-4 fixup", 64, 4, True, 4)]:
+        ce = dict(K_SPLIT=2560 // split, SPLIT=split, FIXUP=split > 1, GROUP=128, BLOCK_M=16, BLOCK_N=bn,
+                  EVEN_N=even, ASM=True, DOT_PRECISION="tf32")
+        ptx, regs, spills = build(_group_mma_kernel, dot_sig, ce, (0, 1, 2, 3, 4, 5, 6, 10), warps)
         mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
-        print(f"dot\t{name}\t{regs}\t{spills}\t{ptx.count('fma.rn.bf16x2')}\t{mma}")
+        atom = ptx.find("atom.")
+        atoms = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx))
+        bars = ptx[:atom].count("bar.sync") if atom >= 0 else 0
+        print(f"dot\t{name}\t{regs}\t{spills}\t{ptx.count('fma.rn.bf16x2')}\t{mma}\t{atoms}\t{bars}\t"
+              f"{ptx.count('ld.global.cg')}\t{split}")
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")

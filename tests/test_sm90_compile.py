@@ -16,10 +16,16 @@ def test_gpu_only_variants_compile_for_sm90():
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines if f[0] != "dot"}
     dots = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "dot"}
-    assert len(rows) == 13 and len(dots) == 3, r.stdout
-    for name, (regs, spills, fmas, mmas) in dots.items():
+    assert len(rows) == 13 and len(dots) == 4, r.stdout
+    for name, (regs, spills, fmas, mmas, atoms, bars, cg_loads, split) in dots.items():
         # the inline PTX survived (8 packed fmas per 4 code bytes) and the dots run on tensor cores
         assert spills == 0 and fmas >= 8 and fmas % 8 == 0 and mmas > 0, (name, regs, spills, fmas, mmas)
+        # split-K fixup: one acq_rel GPU-scope arrival atomic after a barrier (every thread's partial
+        # written first), then the partials read from L2; none of it without splits
+        if split > 1:
+            assert atoms == 1 and bars >= 1 and cg_loads >= split, (name, atoms, bars, cg_loads)
+        else:
+            assert atoms == 0 and cg_loads == 0, (name, atoms, cg_loads)
     for name, (regs, spills, waits, loads_before_wait, k_blocks, pairs) in rows.items():
         assert spills == 0 and regs <= 255, (name, regs, spills)
         assert waits == 1, name

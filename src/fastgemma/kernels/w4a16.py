@@ -26,8 +26,10 @@ Kernels (one program = BLOCK_N rows x one K slice x one row tile of x; grid from
   weights, into the mma operand layout). On bf16 a PTX block dequantizes 4 bytes (8 weights) with
   3 shifts, 4 LOP3 (128 + q as bf16 pairs), 4 PRMT and 8 fma.bf16x2 (q exact, then q * s + z
   rounded once); elsewhere (fp16 / fp32, the interpreter) the same arithmetic in Triton.
-- split_k > 1: fp32 partials [split_k, M, N] summed in a fixed order by `_splitk_reduce_kernel`
-  (deterministic; no atomics, so greedy identity holds run to run).
+- split_k > 1: fp32 partials [split_k, M, N] summed in a fixed order by the last program of each
+  output tile to finish (an atomic arrival counter per tile; `SPLIT_FIXUP = False`: by
+  `_splitk_reduce_kernel`, a second launch). Deterministic either way (no atomic adds of values), so
+  greedy identity holds run to run.
 Tiles come from `CONFIGS` (E4B shapes on the H200) or `default_config`; `resolve_config` fits them
 to the shape. `bench_shapes` times every E4B shape against cuBLAS bf16 and can sweep candidates.
 """
@@ -189,10 +191,39 @@ def _byte_terms(w, x_even, x_odd, xs, s, z):
 
 
 @triton.jit
+def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, tile, pid_k, M, N, stride_om,
+                 SPLIT: tl.constexpr, FIXUP: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32, K split pid_k of output tile `tile` -> out [M, N] (out[m, n] at
+    m * stride_om + n). SPLIT == 1: stored. Else the partial goes to ws [SPLIT, M, N] fp32 and the
+    tile's last program to arrive (one counter per tile, acq_rel at GPU scope, after a barrier so
+    every thread's partial is written) sums the SPLIT partials in split order, stores out and zeroes
+    the counter for the next launch: the sums of `_splitk_reduce_kernel`, bit for bit, without a
+    second launch (FIXUP=False: the partial only, `_splitk_reduce_kernel` sums them after). Counters
+    are shared per device: split launches must not run concurrently (one stream, no PDL)."""
+    mask = n_ok[:, None] & m_ok[None, :]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
+    if SPLIT > 1 and FIXUP:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tot = tl.zeros_like(acc)
+            for sk in tl.static_range(SPLIT):  # .cg: from L2, where the other programs' partials are
+                tot += tl.load(ws_ptrs + sk * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    N, stride_xm, stride_qn, stride_om, stride_os,
-    K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, stride_xm, stride_qn, stride_om,
+    K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     FACTORED: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
 ):
     # At one row the GEMV is bound by its per-weight instructions, not by its tiles. Factored: codes
@@ -263,15 +294,18 @@ def _gemv_kernel(
             s_ptrs += NG * N
             z_ptrs += NG * N
             x_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + pid_k * stride_os + pid_m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    y = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]: one row of x per program
+    offs_m = pid_m + tl.arange(0, 1)
+    _split_store(y, offs_n, offs_m, n_ok, offs_m < M, out_ptr, ws_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
+                 pid_k, M, N, stride_om, SPLIT, FIXUP)
 
 
 @triton.jit
 def _mma_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, stride_xm, stride_qn, stride_om, stride_os,
-    K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, stride_xm, stride_qn, stride_om,
+    K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -310,8 +344,8 @@ def _mma_kernel(
         s_ptrs += NG * N
         z_ptrs += NG * N
         x_ptrs += BLOCK_K
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
+                 pid_k, M, N, stride_om, SPLIT, FIXUP)
 
 
 # 4 code bytes (the pack of 4 elements Triton hands the block, in element order) -> 8 weights:
@@ -360,9 +394,10 @@ def _dequant_bytes(w, s, z, ASM: tl.constexpr):
 
 @triton.jit
 def _group_mma_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-    M, N, stride_xm, stride_qn, stride_om, stride_os,
-    K_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, stride_xm, stride_qn, stride_om,
+    K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -399,8 +434,8 @@ def _group_mma_kernel(
         s_ptrs += N
         z_ptrs += N
         x_ptrs += GROUP
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
+                 pid_k, M, N, stride_om, SPLIT, FIXUP)
 
 
 @triton.jit
@@ -559,6 +594,25 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
 # launcher
 
 
+# split_k > 1: the K splits' partials are summed by the last program of each output tile to finish
+# (True), or by a second launch, `_splitk_reduce_kernel` (False: the baseline; the same sums)
+SPLIT_FIXUP = True
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The per-device int32 arrival counters of split launches, zero between launches (the last
+    program of a tile resets its own). Allocated once, outside any CUDA-graph capture (warm up first)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"w4a16: {tiles} split-K counters needed while capturing a CUDA graph; run the "
+                               "shape once before capture")
+        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config | None = None):
     """x [M, K] (fp16 / bf16 / fp32) @ W^T -> [M, N] in x's dtype; W given as (qweight, scales,
     zeros) from `quantize_int4` + `pack_int4`. No host sync; the grid depends on shapes only."""
@@ -587,30 +641,31 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     split = cfg.split_k
     k_split = K // split
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    dst = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    stride_os = 0 if split == 1 else M * N
-    if cfg.block_m == 1:
-        grid = (triton.cdiv(N, cfg.block_n), split, M)
+    ws = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    bm = max(1, cfg.block_m)
+    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, bm))
+    fixup = SPLIT_FIXUP and split > 1
+    cnt = _split_counters(x.device, grid[0] * grid[2]) if fixup else ws
+    head = (x, qweight, scales, zeros, out, ws, cnt, M, N, x.stride(0), qweight.stride(0), N)
+    if cfg.block_m == 1:  # grid over rows of x
         _gemv_kernel[grid](
-            x, qweight, scales, zeros, dst, N, x.stride(0), qweight.stride(0), N, stride_os,
-            K_SPLIT=k_split, GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FACTORED=cfg.factored,
-            WORDS=cfg.words and cfg.factored, ASM=not _INTERPRET, EXACT=x.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            *head, K_SPLIT=k_split, SPLIT=split, FIXUP=fixup, GROUP=group_size, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, FACTORED=cfg.factored, WORDS=cfg.words and cfg.factored, ASM=not _INTERPRET,
+            EXACT=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:  # the tl.dot kernels: programs over N tiles, K splits and M tiles
-        grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
-        args = (x, qweight, scales, zeros, dst, M, N, x.stride(0), qweight.stride(0), N, stride_os)
-        common = dict(K_SPLIT=k_split, GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        common = dict(K_SPLIT=k_split, SPLIT=split, FIXUP=fixup, GROUP=group_size, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n,
                       DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no TF32 rounding
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.per_group:
             asm = x.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16 and not _INTERPRET
-            _group_mma_kernel[grid](*args, EVEN_N=N % cfg.block_n == 0, ASM=asm, **common)
+            _group_mma_kernel[grid](*head, EVEN_N=N % cfg.block_n == 0, ASM=asm, **common)
         else:
-            _mma_kernel[grid](*args, BLOCK_K=cfg.block_k, **common)
-    if split > 1:
+            _mma_kernel[grid](*head, BLOCK_K=cfg.block_k, **common)
+    if split > 1 and not fixup:
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](dst, out, M * N, SPLIT_K=split, BLOCK=block)
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](ws, out, M * N, SPLIT_K=split, BLOCK=block)
     return out
 
 
@@ -647,6 +702,22 @@ def per_group_candidates(M: int) -> list[W4A16Config]:
     """`_group_mma_kernel` tiles (block_n, split_k, warps), 16-row dot tiles, for M <= 16."""
     return [_grp(bn, sk, w) for bn, sk, w in ((16, 1, 1), (16, 4, 1), (32, 1, 2), (32, 2, 2), (32, 4, 2), (64, 1, 4),
                                               (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 4), (128, 2, 8), (128, 4, 8))]
+
+
+def _time_reduce_launch(x, qw, s, z, qbufs, group_size, cfg, timed_us) -> dict:
+    """A split config with SPLIT_FIXUP off (partials, then `_splitk_reduce_kernel`): its time, and
+    whether the fixup's output equals it bit for bit."""
+    global SPLIT_FIXUP
+    from .bench_util import rotating as _rotating
+
+    fixed = w4a16_matmul(x, qw, s, z, group_size, cfg)
+    SPLIT_FIXUP = False
+    try:
+        base = w4a16_matmul(x, qw, s, z, group_size, cfg)
+        t = timed_us(_rotating(qbufs, lambda a, b, c: w4a16_matmul(x, a, b, c, group_size, cfg)))
+    finally:
+        SPLIT_FIXUP = True
+    return dict(reduce_launch_us=t, fixup_equal=bool(torch.equal(fixed, base)))
 
 
 def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = None, dtype=torch.bfloat16,
@@ -712,11 +783,15 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
                             and dataclasses.replace(c, words=cfg_tab.words) == cfg_tab), float("nan"))
             row = dict(shape=name, N=N, K=K, M=M, int4_us=t_tab, unfactored_us=t_base, other_loop_us=t_other,
                        bf16_us=t_ref, config=cfg_tab, best_us=t_best, best_config=cfg_best, max_rel_err=err)
+            if cfg_tab.split_k > 1:  # the same tiles with the partials summed by a second launch
+                row.update(_time_reduce_launch(x, qw, s, z, qbufs, group_size, cfg_tab, timed_us))
             rows.append(row)
             print(f"{name:>10} {N:>6} {K:>6} {M:>3} | {t_tab:8.2f} {q_bytes / t_tab / 1e3:6.0f} | "
                   f"{t_ref:8.2f} {2 * N * K / t_ref / 1e3:6.0f} | {t_ref / t_tab:5.2f} | {err:8.1e} | {cfg_tab}"
                   + (f" | unfactored {t_base:.2f} us, {'byte' if cfg_tab.words else 'word'} loop {t_other:.2f} us"
-                     if M == 1 else ""))
+                     if M == 1 else "")
+                  + (f" | reduce launch {row['reduce_launch_us']:.2f} us, bitwise equal {row['fixup_equal']}"
+                     if "reduce_launch_us" in row else ""))
             if sweep:
                 print(f"{'best':>10} {'':>6} {'':>6} {M:>3} | {t_best:8.2f} {q_bytes / t_best / 1e3:6.0f} | {cfg_best}")
                 pg = [r for r in results if r[1].per_group]
