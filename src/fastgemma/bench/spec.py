@@ -33,6 +33,7 @@ from ..metrics.acceptance import acceptance_summary
 from ..metrics.identity import common_prefix, top1_agreement
 from ..engine.steps import GraphStep, StaticStep
 from ..model.config import preset
+from ..kernels import w4a16
 from ..model.drafter import synthetic_drafter
 
 
@@ -58,16 +59,12 @@ def use_verify_tiles(name: str) -> None:
     """The W4A16 tiles of the verify pass (M = 2..16): per_group (the table) | mma (the first
     tl.dot kernel's table, kept as the baseline). Tiles are looked up at launch, so this holds for
     every graph captured after it."""
-    from ..kernels import w4a16
-
     if name not in _TILES:
         raise SystemExit(f"unknown verify tiles {name!r}; known: {', '.join(_TILES)}")
     w4a16.CONFIGS.update(_TILES[name])
 
 
 def _tile_tables() -> dict:
-    from ..kernels import w4a16
-
     return {"per_group": {k: v for k, v in w4a16.CONFIGS.items() if k in w4a16.MMA_M16}, "mma": dict(w4a16.MMA_M16)}
 
 
@@ -152,6 +149,8 @@ def main(argv=None):
                     help="layers: the body's fused one-row step (fuse=layers fuse.pdl=true) for the AR rows")
     ap.add_argument("--drafter-steps", default="",
                     help="fused, unfused or both (comma-separated, one row each); default: fused with --fuse layers")
+    ap.add_argument("--split-fixup", default="on",
+                    help="int4 split-K partials summed in the kernel (on) or by a second launch (off); on,off: both")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--out", default="")
@@ -178,6 +177,9 @@ def main(argv=None):
         d.set_top_k(a.centroid_top_k or None)
         drafters[name] = model.fuse_drafter(d) if name == "fused" else d
     drafter = next(iter(drafters.values()))
+    fixups = [x for x in a.split_fixup.split(",") if x]
+    if not fixups or set(fixups) - {"on", "off"}:
+        raise SystemExit(f"--split-fixup {a.split_fixup!r}: on, off or on,off")
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -215,10 +217,11 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
-        plan = [(tiles, dname, kind, k) for tiles in a.verify_tiles.split(",") for dname in drafters
-                for kind, k in plan]
-        for tiles, dname, kind, k in plan:
+        plan = [(tiles, dname, fix, kind, k) for tiles in a.verify_tiles.split(",") for dname in drafters
+                for fix in fixups for kind, k in plan]
+        for tiles, dname, fix, kind, k in plan:
             use_verify_tiles(tiles)
+            w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
@@ -243,7 +246,7 @@ def main(argv=None):
                 outs, wall = timed(gen, prompts, a.new)
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
-                           prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname,
+                           prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
@@ -256,6 +259,7 @@ def main(argv=None):
             if cuda:
                 torch.cuda.empty_cache()
     use_verify_tiles("per_group")  # the table as imported
+    w4a16.SPLIT_FIXUP = True
 
     if a.out:
         with open(a.out, "w") as f:
@@ -270,12 +274,13 @@ def main(argv=None):
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
+    print("| window | spec | tiles | drafter | split fixup | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
           "| accept ms | step ms | identity | diverge at | top1 vs AR | top1 conf | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
+              f"{r.get('split_fixup', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "
