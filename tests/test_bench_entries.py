@@ -93,10 +93,6 @@ def test_ladder_fused_variants_on_the_cpu(tmp_path):
 def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
     """bench.stack on the tiny model: every body x head row, bytes that shrink with int4, a pruned
     head whose keepset holds the full head's greedy tokens returns exactly its ids, and bad heads fail."""
-    import json
-
-    import pytest
-
     from fastgemma.bench import stack
 
     out = tmp_path / "stack.jsonl"
