@@ -43,6 +43,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .counters import arrival_counters
+
 GROUP_SIZES = (32, 64, 128)
 MAX_DECODE_M = 16
 _SMS = 132  # H200; the default heuristic's target for program counts
@@ -597,20 +599,6 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
 # split_k > 1: the K splits' partials are summed by the last program of each output tile to finish
 # (True), or by a second launch, `_splitk_reduce_kernel` (False: the baseline; the same sums)
 SPLIT_FIXUP = True
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The per-device int32 arrival counters of split launches, zero between launches (the last
-    program of a tile resets its own). Allocated once, outside any CUDA-graph capture (warm up first)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"w4a16: {tiles} split-K counters needed while capturing a CUDA graph; run the "
-                               "shape once before capture")
-        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config | None = None):
@@ -645,7 +633,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     bm = max(1, cfg.block_m)
     grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, bm))
     fixup = SPLIT_FIXUP and split > 1
-    cnt = _split_counters(x.device, grid[0] * grid[2]) if fixup else ws
+    cnt = arrival_counters(x.device, grid[0] * grid[2], "w4a16 split-K") if fixup else ws
     head = (x, qweight, scales, zeros, out, ws, cnt, M, N, x.stride(0), qweight.stride(0), N)
     if cfg.block_m == 1:  # grid over rows of x
         _gemv_kernel[grid](

@@ -186,6 +186,7 @@ class Drafter(nn.Module):
         register_rope_buffers(self, cfg)
         self.top_k = cfg.centroid_top_k
         self.fused_forward = None  # fn(drafter, x, rope, q_pos, cache, attn) -> (g, h'): fuse=layers
+        self.head_fn = None  # fn(g, centroids, token_ordering, rows, top_k) -> ids: kernels.draft_head (fuse=layers)
         self.init_buffers()
 
     def init_buffers(self):
@@ -257,6 +258,9 @@ class Drafter(nn.Module):
         shape = g.shape[:-1]
         g = g.reshape(-1, g.shape[-1])
         w = self.model.embed_tokens.weight
+        me = self.masked_embedding
+        if self.head_fn is not None and me is not None:  # fuse=layers: two launches (kernels/draft_head.py)
+            return self.head_fn(g, me.centroids.weight, me.token_ordering, w, self.top_k).view(shape)
         cand = self.candidates(g)
         if cand is None:
             return F.linear(g, w).argmax(-1).view(shape)

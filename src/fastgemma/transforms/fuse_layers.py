@@ -17,7 +17,8 @@ fuse among themselves). Models without PLE carry the MLP's residual into the nex
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
 wider steps (the verify pass, batches) the ordinary one. The MTP drafter's one-row step takes the
 same GEMVs (`fused_draft`: pre-projection, then per layer q, o, gate|up + GeGLU, down, then the
-post-projection), set on the drafter by `model.fuse_drafter` when speculative decoding builds it.
+post-projection) and its centroid-masked head two launches (kernels/draft_head.py), set on the
+drafter by `model.fuse_drafter` when speculative decoding builds it.
 Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a16`), each layer
 as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+).
@@ -128,9 +129,10 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
     return g.reshape(1, 1, -1), hp.reshape(1, 1, -1)
 
 
-def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False):
-    """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`.
-    Dense bias-free linears only (a quantized drafter keeps the unfused step: refused here)."""
+def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None):
+    """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`, and
+    `head` (kernels/draft_head.py's op or twin; None: torch's topk path) for its centroid-masked
+    head. Dense bias-free linears only (a quantized drafter keeps the unfused step: refused here)."""
     for i, layer in enumerate(drafter.model.layers):
         for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             mod = layer.get_submodule(name)
@@ -139,6 +141,7 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False):
                                  f"is {type(mod).__name__}")
     MergeProjections(qkv=False).apply(drafter.model)
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl)
+    drafter.head_fn = head
     return drafter
 
 
@@ -154,12 +157,14 @@ class FuseLayers:
         self.merge = MergeProjections()
 
     def apply(self, model):
+        from ..kernels.draft_head import draft_head_op, draft_head_ref
         from ..kernels.fused_gemv import fused_gemv_op, fused_gemv_ref
         from ..kernels.fused_w4a16 import fused_w4a16_op, fused_w4a16_ref
 
         model = self.merge.apply(model) or model
+        head = draft_head_ref
         if self.backend == "triton":
-            gemv, gemv4 = fused_gemv_op, fused_w4a16_op
+            gemv, gemv4, head = fused_gemv_op, fused_w4a16_op, draft_head_op
         else:
             def gemv(a, w, y, post, scale, pre, aux, eps, offset, epilogue, pdl):
                 return fused_gemv_ref(a, w, y, post, scale, pre, aux, eps=eps, offset=offset, epilogue=epilogue)
@@ -169,7 +174,7 @@ class FuseLayers:
                                        epilogue=epilogue)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
-        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
+        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl, head=head)
         return model
 
     def validate(self, model) -> None:
