@@ -12,6 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
@@ -85,6 +86,19 @@ def main():
         bars = ptx[:atom].count("bar.sync") if atom >= 0 else 0
         print(f"dot\t{name}\t{regs}\t{spills}\t{ptx.count('fma.rn.bf16x2')}\t{mma}\t{atoms}\t{bars}\t"
               f"{ptx.count('ld.global.cg')}\t{split}")
+    # the drafter head (E4B: 2,048 centroids of 128 tokens, hidden 256, top 32): no spills, one
+    # arrival atomic in the select kernel ("draft" lines: name, registers, spills, atomics)
+    head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",
+                "pord_ptr": "*i32", "ptok_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*i64", "C": "i32",
+                "TPC": "i32", "stride_sn": "i32", "stride_gn": "i32"}
+    ptx, regs, spills = build(_select_kernel, head_sig, dict(H=256, TOP_K=32, BLOCK_C=2048, BLOCK_R=64,
+                                                             BLOCK_T=128, BLOCK_H=64, NUM_P=32, BLOCK_P=32),
+                              tuple(range(9)), 4)
+    print(f"draft\tdraft head select\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}")
+    cent_sig = {"g_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "C": "i32", "stride_gn": "i32",
+                "stride_sn": "i32"}
+    ptx, regs, spills = build(_centroid_kernel, cent_sig, dict(H=256, BLOCK_C=64, BLOCK_H=64), (0, 1, 2), 4)
+    print(f"draft\tdraft head centroids\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}")
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")

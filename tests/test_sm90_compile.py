@@ -14,8 +14,12 @@ def test_gpu_only_variants_compile_for_sm90():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
-    rows = {f[0]: [int(x) for x in f[1:]] for f in lines if f[0] != "dot"}
+    rows = {f[0]: [int(x) for x in f[1:]] for f in lines if f[0] not in ("dot", "draft")}
     dots = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "dot"}
+    heads = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "draft"}
+    # the drafter head: no spills; the select kernel's one arrival atomic (its last program picks)
+    assert heads == {"draft head select": [heads["draft head select"][0], 0, 1],
+                     "draft head centroids": [heads["draft head centroids"][0], 0, 0]}, heads
     assert len(rows) == 13 and len(dots) == 4, r.stdout
     for name, (regs, spills, fmas, mmas, atoms, bars, cg_loads, split) in dots.items():
         # the inline PTX survived (8 packed fmas per 4 code bytes) and the dots run on tensor cores

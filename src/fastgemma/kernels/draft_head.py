@@ -6,12 +6,14 @@ The drafter picks its token from the candidates of its top-k centroids (E4B: 32 
 kernels per draft token (topk alone ~13 us on the H200). Here:
 1. `_centroid_kernel`: scores[n, c] = g[n] . Wc[c], fp32 sums rounded to g's dtype (as F.linear);
    grid (C / BLOCK_C, rows).
-2. `_select_kernel`, one program per (rank j < top_k, row n): ranks the C scores with one sort of
-   int64 keys (order-preserving score bits, then the lower centroid index first among ties), takes
-   the j-th centroid, scores its tokens' rows (fp32 sums rounded to g's dtype, as the einsum in
-   the twin), keeps its best (first candidate among ties) and, the last program of the row to
-   arrive (an arrival counter, `counters.py`), picks the row's token: the highest score, the lower
-   rank among ties. That is torch.argmax's first maximum over the candidates in rank order.
+2. `_select_kernel`, one program per 64 centroids and row: ranks its centroids among all C by
+   comparing int64 keys (order-preserving score bits, then the lower centroid index first among
+   ties: unique, so the ranks are a permutation), scores the candidates of those ranked below
+   top_k (fp32 sums rounded to g's dtype, as the twin's einsum), keeps its best (the earliest
+   (rank, position) among equal scores) and, the last program of the row to arrive (an arrival
+   counter, `counters.py`), picks the row's token: the highest score, the earliest (rank, position)
+   on ties, which is torch.argmax's first maximum over the candidates in rank order.
+   (A first version sorted all C keys in each of top_k programs: 30 us per call on the H200, run Z.)
 Numerics: the twin ranks centroids with a stable descending sort (ties: lower index first), which
 the kernel reproduces exactly; Drafter.next_token's topk may order exact ties otherwise. fp32 sums
 run in another order than cuBLAS's, so bf16 scores on a rounding boundary can still differ.
@@ -45,49 +47,71 @@ def _centroid_kernel(g_ptr, w_ptr, s_ptr, C, stride_gn, stride_sn,
 
 
 @triton.jit
-def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, ptok_ptr, cnt_ptr, out_ptr,
-                   C, TPC, stride_sn, stride_gn,
-                   H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    j = tl.program_id(0)
-    n = tl.program_id(1)
-    # rank the centroids: key = order-preserving int of the score (high 32 bits), then BLOCK_C - 1 - c
-    # (low 32 bits: the lower index wins a tie in a descending sort); padding scores are -inf
-    c = tl.arange(0, BLOCK_C)
-    s = tl.load(s_ptr + n * stride_sn + c, mask=c < C, other=float("-inf")).to(tl.float32)
+def _keys(s_ptr, c, C, BLOCK_C: tl.constexpr):
+    """Centroid scores -> unique int64 rank keys, larger first: the order-preserving int of the
+    score (high 32 bits; -inf past C), then BLOCK_C - 1 - c (the lower index first on a tie)."""
+    s = tl.load(s_ptr + c, mask=c < C, other=float("-inf")).to(tl.float32)
     b = s.to(tl.int32, bitcast=True)
     key = b ^ ((b >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits (signed order)
-    k64 = (key.to(tl.int64) << 32) | (BLOCK_C - 1 - c).to(tl.int64)
-    ranked = tl.sort(k64, descending=True)
-    pick = tl.sum(tl.where(c == j, ranked, 0), axis=0)
-    cent = BLOCK_C - 1 - (pick & 0xFFFFFFFF).to(tl.int32)
-    # this centroid's candidates: ids from token_ordering, their embedding rows against g
+    return (key.to(tl.int64) << 32) | (BLOCK_C - 1 - c).to(tl.int64)
+
+
+@triton.jit
+def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_ptr, cnt_ptr, out_ptr,
+                   C, TPC, stride_sn, stride_gn,
+                   H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, NUM_P: tl.constexpr, BLOCK_P: tl.constexpr):
+    p = tl.program_id(0)
+    n = tl.program_id(1)
+    # ranks of this program's BLOCK_R centroids among all C (keys are unique: ranks are a permutation)
+    c = p * BLOCK_R + tl.arange(0, BLOCK_R)
+    own = _keys(s_ptr + n * stride_sn, c, C, BLOCK_C)
+    rank = tl.zeros((BLOCK_R,), dtype=tl.int32)
+    for c0 in tl.static_range(0, BLOCK_C, 256):
+        other = _keys(s_ptr + n * stride_sn, c0 + tl.arange(0, 256), C, BLOCK_C)
+        rank += tl.sum((other[None, :] > own[:, None]).to(tl.int32), axis=1)
+    sel = (rank < TOP_K) & (c < C)
+    slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    # score the candidates of the selected centroids; keep the best, the earliest (rank, position) on ties
     t = tl.arange(0, BLOCK_T)
     t_ok = t < TPC
-    ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + t, mask=t_ok, other=0)
-    acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for h0 in tl.static_range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h < H
-        g = tl.load(g_ptr + n * stride_gn + h, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(emb_ptr + ids[:, None] * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
-    score = tl.where(t_ok, acc.to(emb_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-    best = tl.max(score, axis=0)
-    first = tl.min(tl.where(score == best, t, BLOCK_T), axis=0)
-    tok = tl.sum(tl.where(t == first, ids, 0), axis=0)
-    tl.store(pmax_ptr + n * TOP_K + j, best)
-    tl.store(ptok_ptr + n * TOP_K + j, tok)
+    best_v = float("-inf")
+    best_o = 2147483647
+    best_t = tl.zeros((), dtype=tl.int64)
+    for i in range(0, tl.sum(sel.to(tl.int32), axis=0)):
+        hit = sel & (slot == i)
+        cent = tl.sum(tl.where(hit, c, 0), axis=0)
+        r = tl.sum(tl.where(hit, rank, 0), axis=0)
+        ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + t, mask=t_ok, other=0)
+        acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for h0 in tl.static_range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_ok = h < H
+            g = tl.load(g_ptr + n * stride_gn + h, mask=h_ok, other=0.0).to(tl.float32)
+            w = tl.load(emb_ptr + ids[:, None] * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
+        score = tl.where(t_ok, acc.to(emb_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        v = tl.max(score, axis=0)
+        first = tl.min(tl.where(score == v, t, BLOCK_T), axis=0)
+        o = r * TPC + first
+        take = (v > best_v) | ((v == best_v) & (o < best_o))
+        best_v = tl.where(take, v, best_v)
+        best_o = tl.where(take, o, best_o)
+        best_t = tl.where(take, tl.sum(tl.where(t == first, ids, 0), axis=0), best_t)
+    tl.store(pmax_ptr + n * NUM_P + p, best_v)
+    tl.store(pord_ptr + n * NUM_P + p, best_o)
+    tl.store(ptok_ptr + n * NUM_P + p, best_t)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel", scope="gpu")
-    if arrived == TOP_K - 1:  # the row's last program: the best rank's token (lower rank on ties)
-        r = tl.arange(0, BLOCK_K)
-        r_ok = r < TOP_K
-        v = tl.load(pmax_ptr + n * TOP_K + r, mask=r_ok, other=float("-inf"), cache_modifier=".cg")
-        ptok = tl.load(ptok_ptr + n * TOP_K + r, mask=r_ok, other=0, cache_modifier=".cg")
-        vmax = tl.max(v, axis=0)
-        r_best = tl.min(tl.where(v == vmax, r, BLOCK_K), axis=0)
-        tl.store(out_ptr + n, tl.sum(tl.where(r == r_best, ptok, 0), axis=0))
+    if arrived == NUM_P - 1:  # the row's last program: the highest score, the earliest (rank, position)
+        q = tl.arange(0, BLOCK_P)
+        q_ok = q < NUM_P
+        v = tl.load(pmax_ptr + n * NUM_P + q, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(pord_ptr + n * NUM_P + q, mask=q_ok, other=2147483647, cache_modifier=".cg")
+        tok = tl.load(ptok_ptr + n * NUM_P + q, mask=q_ok, other=0, cache_modifier=".cg")
+        o = tl.where(v == tl.max(v, axis=0), o, 2147483647)
+        o_best = tl.min(o, axis=0)
+        tl.store(out_ptr + n, tl.sum(tl.where(o == o_best, tok, 0), axis=0))
         tl.store(cnt_ptr + n, 0)
 
 
@@ -123,14 +147,17 @@ def draft_head(g, centroids, ordering, emb, top_k: int) -> torch.Tensor:
     block_h = min(64, triton.next_power_of_2(H))
     _centroid_kernel[(triton.cdiv(C, 64), N)](g, centroids, scores, C, g.stride(0), scores.stride(0),
                                               H=H, BLOCK_C=64, BLOCK_H=block_h, num_warps=4)
-    pmax = torch.empty(N, top_k, device=g.device, dtype=torch.float32)
-    ptok = torch.empty(N, top_k, device=g.device, dtype=torch.int64)
+    block_r = 64
+    num_p = triton.cdiv(C, block_r)
+    pmax = torch.empty(N, num_p, device=g.device, dtype=torch.float32)
+    pord = torch.empty(N, num_p, device=g.device, dtype=torch.int32)
+    ptok = torch.empty(N, num_p, device=g.device, dtype=torch.int64)
     out = torch.empty(N, device=g.device, dtype=torch.int64)
     cnt = arrival_counters(g.device, N, "draft_head")
-    _select_kernel[(top_k, N)](scores, g, ordering, emb, pmax, ptok, cnt, out, C, V // C, scores.stride(0),
-                               g.stride(0), H=H, TOP_K=top_k, BLOCK_C=triton.next_power_of_2(C),
-                               BLOCK_T=triton.next_power_of_2(V // C), BLOCK_H=block_h,
-                               BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    _select_kernel[(num_p, N)](scores, g, ordering, emb, pmax, pord, ptok, cnt, out, C, V // C, scores.stride(0),
+                               g.stride(0), H=H, TOP_K=top_k, BLOCK_C=max(256, triton.next_power_of_2(C)),
+                               BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(V // C), BLOCK_H=block_h, NUM_P=num_p,
+                               BLOCK_P=triton.next_power_of_2(num_p), num_warps=4)
     return out
 
 
