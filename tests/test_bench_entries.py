@@ -159,18 +159,18 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
     out = tmp_path / "spec.jsonl"
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
-               "--fuse", "layers", "--drafter-steps", "fused,layers,unfused", "--split-fixup", "off,on", "--head",
+               "--fuse", "layers", "--drafter-steps", "fused,fused_head,unfused", "--split-fixup", "off,on", "--head",
                "pruned:50", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["stack"]["FuseLayers"]["fused_layers"] is True
     rows = lines[1:]
     assert [(r["spec"], r.get("drafter_step"), r.get("split_fixup")) for r in rows] == [("none", None, None)] + [
-        ("replay", d, f) for d in ("fused", "layers", "unfused") for f in ("off", "on")]
+        ("replay", d, f) for d in ("fused", "fused_head", "unfused") for f in ("off", "on")]
     assert w4a16.SPLIT_FIXUP  # back on afterwards
     for r in rows[1:]:
         assert r["identity_rate"] == 1.0 and r["diverge_at"] == [8]
         assert r["top1_agree"] == 1.0 and r["max_abs_diff"] < 1e-3
-    with pytest.raises(SystemExit, match="fused and layers need --fuse layers"):
+    with pytest.raises(SystemExit, match="the fused ones need --fuse layers"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--drafter-steps", "fused"])
     with pytest.raises(SystemExit, match="on, off or on,off"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--split-fixup", "maybe"])

@@ -61,6 +61,7 @@ def apply_variant(model, name, state):
         state["merged"] = True
     model.fused_decode = None
     model.fuse_drafter = None
+    model.draft_head = None
     if fused:
         from ..transforms.fuse_layers import FuseLayers
 

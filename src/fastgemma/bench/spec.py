@@ -148,8 +148,8 @@ def main(argv=None):
     ap.add_argument("--fuse", default="none", choices=("none", "layers"),
                     help="layers: the body's fused one-row step (fuse=layers fuse.pdl=true) for the AR rows")
     ap.add_argument("--drafter-steps", default="",
-                    help="fused (layers and head), layers (fused layers, torch head), unfused; comma-separated, "
-                         "one row each; default: fused with --fuse layers")
+                    help="fused (fuse=layers' drafter step), fused_head (+ kernels/draft_head.py for its head), "
+                         "unfused; comma-separated, one row each; default: fused with --fuse layers")
     ap.add_argument("--split-fixup", default="on",
                     help="int4 split-K partials summed in the kernel (on) or by a second launch (off); on,off: both")
     ap.add_argument("--profile-phases", type=int, default=0,
@@ -170,17 +170,15 @@ def main(argv=None):
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers")
     steps = [x for x in (a.drafter_steps or ("fused" if a.fuse == "layers" else "unfused")).split(",") if x]
-    if set(steps) - {"fused", "layers", "unfused"} or (set(steps) - {"unfused"} and a.fuse != "layers"):
-        raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused, layers, unfused; fused and layers need "
+    if set(steps) - {"fused", "fused_head", "unfused"} or (set(steps) - {"unfused"} and a.fuse != "layers"):
+        raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused, fused_head, unfused; the fused ones need "
                          "--fuse layers")
     drafters = {}
     for name in steps:  # the same seeded weights; fusing merges gate|up of its own copy
         d = synthetic_drafter(cfg, dev, dtype, seed=0)
         d.set_top_k(a.centroid_top_k or None)
         if name != "unfused":
-            d = model.fuse_drafter(d)
-        if name == "layers":
-            d.head_fn = None
+            d = model.fuse_drafter(d, head=model.draft_head if name == "fused_head" else None)
         drafters[name] = d
     drafter = next(iter(drafters.values()))
     fixups = [x for x in a.split_fixup.split(",") if x]

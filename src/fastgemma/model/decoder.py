@@ -131,6 +131,7 @@ class Gemma4Model(nn.Module):
         self.logits_head = None     # optional head override: fn(hidden) -> logits (pruned / quantised)
         self.fused_decode = None    # optional one-row step: fn(model, ids, pos, cache) -> hidden (fuse=layers)
         self.fuse_drafter = None    # fn(drafter) -> drafter: the same fusion for an MTP drafter (fuse=layers)
+        self.draft_head = None      # fn(g, centroids, ordering, rows, top_k) -> ids: kernels/draft_head (fuse=layers)
 
     def init_buffers(self):
         """(Re)compute non-persistent buffers: after building on the meta device and to_empty()."""

@@ -186,7 +186,7 @@ class Drafter(nn.Module):
         register_rope_buffers(self, cfg)
         self.top_k = cfg.centroid_top_k
         self.fused_forward = None  # fn(drafter, x, rope, q_pos, cache, attn) -> (g, h'): fuse=layers
-        self.head_fn = None  # fn(g, centroids, token_ordering, rows, top_k) -> ids: kernels.draft_head (fuse=layers)
+        self.head_fn = None  # fn(g, centroids, token_ordering, rows, top_k) -> ids, e.g. kernels.draft_head
         self.init_buffers()
 
     def init_buffers(self):
@@ -259,7 +259,7 @@ class Drafter(nn.Module):
         g = g.reshape(-1, g.shape[-1])
         w = self.model.embed_tokens.weight
         me = self.masked_embedding
-        if self.head_fn is not None and me is not None:  # fuse=layers: two launches (kernels/draft_head.py)
+        if self.head_fn is not None and me is not None:  # e.g. two launches (kernels/draft_head.py)
             return self.head_fn(g, me.centroids.weight, me.token_ordering, w, self.top_k).view(shape)
         cand = self.candidates(g)
         if cand is None:

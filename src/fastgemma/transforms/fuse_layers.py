@@ -17,8 +17,9 @@ fuse among themselves). Models without PLE carry the MLP's residual into the nex
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
 wider steps (the verify pass, batches) the ordinary one. The MTP drafter's one-row step takes the
 same GEMVs (`fused_draft`: pre-projection, then per layer q, o, gate|up + GeGLU, down, then the
-post-projection) and its centroid-masked head two launches (kernels/draft_head.py), set on the
-drafter by `model.fuse_drafter` when speculative decoding builds it.
+post-projection), set on the drafter by `model.fuse_drafter` when speculative decoding builds it.
+Its centroid-masked head stays torch's: kernels/draft_head.py's two launches were slower on the
+H200 (runs Z, AA); `model.draft_head` is that op (or its twin) for an explicit `head=`.
 Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a16`), each layer
 as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+).
@@ -130,15 +131,15 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
 
 
 def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None):
-    """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`, and
-    `head` (kernels/draft_head.py's op or twin; None: torch's topk path) for its centroid-masked
-    head. Dense bias-free linears only (a quantized drafter keeps the unfused step: refused here)."""
+    """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
+    `head` (None: torch's topk path, the default) replaces its centroid-masked head, e.g. with
+    `model.draft_head`. Dense bias-free linears only (a quantized drafter keeps the unfused step)."""
     for i, layer in enumerate(drafter.model.layers):
         for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             mod = layer.get_submodule(name)
             if type(mod) is not nn.Linear or mod.bias is not None:
-                raise ValueError(f"fuse=layers fuses the drafter's bias-free nn.Linear layers; drafter layers.{i}.{name} "
-                                 f"is {type(mod).__name__}")
+                raise ValueError(f"fuse=layers fuses the drafter's bias-free nn.Linear layers; drafter "
+                                 f"layers.{i}.{name} is {type(mod).__name__}")
     MergeProjections(qkv=False).apply(drafter.model)
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl)
     drafter.head_fn = head
@@ -174,7 +175,8 @@ class FuseLayers:
                                        epilogue=epilogue)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
-        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl, head=head)
+        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
+        model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
         return model
 
     def validate(self, model) -> None:
