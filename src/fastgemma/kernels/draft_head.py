@@ -30,19 +30,26 @@ from .gemv import _INTERPRET
 
 
 @triton.jit
+def _dot_rows(w_ptr, rows, ok, g_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows `rows` of w [*, H] (where ok) against g [H] -> fp32 sums [len(rows)]."""
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for h0 in tl.static_range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        g = tl.load(g_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * H + h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _centroid_kernel(g_ptr, w_ptr, s_ptr, C, stride_gn, stride_sn,
                      H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_c = tl.program_id(0)
     n = tl.program_id(1)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for h0 in tl.static_range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h < H
-        g = tl.load(g_ptr + n * stride_gn + h, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c[:, None] * H + h[None, :], mask=c_ok[:, None] & h_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
+    acc = _dot_rows(w_ptr, c, c_ok, g_ptr + n * stride_gn, H, BLOCK_H)
     tl.store(s_ptr + n * stride_sn + c, acc.to(s_ptr.dtype.element_ty), mask=c_ok)
 
 
@@ -83,13 +90,7 @@ def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_pt
         cent = tl.sum(tl.where(hit, c, 0), axis=0)
         r = tl.sum(tl.where(hit, rank, 0), axis=0)
         ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + t, mask=t_ok, other=0)
-        acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for h0 in tl.static_range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            h_ok = h < H
-            g = tl.load(g_ptr + n * stride_gn + h, mask=h_ok, other=0.0).to(tl.float32)
-            w = tl.load(emb_ptr + ids[:, None] * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
+        acc = _dot_rows(emb_ptr, ids, t_ok, g_ptr + n * stride_gn, H, BLOCK_H)
         score = tl.where(t_ok, acc.to(emb_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         v = tl.max(score, axis=0)
         first = tl.min(tl.where(score == v, t, BLOCK_T), axis=0)
