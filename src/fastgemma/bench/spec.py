@@ -32,8 +32,8 @@ from ..engine.speculative import PROFILES, Replay, SpecGenerator, expected_token
 from ..metrics.acceptance import acceptance_summary
 from ..metrics.identity import common_prefix, top1_agreement
 from ..engine.steps import GraphStep, StaticStep
-from ..model.config import preset
 from ..kernels import w4a16
+from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 
 

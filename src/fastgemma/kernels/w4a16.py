@@ -193,10 +193,10 @@ def _byte_terms(w, x_even, x_odd, xs, s, z):
 
 
 @triton.jit
-def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, tile, pid_k, M, N, stride_om,
+def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om,
                  SPLIT: tl.constexpr, FIXUP: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] fp32, K split pid_k of output tile `tile` -> out [M, N] (out[m, n] at
-    m * stride_om + n). SPLIT == 1: stored. Else the partial goes to ws [SPLIT, M, N] fp32 and the
+    """acc [BLOCK_N, BLOCK_M] fp32 of this program (grid: N tiles, K splits, M tiles) -> out [M, N]
+    (out[m, n] at m * stride_om + n). SPLIT == 1: stored. Else the partial goes to ws [SPLIT, M, N] fp32 and the
     tile's last program to arrive (one counter per tile, acq_rel at GPU scope, after a barrier so
     every thread's partial is written) sums the SPLIT partials in split order, stores out and zeroes
     the counter for the next launch: the sums of `_splitk_reduce_kernel`, bit for bit, without a
@@ -204,6 +204,8 @@ def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, tile
     are shared per device: split launches must not run concurrently (one stream, no PDL)."""
     mask = n_ok[:, None] & m_ok[None, :]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    pid_k = tl.program_id(1)
+    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     if SPLIT == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -298,8 +300,7 @@ def _gemv_kernel(
             x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]: one row of x per program
     offs_m = pid_m + tl.arange(0, 1)
-    _split_store(y, offs_n, offs_m, n_ok, offs_m < M, out_ptr, ws_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
-                 pid_k, M, N, stride_om, SPLIT, FIXUP)
+    _split_store(y, offs_n, offs_m, n_ok, offs_m < M, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP)
 
 
 @triton.jit
@@ -346,8 +347,7 @@ def _mma_kernel(
         s_ptrs += NG * N
         z_ptrs += NG * N
         x_ptrs += BLOCK_K
-    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
-                 pid_k, M, N, stride_om, SPLIT, FIXUP)
+    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP)
 
 
 # 4 code bytes (the pack of 4 elements Triton hands the block, in element order) -> 8 weights:
@@ -436,8 +436,7 @@ def _group_mma_kernel(
         s_ptrs += N
         z_ptrs += N
         x_ptrs += GROUP
-    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, pid_m * tl.num_programs(0) + pid_n,
-                 pid_k, M, N, stride_om, SPLIT, FIXUP)
+    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP)
 
 
 @triton.jit
@@ -630,8 +629,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     k_split = K // split
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     ws = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    bm = max(1, cfg.block_m)
-    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, bm))
+    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
     fixup = SPLIT_FIXUP and split > 1
     cnt = arrival_counters(x.device, grid[0] * grid[2], "w4a16 split-K") if fixup else ws
     head = (x, qweight, scales, zeros, out, ws, cnt, M, N, x.stride(0), qweight.stride(0), N)
