@@ -111,6 +111,16 @@ def split_ms(gen, prompt, new) -> dict:
     return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in gen.last_split_s.items() if v}
 
 
+def use_prefill(gen, name: str, prompt_len: int) -> None:
+    """The generator's prompt path (bench.prefill's variants), its graphs captured up to prompt_len."""
+    from ..engine.steps import PREFILL_BUCKET
+    from .prefill import VARIANTS
+
+    compiled, captured = VARIANTS[name]
+    gen.set_prefill(compiled, PREFILL_BUCKET if captured else 0)
+    gen.warm_prefill(prompt_len)
+
+
 def profile_phases(gen, steps: int, top: int = 8) -> dict:
     """Kernels of the captured draft and verify graphs, `steps` replays each at the generator's
     current state (replaying them alone changes only the drafts, the verify rows and their cache
@@ -154,6 +164,10 @@ def main(argv=None):
                     help="int4 split-K partials summed in the kernel (on) or by a second launch (off); on,off: both")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
+    ap.add_argument("--prefill", default="graph",
+                    help="the prompt's path, comma-separated for one row each (same captured decode graphs): "
+                         "eager, graph (padded, one CUDA graph per padded length: graphs=cuda_graph), "
+                         "compiled_graph (+ torch.compile dynamic=True: graphs=compiled), compiled")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
@@ -181,6 +195,11 @@ def main(argv=None):
             d = model.fuse_drafter(d, head=model.draft_head if name == "fused_head" else None)
         drafters[name] = d
     drafter = next(iter(drafters.values()))
+    from .prefill import VARIANTS as PREFILL
+
+    prefills = [x for x in a.prefill.split(",") if x]
+    if not prefills or set(prefills) - set(PREFILL):
+        raise SystemExit(f"--prefill {a.prefill!r}: {', '.join(PREFILL)}")
     fixups = [x for x in a.split_fixup.split(",") if x]
     if not fixups or set(fixups) - {"on", "off"}:
         raise SystemExit(f"--split-fixup {a.split_fixup!r}: on, off or on,off")
@@ -210,12 +229,17 @@ def main(argv=None):
         step = (GraphStep if cuda else StaticStep)(model, cache, sampler, compile=a.compile)
         ar = Generator(model, cache, step, sampler=sampler)
         step.prepare()
-        ar.generate(prompts[0][:32], 8)
-        outs, wall = timed(ar, prompts, a.new)
-        ar_tokens = [o.tokens for o in outs]
-        ar_forced = ar.forced(prompts[0], ar_tokens[0]) if a.agreement else None
-        base = summarize("none", wlabel, 0, None, outs, wall)
-        emit(base)
+        base = ar_tokens = None
+        for pname in prefills:
+            use_prefill(ar, pname, a.prompt_len)
+            ar.generate(prompts[0][:32], 8)
+            outs, wall = timed(ar, prompts, a.new)
+            row = summarize("none", wlabel, 0, None, outs, wall, ar_tokens if base else None)
+            row["prefill"] = pname
+            if base is None:
+                base, ar_tokens = row, [o.tokens for o in outs]
+                ar_forced = ar.forced(prompts[0], ar_tokens[0]) if a.agreement else None
+            emit(row)
         del step, ar, cache
         if cuda:
             torch.cuda.empty_cache()
@@ -233,28 +257,33 @@ def main(argv=None):
             t = time.perf_counter()
             gen.prepare()
             prep_s = time.perf_counter() - t
-            t = time.perf_counter()
-            if replay is not None:
-                for p in prompts:
-                    gen.prime(p, a.new)
-            prime_s = time.perf_counter() - t
+            prime_s = 0.0
             phases = None
             if a.profile_phases and cuda and gen._graphs is not None and not profiled:
                 gen._reset_state(a.prompt_len)
                 phases = profile_phases(gen, a.profile_phases)
                 profiled = True
-            for prof in (profiles if replay is not None else [None]):
+            primed = None
+            for prof, pname in [(p, q) for p in (profiles if replay is not None else [None]) for q in prefills]:
                 if prof:
                     gen.set_profile(prof)
+                use_prefill(gen, pname, a.prompt_len)
+                if replay is not None and pname != primed:
+                    # the reference trace through the prefill path timed: in bf16 another path's
+                    # first hidden state rounds differently and the trace would leave the engine's
+                    t = time.perf_counter()
+                    for p in prompts:
+                        gen.prime(p, a.new)
+                    prime_s, primed = time.perf_counter() - t, pname
                 gen.generate(prompts[0], a.new)  # warm-up
                 outs, wall = timed(gen, prompts, a.new)
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
-                           diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
+                           prefill=pname, diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
-                if ar_forced is not None:  # the k+1-row pass against the AR step on AR's own trace
+                if ar_forced is not None and pname == prefills[0]:  # the k+1-row pass vs the AR step on AR's trace
                     agree = top1_agreement(ar_forced, gen.forced_verify(prompts[0], ar_tokens[0]))
                     row.update(top1_agree=agree["top1"], top1_agree_confident=agree["top1_confident"],
                                max_abs_diff=agree["max_abs_diff"])
@@ -278,17 +307,18 @@ def main(argv=None):
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | profile | k | tok/s | x AR | tok/step | expected | accept_mean | draft ms | verify ms "
-          "| accept ms | step ms | identity | diverge at | top1 vs AR | top1 conf | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| window | spec | tiles | drafter | split fixup | prefill | profile | k | tok/s | x AR | tok/step | expected | "
+          "accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | top1 vs AR | "
+          "top1 conf | accept_by_pos |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
-              f"{r.get('split_fixup', '')} | "
+              f"{r.get('split_fixup', '')} | {r.get('prefill', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "
-              f"{f(r.get('accept_ms'), 3)} | {f(r['step_ms'], 3)} | {f(r.get('identity_rate'))} | "
+              f"{f(r.get('accept_ms'), 3)} | {f(r['step_ms'], 3)} | {f(r['ttft_ms'], 1)} | {f(r.get('identity_rate'))} | "
               f"{' '.join(str(x) for x in r.get('diverge_at') or [])} | {f(r.get('top1_agree'), 4)} | "
               f"{f(r.get('top1_agree_confident'), 4)} | {abp} |")
 

@@ -30,13 +30,41 @@ class Generation:
 class Generator:
     """generate(prompt_ids, max_new_tokens, ignore_eos) on top of a model, a cache and a step."""
 
-    def __init__(self, model, cache: KVCache, step=None, *, prefill_chunk: int = 2048, sampler=argmax_sampler):
+    def __init__(self, model, cache: KVCache, step=None, *, prefill_chunk: int = 2048, sampler=argmax_sampler,
+                 compile_prefill: bool | None = None, prefill_bucket: int | None = None):
+        """compile_prefill: torch.compile(dynamic=True) the prompt chunks' forward (one compilation
+        serves every prompt length; the first prefill pays it). prefill_bucket > 0: a prompt that fits
+        in one chunk is padded in front to a multiple of it (pads sit at the next position, invisible
+        to the prompt) and, on CUDA, replayed from one CUDA graph per padded length (captured on first
+        use or by warm_prefill). None: what the step says (graphs=cuda_graph / compiled set both)."""
+        if prefill_chunk < 1:
+            raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model, self.cache = model, cache
         self.step = step or EagerStep(model, cache, sampler)
         self.sampler = sampler
         self.prefill_chunk = prefill_chunk
         self.device = cache.ring_pos.device
         self.eos = set(model.config.eos_ids)
+        if compile_prefill is None:
+            compile_prefill = bool(getattr(self.step, "compile_prefill", False))
+        if prefill_bucket is None:
+            prefill_bucket = int(getattr(self.step, "prefill_bucket", 0))
+        self._compiled_forward = None
+        self._graph_pool = None
+        self.set_prefill(compile_prefill, prefill_bucket)
+
+    def set_prefill(self, compile: bool, bucket: int) -> None:
+        """The prompt's path: torch.compile(dynamic=True) of the chunk forward or not (compiled once,
+        on first use, and kept); padding bucket (0: none; > 0 on CUDA: one graph per padded length).
+        Captured graphs are dropped (they hold the old path)."""
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+            raise GenerationError(f"prefill_bucket must be an integer >= 0 (0: no padding), got {bucket!r}")
+        self.compile_prefill, self.prefill_bucket = bool(compile), bucket
+        if compile and self._compiled_forward is None:
+            self._compiled_forward = torch.compile(self._forward, dynamic=True)
+        self._chunk_forward = self._compiled_forward if compile else self._forward
+        self.capture_prefill = bucket > 0 and self.device.type == "cuda"
+        self._prefill_graphs: dict[int, tuple] = {}  # padded length -> (graph, ids, pos, hidden)
 
     # ---- validation ----------------------------------------------------------------------------
     def _prompt(self, prompt_ids) -> torch.Tensor:
@@ -64,16 +92,93 @@ class Generator:
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] on the device -> hidden [B, 1, hidden] of the last position. Chunked: chunks
         before the last stop at the first KV-shared layer (nothing after it writes the cache)."""
-        self.cache.reset()
         T = ids.shape[1]
         c = self.prefill_chunk
+        padded = self.padded_length(T)
+        if padded is not None:
+            return self._padded_prefill(ids, padded)
+        self.cache.reset()
         h = None
         for start in range(0, T, c):
             chunk = ids[:, start:start + c]
             pos = torch.arange(start, start + chunk.shape[1], device=self.device)[None].expand_as(chunk)
             last = start + c >= T
-            h = self.model(chunk, pos, self.cache, start=start, need="last" if last else "none")
+            h = self._chunk_forward(chunk, pos, start, "last" if last else "none")
         return h
+
+    def _forward(self, chunk, pos, start: int, need: str):
+        return self.model(chunk, pos, self.cache, start=start, need=need)
+
+    def padded_length(self, T: int) -> int | None:
+        """The length a T-token prompt is prefilled at: T rounded up to the bucket, within one chunk
+        and the cache; None (chunked, unpadded) without a bucket, for prompts longer than a chunk,
+        or when the cache has no slot left for the pads' position."""
+        b = self.prefill_bucket
+        if not b or T > self.prefill_chunk or T >= self.cache.max_context:
+            return None
+        return min(-(-T // b) * b, self.prefill_chunk, self.cache.max_context)
+
+    def _padded_prefill(self, ids: torch.Tensor, padded: int) -> torch.Tensor:
+        """One chunk of `padded` rows: padded - T pads in front, all at position T (the first position
+        after the prompt), then the prompt at 0..T-1. Every prompt row's keys are at positions below T,
+        so no pad is visible to it. The pads' writes: full layers' slot T, overwritten by the first
+        decode or verify write at T before it attends (the MTP drafter masks keys >= T); the ring slot
+        of T, marked empty afterwards (its old position T - ring is outside every window), since the
+        eager step attends over the ring before it writes. The last row is the prompt's last:
+        need="last" is unchanged."""
+        B, T = ids.shape
+        x, pos = self._pad(ids, padded)
+        if not self.capture_prefill:
+            self.cache.reset()
+            h = self._chunk_forward(x, pos, 0, "last")
+        else:
+            g = self._prefill_graphs.get(padded) or self._capture_prefill(padded)
+            self.cache.reset()  # after any capture: its dummy rows wrote into the cache
+            g[1].copy_(x)
+            g[2].copy_(pos)
+            g[0].replay()
+            h = g[3]
+        self.cache.ring_pos[:, T % self.cache.ring] = -1
+        return h
+
+    def _pad(self, ids, padded: int):
+        B, T = ids.shape
+        n = padded - T
+        x = torch.cat([ids.new_zeros(B, n), ids], 1)
+        pos = torch.cat([torch.full((n,), T, device=ids.device, dtype=torch.long),
+                         torch.arange(T, device=ids.device)])[None].expand(B, -1)
+        return x, pos
+
+    def _capture_prefill(self, padded: int):
+        """Capture the one-chunk prefill of `padded` rows (static ids / positions in, the last
+        hidden out); the bucket graphs share one memory pool (they never run at the same time)."""
+        B = self.cache.batch
+        ids = torch.zeros(B, padded, dtype=torch.long, device=self.device)
+        pos = torch.arange(padded, device=self.device)[None].repeat(B, 1)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # compile / autotune outside the capture
+            self.cache.reset()
+            self._chunk_forward(ids, pos, 0, "last")
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            h = self._chunk_forward(ids, pos, 0, "last")
+        self._prefill_graphs[padded] = (graph, ids, pos, h)
+        return self._prefill_graphs[padded]
+
+    @torch.inference_mode()
+    def warm_prefill(self, max_len: int) -> int:
+        """Capture the prefill graph of every padded length up to max_len's (the warm-up: no prompt
+        pays a capture later). Returns the number of graphs held."""
+        if self.capture_prefill:
+            for n in sorted({self.padded_length(t) for t in range(1, max_len + 1)} - {None}):
+                if n not in self._prefill_graphs:
+                    self._capture_prefill(n)
+            self.cache.reset()
+        return len(self._prefill_graphs)
 
     # ---- decode --------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -28,7 +28,7 @@ import torch
 
 from ..metrics.timing import StepClock
 from .generator import Generation, GenerationError, Generator
-from .steps import argmax_sampler
+from .steps import PREFILL_BUCKET, argmax_sampler
 
 # conditional per-position acceptance (P(accept draft j | drafts < j accepted)) measured in the
 # Fast Gemma challenge: the frontier drafter at K=7 -> 3.85 tokens per step
@@ -116,9 +116,17 @@ class SpecGenerator(Generator):
 
     def __init__(self, model, cache, drafter, depth: int, *, step=None, sampler=argmax_sampler,
                  prefill_chunk: int = 2048, replay: Replay | None = None, graphs: bool = False, compile: bool = False,
-                 warmup_iters: int = 2, eos_check_steps: int = 4):
-        # `step` (the AR step) serves forced() only: teacher-forced logits do not depend on speculation
-        super().__init__(model, cache, step, prefill_chunk=prefill_chunk, sampler=sampler)
+                 warmup_iters: int = 2, eos_check_steps: int = 4, compile_prefill: bool | None = None,
+                 prefill_bucket: int | None = None):
+        # `step` (the AR step) serves forced() only: teacher-forced logits do not depend on speculation.
+        # The prompt follows the phases (compiled with them, captured per padded length with them)
+        # unless the step or the arguments say otherwise
+        if prefill_bucket is None:
+            prefill_bucket = getattr(step, "prefill_bucket", PREFILL_BUCKET if graphs else 0)
+        if compile_prefill is None:
+            compile_prefill = getattr(step, "compile_prefill", compile)
+        super().__init__(model, cache, step, prefill_chunk=prefill_chunk, sampler=sampler,
+                         compile_prefill=compile_prefill, prefill_bucket=prefill_bucket)
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= cache.step_rows - 1:
             raise GenerationError(f"speculative depth must be an integer in [1, {cache.step_rows - 1}] (verify "
                                   f"runs depth + 1 rows, the cache's step_rows is {cache.step_rows}); got {depth!r}")

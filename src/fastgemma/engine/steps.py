@@ -13,6 +13,11 @@ import torch
 from ..kernels.argmax import argmax_last
 
 
+# prompts are padded to a multiple of this and replayed from one CUDA graph per padded length
+# (graphs=cuda_graph / compiled; Generator.prefill)
+PREFILL_BUCKET = 64
+
+
 def argmax_sampler(model, hidden):
     """hidden [B, 1, hidden] -> ids [B, 1], logits [B, V] fp32."""
     logits = model.compute_logits(hidden[:, -1])
@@ -95,8 +100,13 @@ class GraphStep(StaticStep):
     overwritten by the graph's own output, so a plain decode loop never copies anything in."""
     name = "cuda_graph"
 
-    def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, warmup_iters: int = 2):
+    def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, warmup_iters: int = 2,
+                 prefill_bucket: int = PREFILL_BUCKET):
         super().__init__(model, cache, sampler, compile)
+        # the generator's prompt path (Generator): padded to this and captured; compiled when the
+        # graphs choice says so (transforms.graphs.CudaGraph sets compile_prefill)
+        self.prefill_bucket = prefill_bucket
+        self.compile_prefill = False
         if cache.ring_pos.device.type != "cuda":
             raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=eager on a CPU")
         self.warmup_iters = warmup_iters

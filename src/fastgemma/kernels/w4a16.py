@@ -527,6 +527,17 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (16, 2560, 256): _grp(16, 1, 1),        # PLE projection: 3.41 / 3.82 / 3.17
     (16, 10752, 2560): _grp(32, 2, 2),      # W_plm: 13.71 / 18.86 / 15.80
     (16, 262144, 2560): _mma(64, 128),      # head: 254.32 with this tl.dot config; per-group untimed
+    # M > 16 (prompt chunks): the per-group kernel on large tiles. bench_shapes(ms=(256,), sweep=True,
+    # graph=False) on the H200 (2026-11-30, eager launches, weights out of L2), us at M = 256: this
+    # config / the first tl.dot kernel's default (_mma(64, 256, 1, 4, 3, 64)) / cuBLAS bf16
+    (64, 3072, 2560): _grp(64, 1, 4, 3, 64),     # q|k|v: 35.07 / 35.44 / 14.11
+    (64, 6144, 2560): _grp(64, 1, 4, 3, 64),     # q|k|v (full): 39.01 / 65.98 / 19.50
+    (64, 2560, 2048): _grp(64, 1, 4, 3, 64),     # o: 25.38 / 30.59 / 11.02
+    (64, 2560, 4096): _grp(64, 1, 4, 3, 128),    # o (full): 49.25 / 101.17 / 16.38
+    (64, 20480, 2560): _grp(64, 1, 4, 3, 128),   # gate|up: 103.90 / 161.30 / 46.50
+    (64, 2560, 10240): _grp(64, 1, 4, 3, 64),    # down: 101.10 / 125.31 / 33.66
+    (64, 2560, 256): _grp(64, 1, 4, 3, 64),      # PLE projection: 7.14 / 9.25 / 6.59
+    (64, 10752, 2560): _grp(128, 1, 8, 3, 256),  # W_plm: 62.02 / 97.41 / 28.54
 }
 
 # M = 2..16 through the first tl.dot kernel (`_mma_kernel`): the table before the per-group
@@ -671,17 +682,26 @@ def candidates(M: int, N: int, K: int, per_group_only: bool = False) -> list[W4A
     """The grid `bench_shapes(sweep=True)` tries (before resolve_config fits it to the shape).
     Kept to ~16 per kernel: each distinct (K / split_k, tiles) is one compile."""
     if per_group_only:
-        return per_group_candidates(M) if M <= MAX_DECODE_M else []
+        return per_group_candidates(M) if M <= MAX_DECODE_M else prefill_candidates()
     if M == 1:  # byte loop: small tiles; word loop: several rows per thread (they share x's loads)
         out = [_gemv(bn, bk, sk) for bn in (2, 4, 8) for bk in (512, 1024) for sk in (1, 2)]
         out += [_gemv(bn, bk, sk, w, words=True) for bn, bk, sk, w in (
             (8, 512, 1, 2), (16, 512, 1, 2), (16, 512, 2, 2), (32, 512, 1, 2), (32, 512, 2, 2), (32, 512, 4, 2),
             (16, 1024, 1, 4), (32, 1024, 1, 4), (32, 1024, 2, 4))]
         return out + per_group_candidates(M)
-    bm = 16 if M <= MAX_DECODE_M else 64
+    if M > MAX_DECODE_M:  # prefill: large tiles, no splits; the first tl.dot kernel's default as the baseline
+        return [_mma(64, 256, 1, 4, 3, 64), _mma(128, 128, 1, 8, 3, 128)] + prefill_candidates()
+    bm = MAX_DECODE_M
     out = [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
     out += [_mma(bn, 256, sk, 4, 3, bm) for bn in (16, 32) for sk in (4, 8)] + [_mma(64, 256, 1, 8, 3, bm)]
-    return out + (per_group_candidates(M) if bm == MAX_DECODE_M else [])
+    return out + per_group_candidates(M)
+
+
+def prefill_candidates() -> list[W4A16Config]:
+    """`_group_mma_kernel` tiles (block_n, block_m, warps, stages) for prompt chunks (M > 16)."""
+    return [_grp(bn, 1, w, st, bm) for bn, bm, w, st in (
+        (64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3),
+        (64, 256, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4))]
 
 
 def per_group_candidates(M: int) -> list[W4A16Config]:

@@ -49,6 +49,8 @@ def run(ctx):
     gen = engine.generator
     for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
         gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
+    # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled)
+    gen.warm_prefill(max(len(p.ids) for p in prompts))
     if hasattr(gen, "prime"):
         # spec=replay drafts follow each prompt's reference greedy trace: record it untimed (the
         # engine's own outputs are not cached; the timed run still decodes every token)

@@ -4,11 +4,14 @@
 - Static: model.step (writes first, attends through model.step_attention), device positions; the
   CPU twin of the captured step, same code without the capture.
 - CudaGraph: the static step captured once in a torch.cuda.CUDAGraph and replayed (CUDA only);
-  compile=True first runs the step body through torch.compile (elementwise fusion).
+  compile=True first runs the step body through torch.compile (elementwise fusion), and the
+  prompt's forward too (dynamic=True: one compilation for every length). prefill_bucket > 0: the
+  prompt is padded to a multiple of it and replayed from one CUDA graph per padded length
+  (Generator.prefill; captured in the warm-up by Generator.warm_prefill).
 """
 from __future__ import annotations
 
-from ..engine.steps import EagerStep, GraphStep, StaticStep
+from ..engine.steps import PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
 
 
 class Eager:
@@ -34,14 +37,23 @@ class Static:
 class CudaGraph:
     needs_cuda = True
 
-    def __init__(self, warmup_iters: int = 2, compile: bool = False):
+    def __init__(self, warmup_iters: int = 2, compile: bool = False, prefill_bucket: int = PREFILL_BUCKET,
+                 compile_prefill: bool | None = None):
         if warmup_iters < 1:
             raise ValueError(f"warmup_iters must be >= 1, got {warmup_iters}")
-        self.warmup_iters, self.compile = warmup_iters, bool(compile)
+        if isinstance(prefill_bucket, bool) or not isinstance(prefill_bucket, int) or prefill_bucket < 0:
+            raise ValueError(f"prefill_bucket must be an integer >= 0 (0: the prompt is not captured), "
+                             f"got {prefill_bucket!r}")
+        self.warmup_iters, self.compile, self.prefill_bucket = warmup_iters, bool(compile), prefill_bucket
+        self.compile_prefill = self.compile if compile_prefill is None else bool(compile_prefill)
 
     def make_step(self, model, cache, sampler):
-        return GraphStep(model, cache, sampler, compile=self.compile, warmup_iters=self.warmup_iters)
+        step = GraphStep(model, cache, sampler, compile=self.compile, warmup_iters=self.warmup_iters,
+                         prefill_bucket=self.prefill_bucket)
+        step.compile_prefill = self.compile_prefill  # read by the generator
+        return step
 
     def describe(self) -> dict:
         return {"graphs": "compiled" if self.compile else "cuda_graph", "warmup_iters": self.warmup_iters,
-                "compile": self.compile}
+                "compile": self.compile, "prefill_bucket": self.prefill_bucket,
+                "compile_prefill": self.compile_prefill}

@@ -1,0 +1,118 @@
+"""The prompt's fast paths on the tiny model (fp32, CPU): padding in front to a bucket (what the
+prompt graphs replay) leaves the last hidden state and every later token as the unpadded prefill
+does, for prompts shorter and longer than the window's ring buffer, with pads wider than the
+ring's slack, for speculative decoding and for a batch; the compiled (dynamic) forward equals eager.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import TINY
+from fastgemma.engine.cache import KVCache
+from fastgemma.engine.generator import Generator, GenerationError
+from fastgemma.engine.speculative import SpecGenerator
+from fastgemma.engine.steps import EagerStep, StaticStep
+from fastgemma.kernels.decode_attention import decode_attention_ref
+from fastgemma.model.config import FULL, SLIDING
+from fastgemma.model.drafter import synthetic_drafter
+from fastgemma.transforms.graphs import CudaGraph
+from fastgemma.weights.synthetic import synthetic_model
+
+WINDOW = 12  # ring = 12 + 16 slots = 28
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    m = synthetic_model(TINY, dtype=torch.float32, seed=5)
+    m.step_attention = decode_attention_ref
+    return m
+
+
+def _prompt(T, seed=0):
+    g = torch.Generator().manual_seed(seed + T)
+    return torch.randint(1, TINY.vocab_size, (T,), generator=g).tolist()
+
+
+def _gen(model, bucket, step_cls=EagerStep, max_ctx=96, chunk=2048, batch=1):
+    cache = KVCache(TINY, batch, max_ctx, window=WINDOW, dtype=torch.float32)
+    return Generator(model, cache, step_cls(model, cache), prefill_chunk=chunk, prefill_bucket=bucket)
+
+
+def test_padded_length_rules(model):
+    g = _gen(model, 16, max_ctx=40, chunk=32)
+    assert [g.padded_length(t) for t in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    assert g.padded_length(33) is None  # longer than a chunk: chunked, unpadded
+    g = _gen(model, 16, max_ctx=40)
+    assert g.padded_length(33) == 40 and g.padded_length(39) == 40  # capped by the cache
+    assert g.padded_length(40) is None  # no slot left for the pads' position
+    assert _gen(model, 0).padded_length(5) is None
+    assert not g.capture_prefill  # graphs on CUDA only; the CPU pads without them
+
+
+@pytest.mark.parametrize("T", [1, 5, 15, 16, 17, 27, 28, 29, 40])
+@pytest.mark.parametrize("bucket", [16, 64])
+def test_padded_prefill_equals_unpadded(model, T, bucket):
+    """bucket 64 puts up to 63 pads in front: more than the ring's 16 slots of slack."""
+    ids = torch.tensor([_prompt(T)])
+    ref_gen, pad_gen = _gen(model, 0), _gen(model, bucket)
+    ref = ref_gen.prefill(ids)
+    got = pad_gen.prefill(ids)
+    assert pad_gen.padded_length(T) == -(-T // bucket) * bucket
+    assert (got - ref).abs().max().item() < 1e-5
+    # the caches then decode alike: the pads' writes are invisible or overwritten
+    for cls in (EagerStep, StaticStep):
+        a = _gen(model, 0, cls).generate(_prompt(T), NEW).tokens
+        b = _gen(model, bucket, cls).generate(_prompt(T), NEW).tokens
+        assert a == b, (cls.__name__, T)
+
+
+def test_padded_prefill_batch(model):
+    ids = torch.tensor([_prompt(21), _prompt(21, seed=9)])
+    ref = _gen(model, 0, batch=2).prefill(ids)
+    got = _gen(model, 16, batch=2).prefill(ids)
+    assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_spec_with_padded_prefill_equals_ar(model, k):
+    """The drafter's first step reads the target's cache right after the prefill: keys at the pads'
+    position are masked for it (it attends strictly before the next position)."""
+    drafter = synthetic_drafter(TINY, dtype=torch.float32, seed=0)
+    for T in (5, 23):
+        ar = _gen(model, 0).generate(_prompt(T), NEW).tokens
+        cache = KVCache(TINY, 1, T + NEW, window=WINDOW, dtype=torch.float32)
+        gen = SpecGenerator(model, cache, drafter, k, prefill_bucket=64)
+        assert gen.prefill_bucket == 64
+        assert gen.generate(_prompt(T), NEW).tokens == ar
+
+
+def test_bad_buckets_are_refused(model):
+    with pytest.raises(GenerationError, match="prefill_bucket"):
+        _gen(model, -1)
+    with pytest.raises(ValueError, match="prefill_bucket"):
+        CudaGraph(prefill_bucket=-2)
+    with pytest.raises(GenerationError, match="prefill_chunk"):
+        _gen(model, 0, chunk=0)
+    assert CudaGraph().describe()["prefill_bucket"] == 64
+
+
+def test_compiled_prefill_matches_eager():
+    """torch.compile(dynamic=True) of the prompt's forward (graphs=compiled): one compilation for
+    prompts shorter and longer than the ring and for a second chunk, equal to eager."""
+    cfg = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
+    m = synthetic_model(cfg, dtype=torch.float32, seed=1)
+    torch._dynamo.reset()
+    mk = lambda c: Generator(m, KVCache(cfg, 1, 96, window=WINDOW, dtype=torch.float32),  # noqa: E731
+                             prefill_chunk=32, compile_prefill=c)
+    eager, compiled = mk(False), mk(True)
+    assert compiled.compile_prefill and not eager.compile_prefill
+    for T in (7, 30, 45):  # 45: two chunks (the second starts at 32)
+        ids = torch.tensor([_prompt(T)])
+        err = (compiled.prefill(ids) - eager.prefill(ids)).abs().max().item()
+        print(f"compiled prefill T={T}: max abs diff {err:.2e}")
+        assert err < 1e-4
