@@ -102,8 +102,11 @@ def test_bad_buckets_are_refused(model):
 
 
 def test_compiled_prefill_matches_eager():
-    """torch.compile(dynamic=True) of the prompt's forward (graphs=compiled): one compilation for
-    prompts shorter and longer than the ring and for a second chunk, equal to eager."""
+    """torch.compile(dynamic=True) of the prompt's forward (graphs=compiled) equals eager; one
+    compilation serves prompts shorter and longer than the ring (28 slots here), padded or not; a
+    prompt of two chunks (the second starts at 32) adds one, for the chunk before the last."""
+    from torch._dynamo.utils import counters
+
     cfg = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
     m = synthetic_model(cfg, dtype=torch.float32, seed=1)
     torch._dynamo.reset()
@@ -111,8 +114,20 @@ def test_compiled_prefill_matches_eager():
                              prefill_chunk=32, compile_prefill=c)
     eager, compiled = mk(False), mk(True)
     assert compiled.compile_prefill and not eager.compile_prefill
-    for T in (7, 30, 45):  # 45: two chunks (the second starts at 32)
+
+    def check(T):
         ids = torch.tensor([_prompt(T)])
         err = (compiled.prefill(ids) - eager.prefill(ids)).abs().max().item()
-        print(f"compiled prefill T={T}: max abs diff {err:.2e}")
+        print(f"compiled prefill T={T} bucket {compiled.prefill_bucket}: max abs diff {err:.2e}")
         assert err < 1e-4
+
+    graphs = counters["stats"]["unique_graphs"]
+    for T in (7, 30):
+        check(T)
+    compiled.set_prefill(True, 16)  # the padded path (no capture on a CPU): pads in front
+    for T in (5, 20):
+        check(T)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    compiled.set_prefill(True, 0)
+    check(45)
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # + the chunk before the last (need="none")

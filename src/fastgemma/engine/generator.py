@@ -100,7 +100,9 @@ class Generator:
         self.cache.reset()
         h = None
         for start in range(0, T, c):
-            chunk = ids[:, start:start + c]
+            # a fresh inference tensor like the padded path's and the graphs' inputs (their dispatch
+            # keys and strides are guards of the compiled forward)
+            chunk = ids[:, start:start + c].clone(memory_format=torch.contiguous_format)
             pos = torch.arange(start, start + chunk.shape[1], device=self.device)[None].expand_as(chunk)
             last = start + c >= T
             h = self._chunk_forward(chunk, pos, start, "last" if last else "none")

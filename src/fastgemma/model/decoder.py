@@ -165,7 +165,8 @@ class Gemma4Model(nn.Module):
 
     # ---- prompt chunks and eager decode --------------------------------------------------------
     def forward(self, ids, pos, cache, start: int, need: str = "all"):
-        """ids, pos [B, T] with pos = start .. start+T-1 on every row.
+        """ids, pos [B, T] with pos = start .. start+T-1 on every row, or (a padded prompt, start 0,
+        Generator.prefill) pads in front at the position after the prompt, which no prompt row sees.
         need="all": hidden [B, T, hidden]; "last": [B, 1, hidden] (the KV-shared layers run on the
         last position only); "none": None (a prompt chunk before the last: the KV-shared layers,
         which write nothing, are skipped)."""
@@ -173,7 +174,12 @@ class Gemma4Model(nn.Module):
         T = ids.shape[1]
         x, ple = self.embed(ids)
         rope = self.rope(pos, x.dtype)
-        ring_slots = pos[:, -min(T, cache.ring):] % cache.ring
+        # the last min(T, ring) rows go to the ring, as `ring` row indices clamped at 0 (a short chunk
+        # writes its row 0 several times, the same values): fixed shapes, no branch on T vs ring, so
+        # one torch.compile(dynamic=True) graph serves prompts shorter and longer than the ring
+        ring_rows = (torch.arange(cache.ring, device=ids.device) + (T - cache.ring)).clamp_min(0)
+        ring_pos = pos[:, ring_rows]
+        ring_slots = ring_pos % cache.ring
         full_len = start + T
         arange = torch.arange(full_len, device=ids.device)[None].expand(ids.shape[0], -1)
         window = cache.window
@@ -190,9 +196,8 @@ class Gemma4Model(nn.Module):
                     k_all = torch.cat([cache.k[s.index], k], 1)
                     v_all = torch.cat([cache.v[s.index], v], 1)
                     kv_pos = torch.cat([cache.ring_pos, pos.to(torch.int32)], 1)
-                    n = ring_slots.shape[1]
-                    cache.k[s.index][bidx, ring_slots] = k[:, -n:]
-                    cache.v[s.index][bidx, ring_slots] = v[:, -n:]
+                    cache.k[s.index][bidx, ring_slots] = k[:, ring_rows]
+                    cache.v[s.index][bidx, ring_slots] = v[:, ring_rows]
                 else:
                     cache.k[s.index][bidx, pos] = k
                     cache.v[s.index][bidx, pos] = v
@@ -211,7 +216,7 @@ class Gemma4Model(nn.Module):
                 x, ple, q_pos = x[:, -1:], ple[:, -1:] if ple is not None else None, pos[:, -1:]
                 rope_q = {k: (cs[:, -1:], sn[:, -1:]) for k, (cs, sn) in rope.items()}
             x = layer(x, ple[:, :, i] if ple is not None else None, attend)
-        cache.ring_pos[bidx, ring_slots] = pos[:, -ring_slots.shape[1]:].to(torch.int32)
+        cache.ring_pos[bidx, ring_slots] = ring_pos.to(torch.int32)
         if need == "none":
             return None
         if need == "last":
