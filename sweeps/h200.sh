@@ -12,12 +12,15 @@
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
 #             STACK_ARGS, e.g. "--bodies int4"); nf4 needs bitsandbytes (a wheel in .whl)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
+#   prefill   time to first token per prompt length and prompt path: eager, compiled, graph (padded,
+#             one CUDA graph per padded length), compiled_graph (bench.prefill; PREFILL_ARGS, e.g.
+#             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
 #   spec      speculative decoding: depth x acceptance profile x window (bench.spec); compiled, as in
 #             the README: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
 #             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s)
 #   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
-# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PROFILE_VARIANTS,
+# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PREFILL_ARGS, PROFILE_VARIANTS,
 #   INT4_MS. The fused step: LADDER_VARIANTS=compiled_triton_merged_gemv,compiled_triton_fused_pdl,compiled_triton_fused
 #   LADDER_ARGS="--hf-new 0 --hf-check 0" (skip transformers' figure), PROFILE_VARIANTS=compiled_triton_fused_pdl.
 #   bash sweeps/h200.sh profile int4
@@ -32,7 +35,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src"
-part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, SPEC_S, AGREEMENT_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -63,12 +66,13 @@ bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh 
 cs = '${INT4FUSED_CASES:-}'
 bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
+    prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, int4, int4fused, stack, head, spec, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, int4, int4fused, stack, head, prefill, spec, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

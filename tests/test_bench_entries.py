@@ -174,3 +174,44 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--drafter-steps", "fused"])
     with pytest.raises(SystemExit, match="on, off or on,off"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--split-fixup", "maybe"])
+
+
+def test_prefill_bench_on_the_cpu(tmp_path):
+    """bench.prefill's CPU smoke run: a row per (variant, prompt length), the graph variant's prompts
+    padded to the bucket (no capture on a CPU), bad arguments refused in one line."""
+    import json
+
+    from fastgemma.bench import prefill
+
+    out = tmp_path / "prefill.jsonl"
+    prefill.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompt-lens", "5,40", "--repeats", "1",
+                  "--warmup", "0", "--variants", "eager,graph", "--bucket", "16", "--head", "pruned:50",
+                  "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [(r["variant"], r["prompt_len"], r["padded_len"]) for r in rows] == [
+        ("eager", 5, 5), ("eager", 40, 40), ("graph", 5, 16), ("graph", 40, 48)]
+    assert all(r["ttft_ms"] > 0 and r["prefill_tps"] > 0 for r in rows)
+    for bad, msg in ((["--variants", "fast"], "eager, compiled, graph"), (["--prompt-lens", "0"], "positive"),
+                     (["--bucket", "0"], "--bucket")):
+        with pytest.raises(SystemExit, match=msg):
+            prefill.main(["--model", "gemma4_tiny", "--device", "cpu", *bad])
+
+
+def test_spec_bench_rows_per_prompt_path_on_the_cpu(tmp_path):
+    """bench.spec --prefill eager,graph: an AR row and a replay row per prompt path, each replay trace
+    primed through the path it is timed with, tokens equal to AR's (fp32)."""
+    import json
+
+    from fastgemma.bench import spec
+
+    out = tmp_path / "spec.jsonl"
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
+               "--depths", "2", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
+               "--prefill", "eager,graph", "--head", "pruned:50", "--no-agreement", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [(r["spec"], r["prefill"]) for r in rows] == [("none", "eager"), ("none", "graph"),
+                                                          ("replay", "eager"), ("replay", "graph")]
+    assert rows[1]["identity_rate"] == 1.0
+    assert all(r["identity_rate"] == 1.0 and r["tokens_per_step"] > 1 for r in rows[2:])
+    with pytest.raises(SystemExit, match="--prefill"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prefill", "fast"])

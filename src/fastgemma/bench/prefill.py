@@ -109,17 +109,17 @@ def main(argv=None):
     lens = [int(x) for x in a.prompt_lens.split(",") if x]
     if not lens or min(lens) < 1:
         raise SystemExit(f"--prompt-lens {a.prompt_lens!r}: positive integers, comma-separated")
+    variants = [v for v in a.variants.split(",") if v]
+    if not variants or set(variants) - set(VARIANTS):
+        raise SystemExit(f"--variants {a.variants!r}: {', '.join(VARIANTS)}")
+    if a.bucket < 1:
+        raise SystemExit(f"--bucket must be >= 1, got {a.bucket}")
     cfg = preset(a.model)
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=True)
     window = None if a.window == "native" else int(a.window)
     cache = KVCache(cfg, 1, max(lens) + 16, window=window, device=dev, dtype=dtype)
-    variants = [v for v in a.variants.split(",") if v]
-    if not variants or set(variants) - set(VARIANTS):
-        raise SystemExit(f"--variants {a.variants!r}: {', '.join(VARIANTS)}")
-    if a.bucket < 1:
-        raise SystemExit(f"--bucket must be >= 1, got {a.bucket}")
     # one generator per forward (eager / compiled: one compilation), the bucket switched per row
     fwd = {c: Generator(model, cache, sampler=sampler, prefill_chunk=a.chunk, compile_prefill=c, prefill_bucket=0)
            for c in sorted({VARIANTS[v][0] for v in variants})}  # one compilation, kept across rows

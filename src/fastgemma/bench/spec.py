@@ -180,6 +180,11 @@ def main(argv=None):
             if hasattr(torch._dynamo.config, key):
                 setattr(torch._dynamo.config, key, 256)
     cfg = preset(a.model)
+    from .prefill import VARIANTS as PREFILL
+
+    prefills = [x for x in a.prefill.split(",") if x]
+    if not prefills or set(prefills) - set(PREFILL):
+        raise SystemExit(f"--prefill {a.prefill!r}: {', '.join(PREFILL)}")
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers")
@@ -195,11 +200,6 @@ def main(argv=None):
             d = model.fuse_drafter(d, head=model.draft_head if name == "fused_head" else None)
         drafters[name] = d
     drafter = next(iter(drafters.values()))
-    from .prefill import VARIANTS as PREFILL
-
-    prefills = [x for x in a.prefill.split(",") if x]
-    if not prefills or set(prefills) - set(PREFILL):
-        raise SystemExit(f"--prefill {a.prefill!r}: {', '.join(PREFILL)}")
     fixups = [x for x in a.split_fixup.split(",") if x]
     if not fixups or set(fixups) - {"on", "off"}:
         raise SystemExit(f"--split-fixup {a.split_fixup!r}: on, off or on,off")
