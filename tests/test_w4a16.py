@@ -257,3 +257,36 @@ def test_split_fixup_equals_the_reduce_launch(monkeypatch, M, config):
     # bench_shapes' comparison of the two (a stub timer here): equal, and the fixup switched back on
     row = k4._time_reduce_launch(x, qw, s, z, [(qw, s, z)], 64, config, lambda fn: (fn(), 1.5)[1])
     assert row == dict(reduce_launch_us=1.5, fixup_equal=True) and k4.SPLIT_FIXUP
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G", GROUP_SIZES)
+def test_dequant_kernel_matches_dequantize_int4(G, dtype):
+    """The one-launch dequantization (W4A16Config.dequant) against dequantize_int4, on N and K that
+    are no multiple of the tiles (100 rows, 3 x 128 columns): q * s + z in fp32, rounded once, so
+    at most one rounding step of the dtype apart (an fma against a multiply then an add)."""
+    from fastgemma.kernels.w4a16 import dequantize_int4_triton
+
+    _, qw, s, z = _weights(G, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    ref = dequantize_int4(qw, s, z, G, dtype=dtype)
+    for bn, bg in ((64, 4), (16, 1), (128, 2)):
+        got = dequantize_int4_triton(qw, s, z, G, dtype, bn, bg)
+        assert got.dtype == dtype and got.shape == ref.shape
+        d = (got.float() - ref.float()).abs()
+        ulp = ref.float().abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -22) + 1e-30
+        assert (d <= ulp).all(), d.max().item()
+
+
+@pytest.mark.parametrize("M", [17, 40])
+@pytest.mark.parametrize("G", GROUP_SIZES)
+def test_dequant_path_matches_twin(M, G):
+    """w4a16_matmul with a dequant config (prompt chunks): W in x's dtype, then F.linear, as the twin."""
+    cfg = resolve_config(M, N, K, G, W4A16Config(32, 512, 1, 4, 1, 64, dequant=True))
+    assert cfg.dequant and cfg.block_k % G == 0 and K % cfg.block_k == 0
+    _, qw, s, z = _weights(G)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    y = w4a16_matmul(x, qw, s, z, G, cfg)
+    abs_err, rel = _err(y, w4a16_torch(x, qw, s, z, G))
+    assert rel < TOL[torch.float32], abs_err
+    with pytest.raises(ValueError, match="dequant"):
+        resolve_config(M, N, K, G, W4A16Config(32, 512, 2, 4, 1, 64, dequant=True))

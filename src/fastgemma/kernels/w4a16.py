@@ -26,6 +26,9 @@ Kernels (one program = BLOCK_N rows x one K slice x one row tile of x; grid from
   weights, into the mma operand layout). On bf16 a PTX block dequantizes 4 bytes (8 weights) with
   3 shifts, 4 LOP3 (128 + q as bf16 pairs), 4 PRMT and 8 fma.bf16x2 (q exact, then q * s + z
   rounded once); elsewhere (fp16 / fp32, the interpreter) the same arithmetic in Triton.
+- `_dequant_kernel` (W4A16Config.dequant, prompt chunks): W to x's dtype in one launch, then cuBLAS
+  (F.linear): the N x K scratch is written and read once per call, worth it where the GEMM is
+  compute-bound (hundreds of rows) and the tl.dot kernels re-dequantize per row tile.
 - split_k > 1: fp32 partials [split_k, M, N] summed in a fixed order by the last program of each
   output tile to finish (an atomic arrival counter per tile; `SPLIT_FIXUP = False`: by
   `_splitk_reduce_kernel`, a second launch). Deterministic either way (no atomic adds of values), so
@@ -440,6 +443,38 @@ def _group_mma_kernel(
 
 
 @triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, NG, K: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """W [N, K] in w's dtype from the codes: BLOCK_N rows x BLOCK_G groups per program, q * s + z in
+    fp32 (as dequantize_int4), rounded once."""
+    HG: tl.constexpr = GROUP // 2
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    ok = (rows < N)[:, None] & (g < NG)[None, :]  # [BLOCK_N, BLOCK_G]
+    j = tl.arange(0, HG)
+    codes = tl.load(qw_ptr + rows[:, None, None] * (K // 2) + g[None, :, None] * HG + j[None, None, :],
+                    mask=ok[:, :, None], other=0).to(tl.int32)
+    sc = tl.load(s_ptr + g[None, :] * N + rows[:, None], mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    zr = tl.load(z_ptr + g[None, :] * N + rows[:, None], mask=ok, other=0.0).to(tl.float32)[:, :, None]
+    lo = (codes & 15).to(tl.float32) * sc + zr  # k = 2j
+    hi = (codes >> 4).to(tl.float32) * sc + zr  # k = 2j + 1
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_G, GROUP))
+    k = g[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    tl.store(w_ptr + rows[:, None, None] * K + k, w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
+
+
+def dequantize_int4_triton(qweight, scales, zeros, group_size: int, dtype: torch.dtype,
+                           block_n: int = 64, block_g: int = 4) -> torch.Tensor:
+    """W [N, K] in dtype, one launch (the Triton twin of dequantize_int4; CUDA or the interpreter)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    w = torch.empty(N, K, device=qweight.device, dtype=dtype)
+    NG = K // group_size
+    _dequant_kernel[(triton.cdiv(N, block_n), triton.cdiv(NG, block_g))](
+        qweight, scales, zeros, w, N, NG, K=K, GROUP=group_size, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=4)
+    return w
+
+
+@triton.jit
 def _splitk_reduce_kernel(ws_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     # ws [SPLIT_K, M, N] fp32 -> out [M, N], summed in split order (deterministic)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -467,6 +502,8 @@ class W4A16Config:
     factored: bool = True  # GEMV only: scale / zero once per group (False: per weight, the baseline)
     words: bool = False  # GEMV only, factored: the int32 word loop (False: the byte loop)
     per_group: bool = False  # tl.dot only: `_group_mma_kernel` (block_k = the group size)
+    dequant: bool = False  # prompt chunks: W dequantized to x's dtype in one launch (block_n rows x
+    #                        block_k columns per program), then cuBLAS (F.linear); scratch N x K
 
 
 def _gemv(bn, bk, split=1, warps=None, stages=3, words=False):
@@ -481,6 +518,10 @@ def _mma(bn, bk, split=1, warps=4, stages=3, bm=16):
 
 def _grp(bn, split=1, warps=4, stages=3, bm=16):
     return W4A16Config(bn, 128, split, warps, stages, bm, per_group=True)
+
+
+def _deq(bn, bk):
+    return W4A16Config(bn, bk, 1, 4, 1, 64, dequant=True)
 
 
 # (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
@@ -592,6 +633,8 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
         raise ValueError(f"tl.dot needs block_n >= 16, got {cfg.block_n}")
     if cfg.per_group and cfg.block_m == 1:
         raise ValueError("W4A16Config.per_group needs block_m >= 16 (it is a tl.dot kernel)")
+    if cfg.dequant and (cfg.per_group or cfg.block_m == 1 or cfg.split_k != 1):
+        raise ValueError("W4A16Config.dequant is a prompt-chunk path: block_m >= 16, no split_k, not per_group")
     bk = group_size
     while bk * 2 <= cfg.block_k and K % (bk * 2) == 0 and not cfg.per_group:
         bk *= 2
@@ -636,6 +679,10 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = resolve_config(M, N, K, group_size, config)
+    if cfg.dequant:  # prompt chunks: bf16 W once, then the GEMM through cuBLAS
+        w = dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype, cfg.block_n,
+                                   cfg.block_k // group_size)
+        return F.linear(x, w)
     split = cfg.split_k
     k_split = K // split
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -690,7 +737,8 @@ def candidates(M: int, N: int, K: int, per_group_only: bool = False) -> list[W4A
             (16, 1024, 1, 4), (32, 1024, 1, 4), (32, 1024, 2, 4))]
         return out + per_group_candidates(M)
     if M > MAX_DECODE_M:  # prefill: large tiles, no splits; the first tl.dot kernel's default as the baseline
-        return [_mma(64, 256, 1, 4, 3, 64), _mma(128, 128, 1, 8, 3, 128)] + prefill_candidates()
+        return [_mma(64, 256, 1, 4, 3, 64), _mma(128, 128, 1, 8, 3, 128)] + prefill_candidates() + [
+            _deq(bn, bk) for bn, bk in ((32, 512), (64, 512), (16, 1024))]
     bm = MAX_DECODE_M
     out = [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
     out += [_mma(bn, 256, sk, 4, 3, bm) for bn in (16, 32) for sk in (4, 8)] + [_mma(64, 256, 1, 8, 3, bm)]
