@@ -131,3 +131,36 @@ def test_compiled_prefill_matches_eager():
     compiled.set_prefill(True, 0)
     check(45)
     assert counters["stats"]["unique_graphs"] - graphs == 2  # + the chunk before the last (need="none")
+
+
+def test_warm_on_side_stream_runs_on_a_side_stream(monkeypatch):
+    """The warm-up before every capture (decode step, speculative phases, prompt graphs): fn runs
+    `iters` times inside the side stream's context, which first waits for the current stream, and
+    the current stream then waits for it (stream calls recorded with stand-ins: no GPU here)."""
+    import contextlib
+
+    from fastgemma.engine import steps
+
+    log = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    current = Stream("current")
+    inside = []
+
+    @contextlib.contextmanager
+    def stream(s):
+        inside.append(s.name)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    steps.warm_on_side_stream(lambda: log.append(f"fn on {inside[-1]}"), 2)
+    assert log == ["side waits current", "fn on side", "fn on side", "current waits side"]

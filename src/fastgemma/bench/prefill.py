@@ -44,6 +44,14 @@ def time_prefill(gen: Generator, ids: torch.Tensor, repeats: int, warmup: int) -
 
 # name -> (torch.compile the forward, pad and capture per padded length)
 VARIANTS = {"eager": (False, False), "compiled": (True, False), "graph": (False, True), "compiled_graph": (True, True)}
+
+
+def set_variant(gen: Generator, name: str, bucket: int = PREFILL_BUCKET) -> None:
+    """The generator's prompt path for variant `name` (captured graphs of another path are dropped)."""
+    compiled, captured = VARIANTS[name]
+    gen.set_prefill(compiled, bucket if captured else 0)
+
+
 PREFILL_SHAPES = ("qkv", "qkv_full", "o", "o_full", "gate|up", "down", "ple_proj", "w_plm")  # E4B_SHAPES at M = T
 
 
@@ -120,9 +128,10 @@ def main(argv=None):
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=True)
     window = None if a.window == "native" else int(a.window)
     cache = KVCache(cfg, 1, max(lens) + 16, window=window, device=dev, dtype=dtype)
-    # one generator per forward (eager / compiled: one compilation), the bucket switched per row
+    # one generator per forward (eager / compiled: one compilation, kept across rows), the bucket
+    # switched per row
     fwd = {c: Generator(model, cache, sampler=sampler, prefill_chunk=a.chunk, compile_prefill=c, prefill_bucket=0)
-           for c in sorted({VARIANTS[v][0] for v in variants})}  # one compilation, kept across rows
+           for c in sorted({VARIANTS[v][0] for v in variants})}
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s", flush=True)
     tables = tile_tables([t for t in a.tiles.split(",") if t], a.sweep_m) if cuda else {"table": {}}
@@ -132,9 +141,8 @@ def main(argv=None):
     for tname, table in tables.items():
         use_tiles(table)
         for v in variants:
-            compiled, captured = VARIANTS[v]
-            gen = fwd[compiled]
-            gen.set_prefill(compiled, a.bucket if captured else 0)  # drops graphs captured with other tiles
+            gen = fwd[VARIANTS[v][0]]
+            set_variant(gen, v, a.bucket)  # drops graphs captured with other tiles
             t = time.perf_counter()
             time_prefill(gen, prompts[lens[0]], 0, 1)  # the first call compiles (compiled)
             first_s = time.perf_counter() - t

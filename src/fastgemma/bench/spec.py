@@ -113,11 +113,9 @@ def split_ms(gen, prompt, new) -> dict:
 
 def use_prefill(gen, name: str, prompt_len: int) -> None:
     """The generator's prompt path (bench.prefill's variants), its graphs captured up to prompt_len."""
-    from ..engine.steps import PREFILL_BUCKET
-    from .prefill import VARIANTS
+    from .prefill import set_variant
 
-    compiled, captured = VARIANTS[name]
-    gen.set_prefill(compiled, PREFILL_BUCKET if captured else 0)
+    set_variant(gen, name)
     gen.warm_prefill(prompt_len)
 
 

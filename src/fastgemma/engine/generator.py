@@ -7,7 +7,7 @@ import torch
 
 from ..metrics.timing import StepClock
 from .cache import KVCache
-from .steps import EagerStep, argmax_sampler
+from .steps import EagerStep, argmax_sampler, warm_on_side_stream
 
 
 class GenerationError(ValueError):
@@ -128,7 +128,7 @@ class Generator:
         of T, marked empty afterwards (its old position T - ring is outside every window), since the
         eager step attends over the ring before it writes. The last row is the prompt's last:
         need="last" is unchanged."""
-        B, T = ids.shape
+        T = ids.shape[1]
         x, pos = self._pad(ids, padded)
         if not self.capture_prefill:
             self.cache.reset()
@@ -159,12 +159,8 @@ class Generator:
         pos = torch.arange(padded, device=self.device)[None].repeat(B, 1)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # compile / autotune outside the capture
-            self.cache.reset()
-            self._chunk_forward(ids, pos, 0, "last")
-        torch.cuda.current_stream().wait_stream(s)
+        self.cache.reset()
+        warm_on_side_stream(lambda: self._chunk_forward(ids, pos, 0, "last"), 1)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             h = self._chunk_forward(ids, pos, 0, "last")

@@ -28,7 +28,7 @@ import torch
 
 from ..metrics.timing import StepClock
 from .generator import Generation, GenerationError, Generator
-from .steps import PREFILL_BUCKET, argmax_sampler
+from .steps import PREFILL_BUCKET, argmax_sampler, warm_on_side_stream
 
 # conditional per-position acceptance (P(accept draft j | drafts < j accepted)) measured in the
 # Fast Gemma challenge: the frontier drafter at K=7 -> 3.85 tokens per step
@@ -256,16 +256,13 @@ class SpecGenerator(Generator):
         if not self.graphs:
             self._prepared = True
             return
-        self._reset_state(0)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(self.warmup_iters):
-                self._reset_state(0)
-                self._draft()
-                self._verify()
-                self._accept()
-        torch.cuda.current_stream().wait_stream(s)
+        def phases():
+            self._reset_state(0)
+            self._draft()
+            self._verify()
+            self._accept()
+
+        warm_on_side_stream(phases, self.warmup_iters)
         self._reset_state(0)
         pool = torch.cuda.graph_pool_handle()
         graphs = []

@@ -18,6 +18,17 @@ from ..kernels.argmax import argmax_last
 PREFILL_BUCKET = 64
 
 
+def warm_on_side_stream(fn, iters: int) -> None:
+    """fn() `iters` times on a side stream, then the current stream waits for it: compilation,
+    autotuning and lazy allocations happen before a CUDA-graph capture, outside it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+
+
 def argmax_sampler(model, hidden):
     """hidden [B, 1, hidden] -> ids [B, 1], logits [B, V] fp32."""
     logits = model.compute_logits(hidden[:, -1])
@@ -101,12 +112,11 @@ class GraphStep(StaticStep):
     name = "cuda_graph"
 
     def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, warmup_iters: int = 2,
-                 prefill_bucket: int = PREFILL_BUCKET):
+                 prefill_bucket: int = PREFILL_BUCKET, compile_prefill: bool = False):
         super().__init__(model, cache, sampler, compile)
-        # the generator's prompt path (Generator): padded to this and captured; compiled when the
-        # graphs choice says so (transforms.graphs.CudaGraph sets compile_prefill)
-        self.prefill_bucket = prefill_bucket
-        self.compile_prefill = False
+        # the generator's prompt path (Generator): padded to prefill_bucket and captured, compiled
+        # with compile_prefill
+        self.prefill_bucket, self.compile_prefill = prefill_bucket, compile_prefill
         if cache.ring_pos.device.type != "cuda":
             raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=eager on a CPU")
         self.warmup_iters = warmup_iters
@@ -115,12 +125,7 @@ class GraphStep(StaticStep):
     def prepare(self):
         if self.graph is not None:
             return
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up kernels and autotuners outside the capture
-            for _ in range(self.warmup_iters):
-                self._body()
-        torch.cuda.current_stream().wait_stream(s)
+        warm_on_side_stream(self._body, self.warmup_iters)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out_tok, self.out_logits = self._body()

@@ -178,8 +178,8 @@ class Gemma4Model(nn.Module):
         # writes its row 0 several times, the same values): fixed shapes, no branch on T vs ring, so
         # one torch.compile(dynamic=True) graph serves prompts shorter and longer than the ring
         ring_rows = (torch.arange(cache.ring, device=ids.device) + (T - cache.ring)).clamp_min(0)
-        ring_pos = pos[:, ring_rows]
-        ring_slots = ring_pos % cache.ring
+        ring_row_pos = pos[:, ring_rows]
+        ring_slots = ring_row_pos % cache.ring
         full_len = start + T
         arange = torch.arange(full_len, device=ids.device)[None].expand(ids.shape[0], -1)
         window = cache.window
@@ -216,7 +216,7 @@ class Gemma4Model(nn.Module):
                 x, ple, q_pos = x[:, -1:], ple[:, -1:] if ple is not None else None, pos[:, -1:]
                 rope_q = {k: (cs[:, -1:], sn[:, -1:]) for k, (cs, sn) in rope.items()}
             x = layer(x, ple[:, :, i] if ple is not None else None, attend)
-        cache.ring_pos[bidx, ring_slots] = ring_pos.to(torch.int32)
+        cache.ring_pos[bidx, ring_slots] = ring_row_pos.to(torch.int32)
         if need == "none":
             return None
         if need == "last":

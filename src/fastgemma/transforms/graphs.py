@@ -48,10 +48,8 @@ class CudaGraph:
         self.compile_prefill = self.compile if compile_prefill is None else bool(compile_prefill)
 
     def make_step(self, model, cache, sampler):
-        step = GraphStep(model, cache, sampler, compile=self.compile, warmup_iters=self.warmup_iters,
-                         prefill_bucket=self.prefill_bucket)
-        step.compile_prefill = self.compile_prefill  # read by the generator
-        return step
+        return GraphStep(model, cache, sampler, compile=self.compile, warmup_iters=self.warmup_iters,
+                         prefill_bucket=self.prefill_bucket, compile_prefill=self.compile_prefill)
 
     def describe(self) -> dict:
         return {"graphs": "compiled" if self.compile else "cuda_graph", "warmup_iters": self.warmup_iters,
