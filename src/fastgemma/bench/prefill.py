@@ -68,7 +68,7 @@ def tile_tables(which: list[str], sweep_m: int) -> dict:
         if name == "table":
             out[name] = {k: w4a16.CONFIGS.get(k) for k in keys}
         elif name == "first":
-            out[name] = {k: w4a16._mma(64, 256, 1, 4, 3, 64) for k in keys}
+            out[name] = {k: w4a16.default_config(w4a16.MAX_DECODE_M + 1, k[1], k[2]) for k in keys}
         elif name == "sweep":
             rows = w4a16.bench_shapes(ms=(sweep_m,), shapes=shapes, sweep=True, graph=False, rep_ms=10,
                                       per_group_only=False)

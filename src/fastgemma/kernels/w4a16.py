@@ -737,7 +737,7 @@ def candidates(M: int, N: int, K: int, per_group_only: bool = False) -> list[W4A
             (16, 1024, 1, 4), (32, 1024, 1, 4), (32, 1024, 2, 4))]
         return out + per_group_candidates(M)
     if M > MAX_DECODE_M:  # prefill: large tiles, no splits; the first tl.dot kernel's default as the baseline
-        return [_mma(64, 256, 1, 4, 3, 64), _mma(128, 128, 1, 8, 3, 128)] + prefill_candidates() + [
+        return [default_config(M, N, K), _mma(128, 128, 1, 8, 3, 128)] + prefill_candidates() + [
             _deq(bn, bk) for bn, bk in ((32, 512), (64, 512), (16, 1024))]
     bm = MAX_DECODE_M
     out = [_mma(bn, bk, sk, 4, 3, bm) for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2)]
