@@ -42,7 +42,9 @@ def run(asm: str, args: list[int], n_out: int) -> list[int]:
 
     def val(tok):
         tok = tok.strip()
-        return int(tok, 16) if tok.startswith("0x") else regs[tok]
+        if tok.startswith("0x"):
+            return int(tok, 16)
+        return int(tok) if tok.isdigit() else regs[tok]
 
     for line in asm.split(";"):
         line = line.strip().strip("{}").strip()
