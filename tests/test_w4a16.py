@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fastgemma.kernels.w4a16 import (
-    CONFIGS, E4B_SHAPES, GROUP_SIZES, W4A16Config, dequantize_int4, pack_int4, quantize_int4,
-    resolve_config, unpack_int4, w4a16_matmul, w4a16_torch,
+    CONFIGS, DEQUANT_MIN_M, E4B_SHAPES, GROUP_SIZES, W4A16Config, dequantize_int4, pack_int4, quantize_int4,
+    resolve_config, table_config, unpack_int4, w4a16_matmul, w4a16_torch,
 )
 
 N, K = 100, 384  # neither a multiple of the N tiles nor of 256; K = 3 x 128
@@ -132,13 +132,13 @@ def test_int4_close_to_dense():
 
 def test_resolve_config_fits_every_e4b_shape():
     for N_, K_ in E4B_SHAPES.values():
-        for M in (1, 2, 8, 16, 64):
+        for M in (1, 2, 8, 16, 64, 256):
             for G in GROUP_SIZES:
                 c = resolve_config(M, N_, K_, G)
                 assert c.block_k % G == 0 and K_ % c.block_k == 0
                 assert (K_ // c.block_k) % c.split_k == 0
                 assert c.block_m == 1 if M == 1 else c.block_m >= 16
-    assert all(k[0] in (1, 16, 64) for k in CONFIGS)
+    assert all(k[0] in (1, 16, 64, DEQUANT_MIN_M) for k in CONFIGS)
     # an override wins over the table, fitted to the shape (1024 does not divide 2560)
     c = resolve_config(1, 2048, 2560, 128, W4A16Config(block_n=2, block_k=1024, split_k=4))
     assert (c.block_n, c.block_k, c.split_k) == (2, 512, 1)
@@ -275,6 +275,21 @@ def test_dequant_kernel_matches_dequantize_int4(G, dtype):
         d = (got.float() - ref.float()).abs()
         ulp = ref.float().abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -22) + 1e-30
         assert (d <= ulp).all(), d.max().item()
+
+
+def test_long_chunks_look_up_their_own_entries():
+    """Chunks of DEQUANT_MIN_M rows or more take the (DEQUANT_MIN_M, N, K) entry where there is one
+    (dequantize once, then cuBLAS), else the prompt-chunk entry; shorter chunks never take it."""
+    gate_up, qkv = E4B_SHAPES["gate|up"], E4B_SHAPES["qkv"]
+    assert (DEQUANT_MIN_M, *gate_up) in CONFIGS and (DEQUANT_MIN_M, *qkv) not in CONFIGS
+    for M in (DEQUANT_MIN_M, 4 * DEQUANT_MIN_M):
+        assert table_config(M, *gate_up) is CONFIGS[(DEQUANT_MIN_M, *gate_up)]
+        assert resolve_config(M, *gate_up, 128).dequant
+        assert table_config(M, *qkv) is CONFIGS[(64, *qkv)]
+    for M in (17, DEQUANT_MIN_M - 1):
+        assert table_config(M, *gate_up) is CONFIGS[(64, *gate_up)]
+        assert not resolve_config(M, *gate_up, 128).dequant
+    assert table_config(8, *gate_up) is CONFIGS[(16, *gate_up)]
 
 
 @pytest.mark.parametrize("M", [17, 40])

@@ -56,17 +56,19 @@ PREFILL_SHAPES = ("qkv", "qkv_full", "o", "o_full", "gate|up", "down", "ple_proj
 
 
 def tile_tables(which: list[str], sweep_m: int) -> dict:
-    """{name: CONFIGS entries for the prompt-chunk bucket}: table (as imported), first (the first
-    tl.dot kernel's default tiles), sweep (bench_shapes' best per shape at M = sweep_m, timed now)."""
+    """{name: CONFIGS entries for prompt chunks}: table (as imported), first (the first tl.dot
+    kernel's default tiles), sweep (bench_shapes' best per shape at M = sweep_m, timed now). The
+    long-chunk entries ((DEQUANT_MIN_M, N, K)) are the table's only: the others drop them (None)."""
     from ..kernels import w4a16
 
     shapes = {k: w4a16.E4B_SHAPES[k] for k in PREFILL_SHAPES}
     bucket = w4a16.m_bucket(w4a16.MAX_DECODE_M + 1)
     keys = [(bucket, N, K) for N, K in shapes.values()]
+    long_keys = [(w4a16.DEQUANT_MIN_M, N, K) for N, K in shapes.values()]
     out = {}
     for name in which:
         if name == "table":
-            out[name] = {k: w4a16.CONFIGS.get(k) for k in keys}
+            out[name] = {k: w4a16.CONFIGS.get(k) for k in keys + long_keys}
         elif name == "first":
             out[name] = {k: w4a16.default_config(w4a16.MAX_DECODE_M + 1, k[1], k[2]) for k in keys}
         elif name == "sweep":
@@ -75,6 +77,7 @@ def tile_tables(which: list[str], sweep_m: int) -> dict:
             out[name] = {(bucket, r["N"], r["K"]): r["best_config"] for r in rows}
         else:
             raise SystemExit(f"unknown tiles {name!r}: table, first, sweep")
+        out[name].update({k: out[name].get(k) for k in long_keys})
     return out
 
 

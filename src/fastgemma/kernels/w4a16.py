@@ -525,7 +525,8 @@ def _deq(bn, bk):
     return W4A16Config(bn, bk, 1, 4, 1, 64, dequant=True)
 
 
-# (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prefill).
+# (m_bucket, N, K) -> config; m_bucket = 1 (GEMV), 16 (M <= 16), 64 (prompt chunks); chunks of
+# DEQUANT_MIN_M (256) rows or more look up (256, N, K) first (table_config).
 # M = 1: the GEMV is bound by its per-weight instructions (~8 per weight in the byte loop's sm_90a
 # code), not by its tiling. The word loop (~3.6 at 16-32 rows per program) wins where N is large
 # (gate|up 19.58 -> 12.55 us, W_plm 12.44 -> 9.62); below ~10k rows its larger tiles leave too few
@@ -556,18 +557,19 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     # the int4 head (lm_head=int4), run V: 106.98 us (3.3 TB/s) / the byte loop at 16 x 512, 8 warps 218.99
     (1, 262144, 2560): _gemv(32, 512, 1, 2, words=True),
     # M = 2..16 (the verify pass): the per-group kernel. bench_shapes(ms=(8,), sweep=True,
-    # per_group_only=True) on the H200 (2026-11-30, graph-timed, weights out of L2), us at M = 8:
-    # this config / MMA_M16's / cuBLAS bf16
-    (16, 2048, 2560): _grp(64, 5, 4),       # q (KV-shared layers): 7.72 / 10.31 / 6.73
-    (16, 4096, 2560): _grp(32, 4, 2),       # q (full): 8.45 / 13.42 / 7.98
-    (16, 3072, 2560): _grp(64, 5, 4),       # q|k|v: 7.82 / 12.62 / 7.19
-    (16, 6144, 2560): _grp(32, 4, 2),       # q|k|v (full): 9.30 / 15.34 / 10.44
-    (16, 2560, 2048): _grp(32, 4, 2),       # o: 7.34 / 10.18 / 6.18
-    (16, 2560, 4096): _grp(64, 8, 4),       # o (full): 9.96 / 15.77 / 10.45
-    (16, 20480, 2560): _grp(32, 2, 2),      # gate|up: 18.66 / 27.25 / 29.02
-    (16, 2560, 10240): _grp(64, 8, 4),      # down: 16.65 / 29.79 / 18.45
-    (16, 2560, 256): _grp(16, 1, 1),        # PLE projection: 3.41 / 3.82 / 3.17
-    (16, 10752, 2560): _grp(32, 2, 2),      # W_plm: 13.71 / 18.86 / 15.80
+    # per_group_only=True) on the H200 (run AF, 2026-11-30, graph-timed, weights out of L2), us at
+    # M = 8: this config / the same tiles with the dequantization block before 488d3a0 (19
+    # instructions per 8 weights, same run) / cuBLAS bf16. Changed tiles: the earlier entry's time after "was"
+    (16, 2048, 2560): _grp(64, 5, 4),       # q (KV-shared layers): 6.82 / 7.35 / 6.68
+    (16, 4096, 2560): _grp(64, 5, 4),       # q (full): 7.76 (was 32, 4, 2: 8.01) / 8.22 / 7.91
+    (16, 3072, 2560): _grp(64, 5, 4),       # q|k|v: 7.02 / 7.43 / 7.17
+    (16, 6144, 2560): _grp(32, 4, 2),       # q|k|v (full): 8.80 / 9.15 / 10.43
+    (16, 2560, 2048): _grp(32, 4, 2),       # o: 6.80 / 7.00 / 6.14
+    (16, 2560, 4096): _grp(64, 8, 4),       # o (full): 7.77 / 8.56 / 10.45
+    (16, 20480, 2560): _grp(32, 2, 2),      # gate|up: 17.00 / 18.27 / 28.57
+    (16, 2560, 10240): _grp(64, 8, 4),      # down: 13.81 / 15.14 / 18.18
+    (16, 2560, 256): _grp(32, 1, 2),        # PLE projection: 2.68 (was 16, 1, 1: 3.54) / 3.45 / 3.20
+    (16, 10752, 2560): _grp(64, 4, 4),      # W_plm: 13.14 (was 32, 2, 2: 13.70) / 13.56 / 15.54
     (16, 262144, 2560): _mma(64, 128),      # head: 254.32 with this tl.dot config; per-group untimed
     # M > 16 (prompt chunks): the per-group kernel on large tiles. bench_shapes(ms=(256,), sweep=True,
     # graph=False) on the H200 (2026-11-30, eager launches, weights out of L2), us at M = 256: this
@@ -580,6 +582,13 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (64, 2560, 10240): _grp(64, 1, 4, 3, 64),    # down: 101.10 / 125.31 / 33.66
     (64, 2560, 256): _grp(64, 1, 4, 3, 64),      # PLE projection: 7.14 / 9.25 / 6.59
     (64, 10752, 2560): _grp(128, 1, 8, 3, 256),  # W_plm: 62.02 / 97.41 / 28.54
+    # M >= 256: W dequantized once per call, then cuBLAS, where it wins. bench_shapes(ms=(256,),
+    # sweep=True, graph=False) on the H200 (run AF, eager launches, weights out of L2), us at M = 256:
+    # this config / the per-group kernel's best tiles / cuBLAS bf16. Smaller shapes keep the M > 16
+    # entries above (eager timings below ~50 us were launch-bound in that run)
+    (256, 20480, 2560): _deq(16, 512),     # gate|up: 86.06 / 99.46 / 46.40
+    (256, 2560, 10240): _deq(16, 1024),    # down: 52.83 / 92.90 / 33.73
+    (256, 10752, 2560): _deq(16, 512),     # W_plm: 49.86 / 64.35 / 28.02
 }
 
 # M = 2..16 through the first tl.dot kernel (`_mma_kernel`): the table before the per-group
@@ -599,8 +608,20 @@ MMA_M16: dict[tuple[int, int, int], W4A16Config] = {
 }
 
 
+DEQUANT_MIN_M = 256  # prompt chunks of this many rows look up the (256, N, K) entries first
+
+
 def m_bucket(M: int) -> int:
     return 1 if M == 1 else (MAX_DECODE_M if M <= MAX_DECODE_M else 64)
+
+
+def table_config(M: int, N: int, K: int) -> W4A16Config | None:
+    """CONFIGS' entry for this launch: (m_bucket, N, K); chunks of DEQUANT_MIN_M rows or more try
+    (DEQUANT_MIN_M, N, K) first (dequantizing W once costs the same for any M: worth it on long
+    chunks, not on short ones)."""
+    if M >= DEQUANT_MIN_M and (DEQUANT_MIN_M, N, K) in CONFIGS:
+        return CONFIGS[(DEQUANT_MIN_M, N, K)]
+    return CONFIGS.get((m_bucket(M), N, K))
 
 
 def default_config(M: int, N: int, K: int) -> W4A16Config:
@@ -623,7 +644,7 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
     fitted to the shape: block_k -> the largest G * 2^j <= block_k dividing K; split_k -> the
     largest divisor of K / block_k <= split_k (so no K masks are needed). K / split_k is a
     constexpr of the kernels: one compile per (K, split, tiles), so warm up before graph capture."""
-    cfg = config or CONFIGS.get((m_bucket(M), N, K)) or default_config(M, N, K)
+    cfg = config or table_config(M, N, K) or default_config(M, N, K)
     for name in ("block_n", "block_m"):
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1):
@@ -854,7 +875,7 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
                     t_pg, cfg_pg = min(pg, key=lambda r: r[0])
                     row.update(per_group_us=t_pg, per_group_config=cfg_pg)
                     print(f"{'per-group':>10} {'':>6} {'':>6} {M:>3} | {t_pg:8.2f} {q_bytes / t_pg / 1e3:6.0f} | {cfg_pg}")
-                key = (m_bucket(M), N, K)
+                key = (DEQUANT_MIN_M if M >= DEQUANT_MIN_M else m_bucket(M), N, K)
                 best_lines.append(f"    {key}: {cfg_best!r},  # {name}: {t_best:.2f} us")
         del qbufs, wbufs
     if sweep:
