@@ -190,7 +190,7 @@ def test_prefill_bench_on_the_cpu(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
     assert [(r["variant"], r["prompt_len"], r["padded_len"]) for r in rows] == [
         ("eager", 5, 5), ("eager", 40, 40), ("graph", 5, 16), ("graph", 40, 48)]
-    assert all(r["ttft_ms"] > 0 and r["prefill_tps"] > 0 for r in rows)
+    assert all(r["ttft_ms"] > 0 and r["prefill_tps"] > 0 and isinstance(r["dynamo_graphs"], int) for r in rows)
     for bad, msg in ((["--variants", "fast"], "eager, compiled, graph"), (["--prompt-lens", "0"], "positive"),
                      (["--bucket", "0"], "--bucket")):
         with pytest.raises(SystemExit, match=msg):
@@ -215,3 +215,28 @@ def test_spec_bench_rows_per_prompt_path_on_the_cpu(tmp_path):
     assert all(r["identity_rate"] == 1.0 and r["tokens_per_step"] > 1 for r in rows[2:])
     with pytest.raises(SystemExit, match="--prefill"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prefill", "fast"])
+
+
+def test_prefill_tile_tables_and_the_long_chunk_entries():
+    """bench.prefill's tile tables: `table` carries the dequantize-once entries of chunks of 256+
+    rows, `per_group` and `first` drop them; use_tiles switches what a launch resolves to."""
+    from fastgemma.bench.prefill import tile_tables, use_tiles
+    from fastgemma.kernels import w4a16
+
+    saved = dict(w4a16.CONFIGS)
+    N, K = w4a16.E4B_SHAPES["gate|up"]
+    long_key = (w4a16.DEQUANT_MIN_M, N, K)
+    try:
+        tables = tile_tables(["table", "per_group", "first"], 256)
+        assert tables["table"][long_key].dequant and tables["table"][(64, N, K)] == saved[(64, N, K)]
+        assert tables["per_group"][long_key] is None and tables["first"][long_key] is None
+        assert tables["per_group"][(64, N, K)] == saved[(64, N, K)]
+        use_tiles(tables["per_group"])
+        assert not w4a16.resolve_config(256, N, K, 128).dequant
+        use_tiles(tables["table"])
+        assert w4a16.resolve_config(256, N, K, 128).dequant
+        with pytest.raises(SystemExit, match="per_group"):
+            tile_tables(["fast"], 256)
+    finally:
+        w4a16.CONFIGS.clear()
+        w4a16.CONFIGS.update(saved)

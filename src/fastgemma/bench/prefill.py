@@ -56,9 +56,10 @@ PREFILL_SHAPES = ("qkv", "qkv_full", "o", "o_full", "gate|up", "down", "ple_proj
 
 
 def tile_tables(which: list[str], sweep_m: int) -> dict:
-    """{name: CONFIGS entries for prompt chunks}: table (as imported), first (the first tl.dot
-    kernel's default tiles), sweep (bench_shapes' best per shape at M = sweep_m, timed now). The
-    long-chunk entries ((DEQUANT_MIN_M, N, K)) are the table's only: the others drop them (None)."""
+    """{name: CONFIGS entries for prompt chunks}: table (as imported), per_group (the table without
+    its long-chunk entries), first (the first tl.dot kernel's default tiles), sweep (bench_shapes'
+    best per shape at M = sweep_m, timed now). The long-chunk entries ((DEQUANT_MIN_M, N, K): W
+    dequantized once, then cuBLAS) are the table's only: the others drop them (None)."""
     from ..kernels import w4a16
 
     shapes = {k: w4a16.E4B_SHAPES[k] for k in PREFILL_SHAPES}
@@ -69,6 +70,8 @@ def tile_tables(which: list[str], sweep_m: int) -> dict:
     for name in which:
         if name == "table":
             out[name] = {k: w4a16.CONFIGS.get(k) for k in keys + long_keys}
+        elif name == "per_group":  # the table without its long-chunk (dequantize once) entries
+            out[name] = {k: w4a16.CONFIGS.get(k) for k in keys}
         elif name == "first":
             out[name] = {k: w4a16.default_config(w4a16.MAX_DECODE_M + 1, k[1], k[2]) for k in keys}
         elif name == "sweep":
@@ -76,7 +79,7 @@ def tile_tables(which: list[str], sweep_m: int) -> dict:
                                       per_group_only=False)
             out[name] = {(bucket, r["N"], r["K"]): r["best_config"] for r in rows}
         else:
-            raise SystemExit(f"unknown tiles {name!r}: table, first, sweep")
+            raise SystemExit(f"unknown tiles {name!r}: table, per_group, first, sweep")
         out[name].update({k: out[name].get(k) for k in long_keys})
     return out
 
@@ -106,8 +109,9 @@ def main(argv=None):
                          "(both: graphs=compiled)")
     ap.add_argument("--bucket", type=int, default=PREFILL_BUCKET, help="padding multiple of the graph variants")
     ap.add_argument("--tiles", default="table",
-                    help="int4 tiles of the prompt chunks, comma-separated: table, first (the first tl.dot "
-                         "kernel's default), sweep (bench_shapes' best at --sweep-m, timed first)")
+                    help="int4 tiles of the prompt chunks, comma-separated: table, per_group (the table "
+                         "without its dequantize-once entries for chunks of 256+ rows), first (the first "
+                         "tl.dot kernel's default), sweep (bench_shapes' best at --sweep-m, timed first)")
     ap.add_argument("--sweep-m", type=int, default=256)
     ap.add_argument("--profile", action="store_true", help="trace one prefill per length: kernels by group")
     ap.add_argument("--out", default="")
@@ -125,6 +129,8 @@ def main(argv=None):
         raise SystemExit(f"--variants {a.variants!r}: {', '.join(VARIANTS)}")
     if a.bucket < 1:
         raise SystemExit(f"--bucket must be >= 1, got {a.bucket}")
+    from torch._dynamo.utils import counters as dynamo_counters
+
     cfg = preset(a.model)
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
@@ -154,7 +160,8 @@ def main(argv=None):
                 ms = statistics.median(s) * 1e3
                 row = dict(variant=v, tiles=tname, prompt_len=L, padded_len=gen.padded_length(L) or L, ttft_ms=ms, ttft_ms_min=min(s) * 1e3,
                            prefill_tps=L / ms * 1e3, first_call_s=first_s, gpu=gpu, model=cfg.name, head=a.head,
-                           window=window or cfg.sliding_window, chunk=a.chunk)
+                           window=window or cfg.sliding_window, chunk=a.chunk,
+                           dynamo_graphs=dynamo_counters["stats"]["unique_graphs"])  # compilations so far
                 if a.profile and cuda:
                     from .profile import print_kernels, profile_calls, summarize_kernels
 
@@ -173,13 +180,13 @@ def main(argv=None):
                 f.write(json.dumps(r, default=str) + "\n")
     print(f"\n{cfg.name} synthetic, int4 g128 body + {a.head} head, window {window or cfg.sliding_window}, "
           f"chunk {a.chunk}; {gpu}")
-    print("| variant | int4 tiles | prompt | padded | TTFT ms | min ms | prefill tok/s | first call s | kernels | kernel ms "
-          "| host ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| variant | int4 tiles | prompt | padded | TTFT ms | min ms | prefill tok/s | first call s | compiled graphs "
+          "| kernels | kernel ms | host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = [f"{r[key]:.{nd}f}" if key in r else "" for key, nd in (("kernels", 0), ("kernel_ms", 2), ("host_ms", 2))]
         print(f"| {r['variant']} | {r['tiles']} | {r['prompt_len']} | {r['padded_len']} | {r['ttft_ms']:.2f} | {r['ttft_ms_min']:.2f} | "
-              f"{r['prefill_tps']:.0f} | {r['first_call_s']:.1f} | {' | '.join(prof)} |")
+              f"{r['prefill_tps']:.0f} | {r['first_call_s']:.1f} | {r['dynamo_graphs']} | {' | '.join(prof)} |")
 
 if __name__ == "__main__":
     main()
