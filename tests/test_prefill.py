@@ -52,6 +52,12 @@ def test_padded_length_rules(model):
     assert g.padded_length(40) is None  # no slot left for the pads' position
     assert _gen(model, 0).padded_length(5) is None
     assert not g.capture_prefill  # graphs on CUDA only; the CPU pads without them
+    # switching the path drops the captured graphs and their pool's handle: torch releases a private
+    # pool with its last graph, so the next captures need a new one (on the H200, capturing into the
+    # old handle failed an allocator assert)
+    g._prefill_graphs[16], g._graph_pool = ("graph",), ("pool",)
+    g.set_prefill(False, 32)
+    assert g._prefill_graphs == {} and g._graph_pool is None and g.padded_length(17) == 32
 
 
 @pytest.mark.parametrize("T", [1, 5, 15, 16, 17, 27, 28, 29, 40])

@@ -50,7 +50,6 @@ class Generator:
         if prefill_bucket is None:
             prefill_bucket = int(getattr(self.step, "prefill_bucket", 0))
         self._compiled_forward = None
-        self._graph_pool = None
         self.set_prefill(compile_prefill, prefill_bucket)
 
     def set_prefill(self, compile: bool, bucket: int) -> None:
@@ -65,6 +64,9 @@ class Generator:
         self._chunk_forward = self._compiled_forward if compile else self._forward
         self.capture_prefill = bucket > 0 and self.device.type == "cuda"
         self._prefill_graphs: dict[int, tuple] = {}  # padded length -> (graph, ids, pos, hidden)
+        # and a new pool for the next captures: torch releases a private pool with its last graph,
+        # and capturing into the released pool's handle fails an allocator assert
+        self._graph_pool = None
 
     # ---- validation ----------------------------------------------------------------------------
     def _prompt(self, prompt_ids) -> torch.Tensor:
