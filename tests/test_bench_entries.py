@@ -86,7 +86,7 @@ def test_ladder_fused_variants_on_the_cpu(tmp_path):
     apply_variant(model, "compiled_triton_fused_pdl", state)
     assert model.fused_decode is not None and model.fused_decode.keywords["pdl"] is True
     apply_variant(model, "compiled_triton_merged_gemv", state)
-    assert model.fused_decode is None
+    assert model.fused_decode is None and model.fused_verify is None
     assert VARIANTS["compiled_triton_fused_int4"][4] and VARIANTS["compiled_triton_fused_int4"][6] == "layers"
 
 
@@ -159,13 +159,14 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
     out = tmp_path / "spec.jsonl"
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
-               "--fuse", "layers", "--drafter-steps", "fused,fused_head,unfused", "--split-fixup", "off,on", "--head",
-               "pruned:50", "--out", str(out)])
+               "--fuse", "layers", "--drafter-steps", "fused,fused_head,unfused", "--split-fixup", "off,on",
+               "--verify-epilogues", "off,on", "--head", "pruned:50", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["stack"]["FuseLayers"]["fused_layers"] is True
     rows = lines[1:]
-    assert [(r["spec"], r.get("drafter_step"), r.get("split_fixup")) for r in rows] == [("none", None, None)] + [
-        ("replay", d, f) for d in ("fused", "fused_head", "unfused") for f in ("off", "on")]
+    assert [(r["spec"], r.get("drafter_step"), r.get("split_fixup"), r.get("verify_epilogues")) for r in rows] == [
+        ("none", None, None, None)] + [("replay", d, f, e) for d in ("fused", "fused_head", "unfused")
+                                       for f in ("off", "on") for e in ("off", "on")]
     assert w4a16.SPLIT_FIXUP  # back on afterwards
     for r in rows[1:]:
         assert r["identity_rate"] == 1.0 and r["diverge_at"] == [8]
@@ -174,6 +175,8 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--drafter-steps", "fused"])
     with pytest.raises(SystemExit, match="on, off or on,off"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--split-fixup", "maybe"])
+    with pytest.raises(SystemExit, match="verify-epilogues"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--verify-epilogues", "both"])
 
 
 def test_prefill_bench_on_the_cpu(tmp_path):

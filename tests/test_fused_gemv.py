@@ -149,12 +149,12 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
         from fastgemma.transforms.quant import Int4Quant
 
         t.apply(model)
-        fused = model.fused_decode
-        model.fused_decode = None
+        fused = model.fused_decode, model.fused_verify
+        model.fused_decode = model.fused_verify = None
         Int4Quant(group_size=32, skip=("per_layer_projection",), backend="torch").apply(model)
         t.validate(model)
         ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
-        model.fused_decode = fused
+        model.fused_decode, model.fused_verify = fused
     else:
         ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
         t.apply(model)
@@ -167,6 +167,38 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
     tokens, logits = _decode(model, cfg, prompt, 6)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_verify_step_equals_the_ordinary_step(int4, backend):
+    """fuse=layers' wider step (5 rows: a verify pass) with GeGLU and the PLE gate's gelu * input in
+    GEMM stores (the int4 per-group kernel, the dense skinny GEMM; twins, then the Triton kernels
+    under the interpreter) gives the ordinary step's hidden states and cache writes, fp32."""
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.kernels.decode_attention import decode_attention_ref
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.quant import Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=2)
+    model.step_attention = decode_attention_ref
+    t = FuseLayers(backend=backend)
+    t.apply(model)
+    if int4:  # the PLE gate quantised too (skip only the K=16 projection): int4 gelu_mul
+        Int4Quant(group_size=32, skip=("per_layer_projection",), backend=backend).apply(model)
+    assert model.fused_verify is not None and t.describe()["verify_epilogues"]
+    ids, pos = torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None]
+    outs = []
+    for verify in (model.fused_verify, None):
+        model.fused_verify = verify
+        cache = KVCache(GEMMA4_TINY, 1, 64, window=4, device="cpu", dtype=torch.float32)
+        last = max(cache.k)  # the last store layer (cache.k / v: by layer index)
+        outs.append((model.step(ids, pos, cache), cache.k[0].clone(), cache.v[last].clone()))
+    (h, k, v), (h_ref, k_ref, v_ref) = outs
+    assert (h - h_ref).abs().max().item() < 1e-4
+    assert torch.allclose(k, k_ref, atol=1e-5) and torch.allclose(v, v_ref, atol=1e-5)
 
 
 def test_fuse_layers_wide_steps_and_refusals():
@@ -184,7 +216,7 @@ def test_fuse_layers_wide_steps_and_refusals():
     model.fused_decode = lambda *a: called.append(1) or inner(*a)
     cache = KVCache(GEMMA4_TINY, 1, 64, device="cpu", dtype=torch.float32)
     ids = torch.tensor([[3, 4]])
-    model.step(ids, torch.tensor([[0, 1]]), cache)  # two rows (a verify pass): the ordinary path
+    model.step(ids, torch.tensor([[0, 1]]), cache)  # two rows (a verify pass): fused_verify's path
     assert not called
     model.step(ids[:, :1], torch.tensor([[2]]), cache)
     assert called == [1]

@@ -60,6 +60,7 @@ def apply_variant(model, name, state):
         MergeProjections().apply(model)
         state["merged"] = True
     model.fused_decode = None
+    model.fused_verify = None
     model.fuse_drafter = None
     model.draft_head = None
     if fused:

@@ -160,6 +160,9 @@ def main(argv=None):
                          "unfused; comma-separated, one row each; default: fused with --fuse layers")
     ap.add_argument("--split-fixup", default="on",
                     help="int4 split-K partials summed in the kernel (on) or by a second launch (off); on,off: both")
+    ap.add_argument("--verify-epilogues", default="on",
+                    help="with --fuse layers: GeGLU and the PLE gate's gelu * input in the k+1-row pass's GEMM "
+                         "stores (on) or in torch after them (off); on,off: a row each")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--prefill", default="graph",
@@ -201,6 +204,10 @@ def main(argv=None):
     fixups = [x for x in a.split_fixup.split(",") if x]
     if not fixups or set(fixups) - {"on", "off"}:
         raise SystemExit(f"--split-fixup {a.split_fixup!r}: on, off or on,off")
+    epilogues = [x for x in a.verify_epilogues.split(",") if x]
+    if not epilogues or set(epilogues) - {"on", "off"}:
+        raise SystemExit(f"--verify-epilogues {a.verify_epilogues!r}: on, off or on,off")
+    fused_verify = model.fused_verify  # None without --fuse layers
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -243,11 +250,12 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
-        plan = [(tiles, dname, fix, kind, k) for tiles in a.verify_tiles.split(",") for dname in drafters
-                for fix in fixups for kind, k in plan]
-        for tiles, dname, fix, kind, k in plan:
+        plan = [(tiles, dname, fix, epi, kind, k) for tiles in a.verify_tiles.split(",") for dname in drafters
+                for fix in fixups for epi in epilogues for kind, k in plan]
+        for tiles, dname, fix, epi, kind, k in plan:
             use_verify_tiles(tiles)
             w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
+            model.fused_verify = fused_verify if epi == "on" else None  # read when the verify step is traced
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
@@ -278,7 +286,7 @@ def main(argv=None):
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
-                           prefill=pname, diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
+                           verify_epilogues=epi if fused_verify is not None else None, prefill=pname, diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
                 if ar_forced is not None and pname == prefills[0]:  # the k+1-row pass vs the AR step on AR's trace
@@ -291,6 +299,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     use_verify_tiles("per_group")  # the table as imported
     w4a16.SPLIT_FIXUP = True
+    model.fused_verify = fused_verify
 
     if a.out:
         with open(a.out, "w") as f:
@@ -305,14 +314,14 @@ def main(argv=None):
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | prefill | profile | k | tok/s | x AR | tok/step | expected | "
-          "accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | top1 vs AR | "
-          "top1 conf | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| window | spec | tiles | drafter | split fixup | epilogues | prefill | profile | k | tok/s | x AR | tok/step | "
+          "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
+          "top1 vs AR | top1 conf | accept_by_pos |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
-              f"{r.get('split_fixup', '')} | {r.get('prefill', '')} | "
+              f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('prefill', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "

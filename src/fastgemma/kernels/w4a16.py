@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
+from .fused_gemv import _gelu_tanh, _rnd, _rows
 
 GROUP_SIZES = (32, 64, 128)
 MAX_DECODE_M = 16
@@ -108,10 +109,12 @@ def dequantize_int4(qweight, scales, zeros, group_size: int, dtype: torch.dtype 
     return w.reshape(N, K).to(dtype)
 
 
-def w4a16_torch(x, qweight, scales, zeros, group_size: int, config=None):
+def w4a16_torch(x, qweight, scales, zeros, group_size: int, config=None, epilogue: str = "none", aux=None):
     """Torch twin: x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (W rounded to x's dtype first,
-    as the tl.dot path does; cuBLAS / CPU matmul accumulate in fp32). `config` is ignored."""
-    return F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype))
+    as the tl.dot path does; cuBLAS / CPU matmul accumulate in fp32), then `apply_epilogue`.
+    `config` is ignored."""
+    y = F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype))
+    return apply_epilogue(y, epilogue, aux)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,21 +199,47 @@ def _byte_terms(w, x_even, x_odd, xs, s, z):
 
 
 @triton.jit
+def _store_out(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, HALF, EPI: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 sums -> out[m, n] at m * stride_om + n, by the epilogue EPI:
+    0 as is; 1 GeGLU over interleaved rows (offs_n from fused_gemv._rows: 2i gate row i, 2i + 1 up
+    row HALF + i) -> out[m, i] = gelu_tanh(gate) * up; 2 gelu_tanh(acc) * aux[m, n] (the PLE gate
+    times the layer's input, aux[m, n] at m * stride_am + n). Rounded to out's dtype where the unfused
+    torch path rounds (the GEMM output, gelu, the product)."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    mask = n_ok[:, None] & m_ok[None, :]
+    if EPI == 0:
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(DT), mask=mask)
+    elif EPI == 1:
+        BN: tl.constexpr = acc.shape[0]
+        BM: tl.constexpr = acc.shape[1]
+        g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))
+        act = _rnd(_rnd(_gelu_tanh(_rnd(g, DT)), DT) * _rnd(u, DT), DT)
+        i, _ = tl.split(tl.reshape(offs_n, (BN // 2, 2)))  # the gate rows: out's columns
+        ok = (i < HALF)[:, None] & m_ok[None, :]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + i[:, None], act.to(DT), mask=ok)
+    else:
+        p = tl.load(aux_ptr + offs_m[None, :] * stride_am + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
+        act = _rnd(_rnd(_gelu_tanh(_rnd(acc, DT)), DT) * p, DT)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], act.to(DT), mask=mask)
+
+
+@triton.jit
 def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om,
-                 SPLIT: tl.constexpr, FIXUP: tl.constexpr):
+                 SPLIT: tl.constexpr, FIXUP: tl.constexpr, aux_ptr=None, stride_am=0, HALF=0,
+                 EPI: tl.constexpr = 0):
     """acc [BLOCK_N, BLOCK_M] fp32 of this program (grid: N tiles, K splits, M tiles) -> out [M, N]
-    (out[m, n] at m * stride_om + n). SPLIT == 1: stored. Else the partial goes to ws [SPLIT, M, N] fp32 and the
+    (out[m, n] at m * stride_om + n; through `_store_out`'s epilogue EPI). SPLIT == 1: stored. Else
+    the partial goes to ws [SPLIT, M, N] fp32 and the
     tile's last program to arrive (one counter per tile, acq_rel at GPU scope, after a barrier so
     every thread's partial is written) sums the SPLIT partials in split order, stores out and zeroes
     the counter for the next launch: the sums of `_splitk_reduce_kernel`, bit for bit, without a
-    second launch (FIXUP=False: the partial only, `_splitk_reduce_kernel` sums them after). Counters
-    are shared per device: split launches must not run concurrently (one stream, no PDL)."""
+    second launch (FIXUP=False: the partial only, `_splitk_reduce_kernel` sums them after; EPI 0
+    only). Counters are shared per device: split launches must not run concurrently (one stream, no PDL)."""
     mask = n_ok[:, None] & m_ok[None, :]
-    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     pid_k = tl.program_id(1)
     tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     if SPLIT == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, HALF, EPI)
     else:
         ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
         tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
@@ -221,7 +250,7 @@ def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N
             tot = tl.zeros_like(acc)
             for sk in tl.static_range(SPLIT):  # .cg: from L2, where the other programs' partials are
                 tot += tl.load(ws_ptrs + sk * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_out(tot, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, HALF, EPI)
             tl.store(cnt_ptr + tile, 0)
 
 
@@ -405,14 +434,14 @@ def _group_mma_kernel(
     K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    aux_ptr=None, stride_am=0, HALF=0, EPI: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     HG: tl.constexpr = GROUP // 2  # bytes per group and row: k = 2j (low nibble), 2j + 1 (high)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    offs_n, n_ok = _rows(pid_n, N, HALF, BLOCK_N, EPI)  # EPI 1: gate and up rows interleaved
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     w_ptrs = qw_ptr + pid_k * (K_SPLIT // 2) + offs_n[:, None] * stride_qn + tl.arange(0, HG)[None, :]
@@ -440,7 +469,8 @@ def _group_mma_kernel(
         s_ptrs += N
         z_ptrs += N
         x_ptrs += GROUP
-    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP)
+    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
+                 aux_ptr, stride_am, HALF, EPI)
 
 
 @triton.jit
@@ -676,9 +706,38 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
 SPLIT_FIXUP = True
 
 
-def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config | None = None):
+EPILOGUES = {"none": 0, "geglu": 1, "gelu_mul": 2}
+
+
+def apply_epilogue(y: torch.Tensor, epilogue: str, aux: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin of the kernels' epilogues on a GEMM output y [M, N] (in the activation dtype):
+    none; geglu: gelu_tanh(y[:, :N/2]) * y[:, N/2:] (W = [gate; up]); gelu_mul: gelu_tanh(y) * aux."""
+    if epilogue == "geglu":
+        gate, up = y.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    if epilogue == "gelu_mul":
+        return F.gelu(y, approximate="tanh") * aux
+    return y
+
+
+def check_epilogue(epilogue: str, M: int, N: int, aux: torch.Tensor | None) -> None:
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
+    if epilogue == "geglu" and N % 2:
+        raise ValueError(f"the geglu epilogue pairs gate and up rows: N must be even, got {N}")
+    if (epilogue == "gelu_mul") != (aux is not None):
+        raise ValueError("aux [M, N] goes with the gelu_mul epilogue, and only with it")
+    if aux is not None and (tuple(aux.shape) != (M, N) or aux.stride(-1) != 1):
+        raise ValueError(f"aux must be [M, N] = [{M}, {N}] with unit stride along N, got {tuple(aux.shape)} "
+                         f"strides {aux.stride()}")
+
+
+def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config | None = None,
+                 epilogue: str = "none", aux: torch.Tensor | None = None):
     """x [M, K] (fp16 / bf16 / fp32) @ W^T -> [M, N] in x's dtype; W given as (qweight, scales,
-    zeros) from `quantize_int4` + `pack_int4`. No host sync; the grid depends on shapes only."""
+    zeros) from `quantize_int4` + `pack_int4`. No host sync; the grid depends on shapes only.
+    `epilogue` (apply_epilogue): geglu -> [M, N/2], gelu_mul (aux [M, N]) -> [M, N]; in the
+    per-group kernel's store (its split-K fixup included), else applied in torch after the GEMM."""
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("w4a16_matmul runs on CUDA tensors (or with TRITON_INTERPRET=1); "
                            "use w4a16_torch on the CPU")
@@ -696,23 +755,28 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
         raise ValueError("qweight, scales and zeros must be contiguous")
     if N * K // 2 >= 2**31:
         raise ValueError(f"int32 offsets: N * K / 2 must stay below 2^31, got {N} x {K}")
+    check_epilogue(epilogue, M, N, aux)
     if M == 0:
-        return x.new_empty(0, N)
+        return x.new_empty(0, N // 2 if epilogue == "geglu" else N)
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = resolve_config(M, N, K, group_size, config)
+    split = cfg.split_k
+    fixup = SPLIT_FIXUP and split > 1
+    if epilogue != "none" and not (cfg.per_group and (split == 1 or fixup)):  # the GEMM, then torch's epilogue
+        return apply_epilogue(w4a16_matmul(x, qweight, scales, zeros, group_size, cfg), epilogue, aux)
     if cfg.dequant:  # prompt chunks: bf16 W once, then the GEMM through cuBLAS
         w = dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype, cfg.block_n,
                                    cfg.block_k // group_size)
         return F.linear(x, w)
-    split = cfg.split_k
     k_split = K // split
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    epi = EPILOGUES[epilogue]
+    n_out = N // 2 if epi == 1 else N
+    out = torch.empty(M, n_out, device=x.device, dtype=x.dtype)
     ws = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
-    fixup = SPLIT_FIXUP and split > 1
     cnt = arrival_counters(x.device, grid[0] * grid[2], "w4a16 split-K") if fixup else ws
-    head = (x, qweight, scales, zeros, out, ws, cnt, M, N, x.stride(0), qweight.stride(0), N)
+    head = (x, qweight, scales, zeros, out, ws, cnt, M, N, x.stride(0), qweight.stride(0), n_out)
     if cfg.block_m == 1:  # grid over rows of x
         _gemv_kernel[grid](
             *head, K_SPLIT=k_split, SPLIT=split, FIXUP=fixup, GROUP=group_size, BLOCK_N=cfg.block_n,
@@ -726,7 +790,9 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.per_group:
             asm = x.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16 and not _INTERPRET
-            _group_mma_kernel[grid](*head, EVEN_N=N % cfg.block_n == 0, ASM=asm, **common)
+            even = (N // 2) % (cfg.block_n // 2) == 0 if epi == 1 else N % cfg.block_n == 0
+            _group_mma_kernel[grid](*head, EVEN_N=even, ASM=asm, aux_ptr=aux, stride_am=0 if aux is None else aux.stride(0),
+                                    HALF=N // 2, EPI=epi, **common)
         else:
             _mma_kernel[grid](*head, BLOCK_K=cfg.block_k, **common)
     if split > 1 and not fixup:
@@ -894,3 +960,16 @@ def w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 @w4a16_matmul_op.register_fake
 def _(x, qweight, scales, zeros, group_size):
     return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+# The launcher with an epilogue (the verify pass's GeGLU and PLE gate, fuse=layers), same dispatch.
+@torch.library.custom_op("fastgemma::w4a16_epilogue", mutates_args=())
+def w4a16_epilogue_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, epilogue: str, aux: torch.Tensor | None) -> torch.Tensor:
+    return w4a16_matmul(x, qweight, scales, zeros, group_size, epilogue=epilogue, aux=aux)
+
+
+@w4a16_epilogue_op.register_fake
+def _(x, qweight, scales, zeros, group_size, epilogue, aux):
+    N = qweight.shape[0]
+    return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))

@@ -130,6 +130,7 @@ class Gemma4Model(nn.Module):
         self.step_attention = None  # set by the builder: fn(q, k, v, q_pos, slot_pos, window, scale)
         self.logits_head = None     # optional head override: fn(hidden) -> logits (pruned / quantised)
         self.fused_decode = None    # optional one-row step: fn(model, ids, pos, cache) -> hidden (fuse=layers)
+        self.fused_verify = None    # optional wider step, same signature (fuse=layers: GEMM epilogues)
         self.fuse_drafter = None    # fn(drafter) -> drafter: the same fusion for an MTP drafter (fuse=layers)
         self.draft_head = None      # fn(g, centroids, ordering, rows, top_k) -> ids: kernels/draft_head (fuse=layers)
 
@@ -229,6 +230,8 @@ class Gemma4Model(nn.Module):
         K/V for these rows, then attends through self.step_attention. Returns hidden [B, T, hidden]."""
         if self.fused_decode is not None and ids.numel() == 1:  # a shape: settled when traced
             return self.fused_decode(self, ids, pos, cache)
+        if self.fused_verify is not None:  # wider steps under fuse=layers: GEMM epilogues
+            return self.fused_verify(self, ids, pos, cache)
         x, ple = self.embed(ids)
         store_attend = self.step_store_attend(ids, pos, cache)
 

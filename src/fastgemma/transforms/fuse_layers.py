@@ -15,7 +15,9 @@ Per layer at one row, five GEMVs with their neighbours folded in, then the PLE p
 q/k/v norms, RoPE, the cache writes and the attention are the static step's own (compiled, they
 fuse among themselves). Models without PLE carry the MLP's residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
-wider steps (the verify pass, batches) the ordinary one. The MTP drafter's one-row step takes the
+wider steps (the verify pass, batches) `fused_verify`: the ordinary layer with GeGLU in the int4
+gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or the dense
+skinny GEMM of kernels/skinny_gemm.py). The MTP drafter's one-row step takes the
 same GEMVs (`fused_draft`: pre-projection, then per layer q, o, gate|up + GeGLU, down, then the
 post-projection), set on the drafter by `model.fuse_drafter` when speculative decoding builds it.
 Its centroid-masked head stays torch's: kernels/draft_head.py's two launches were slower on the
@@ -101,6 +103,57 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
     return model.norm((res + norm(y)) * scale).reshape(1, 1, -1)
 
 
+# dense weights up to this size take the skinny GEMM in wider steps (the PLE gate: 1.3 MB); larger
+# dense GEMMs (a bf16 body's gate|up) stay with cuBLAS and torch's epilogue
+SKINNY_MAX_BYTES = 4 << 20
+
+
+def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True):
+    """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
+    kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
+    rows); otherwise the GEMM, then torch's epilogue."""
+    from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
+    from ..kernels.w4a16 import apply_epilogue, w4a16_epilogue_op, w4a16_torch
+    from .quant import Int4Linear
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
+    if isinstance(mod, Int4Linear):
+        op = w4a16_epilogue_op if triton_ops and mod.backend == "triton" else (
+            lambda *a: w4a16_torch(*a[:5], epilogue=a[5], aux=a[6]))
+        y = op(x2, mod.qweight, mod.scales, mod.zeros, mod.group_size, epilogue, a2)
+    elif fits(*x2.shape) and mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES:
+        y = (skinny_matmul_op(x2, mod.weight, epilogue, a2) if triton_ops
+             else skinny_matmul_ref(x2, mod.weight, epilogue=epilogue, aux=a2))
+    else:
+        y = apply_epilogue(torch.nn.functional.linear(x2, mod.weight), epilogue, a2)
+    return y.reshape(*lead, -1)
+
+
+def fused_verify(model, ids, pos, cache, triton_ops: bool = True):
+    """Wider static steps (the verify pass, batches) under fuse=layers: the layer's torch path
+    (DecoderLayer.forward, merged projections), with two epilogues in GEMM stores: GeGLU in gate|up
+    and gelu_tanh(PLE gate) * PLE input in the PLE gate (`_epilogue_call`). The norms and residual
+    adds stay compiled: a norm prologue would have every program of a multi-row GEMM re-read all
+    rows of x for their sums of squares."""
+    x, ple = model.embed(ids)
+    store_attend = model.step_store_attend(ids, pos, cache)
+    for i, layer in enumerate(model.layers):
+        at = layer.self_attn
+        cos, sin = store_attend.rope[layer.spec.sliding]
+        attn = store_attend(layer, *at.project(layer.input_layernorm(x), cos, sin))
+        x = x + layer.post_attention_layernorm(at.o_proj(attn))
+        act = _epilogue_call(layer.mlp.gate_up_proj, layer.pre_feedforward_layernorm(x), "geglu",
+                             triton_ops=triton_ops)
+        x = x + layer.post_feedforward_layernorm(layer.mlp.down_proj(act))
+        if layer.ple:
+            g = _epilogue_call(layer.per_layer_input_gate, x, "gelu_mul", ple[:, :, i], triton_ops=triton_ops)
+            x = x + layer.post_per_layer_input_norm(layer.per_layer_projection(g))
+        x = x * layer.layer_scalar
+    return model.norm(x)
+
+
 def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
     """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
     -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
@@ -174,6 +227,7 @@ class FuseLayers:
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
+        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton")
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
@@ -185,4 +239,5 @@ class FuseLayers:
             _layer_linears(i, layer)
 
     def describe(self) -> dict:
-        return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl}
+        return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
+                "verify_epilogues": True}
