@@ -119,7 +119,7 @@ def use_prefill(gen, name: str, prompt_len: int) -> None:
     gen.warm_prefill(prompt_len)
 
 
-def profile_phases(gen, steps: int, top: int = 8) -> dict:
+def profile_phases(gen, steps: int, top: int = 20) -> dict:
     """Kernels of the captured draft and verify graphs, `steps` replays each at the generator's
     current state (replaying them alone changes only the drafts, the verify rows and their cache
     rows): {phase: summarize_kernels(...)}, printed as tables."""
