@@ -162,7 +162,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     max_ctx = a.max_context or (a.prompt_len + a.new + 16)
-    rows, ref_tokens, ref_forced, hf_row = [], None, None, None
+    rows, ref_tokens, ref_forced, hf_row, ref_outs = [], None, None, None, None
     want_hf = bool(a.hf_new or a.hf_check)
     state = {}
     for name in a.variants.split(","):

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .fused_gemv import _rows
 from .w4a16 import EPILOGUES, _split_store, apply_epilogue, check_epilogue
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -25,31 +24,41 @@ MAX_M = 16
 
 
 @triton.jit
-def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, HALF, stride_xm, stride_wn, stride_om,
-                      stride_am, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr,
+def _w_tile(w_ptrs, n_ok, EVEN_N: tl.constexpr):
+    if EVEN_N:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, stride_xm, stride_wn, stride_om,
+                      stride_am, HALF: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI: tl.constexpr,
                       EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_n, n_ok = _rows(pid_n, N, HALF, BLOCK_N, EPI)
+    # EPI 1 (GeGLU): ROWS gate rows and the same up rows (HALF on) as two tiles with affine offsets
+    ROWS: tl.constexpr = BLOCK_N // 2 if EPI == 1 else BLOCK_N
+    offs_n = pid_n * ROWS + tl.arange(0, ROWS)
+    n_ok = offs_n < (HALF if EPI == 1 else N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    up = HALF * stride_wn
+    acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)  # EPI 1 only
     for _ in range(0, K_SPLIT, BLOCK_K):
-        if EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        x = tl.trans(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0))
+        acc = tl.dot(_w_tile(w_ptrs, n_ok, EVEN_N), x, acc, input_precision=DOT_PRECISION)
+        if EPI == 1:
+            acc_u = tl.dot(_w_tile(w_ptrs + up, n_ok, EVEN_N), x, acc_u, input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
-                 aux_ptr, stride_am, HALF, EPI)
+                 aux_ptr, stride_am, HALF, EPI, acc_u)
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,12 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
-# (N, K) -> tiles on the H200 (bench_shapes(sweep=True), graph-timed, weights out of L2)
-CONFIGS: dict[tuple[int, int], SkinnyConfig] = {}
+# (N, K) -> tiles on the H200 (bench_shapes(sweep=True), graph-timed, weights out of L2), us at 8
+# rows with the gelu_mul epilogue (run AJ, 2026-11-30): this config / the default tiles (16, 128,
+# 10, 1 warp) / cuBLAS + torch's gelu * input
+CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (256, 2560): SkinnyConfig(16, 128, 10, 2),  # the PLE gate: 4.13 / 4.48 / 9.10
+}
 
 
 def fits(M: int, K: int) -> bool:
@@ -116,12 +129,12 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None 
     cfg = resolve_config(N, K, config)
     split = cfg.split_k
     out = torch.empty(M, n_out, device=x.device, dtype=x.dtype)
-    ws = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    ws = out if split == 1 and epi != 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, cfg.block_n), split, 1)
     cnt = arrival_counters(x.device, grid[0], "skinny split-K") if split > 1 else ws
     even = (N // 2) % (cfg.block_n // 2) == 0 if epi == 1 else N % cfg.block_n == 0
-    _dense_mma_kernel[grid](x, w, out, ws, cnt, aux, M, N, N // 2, x.stride(0), w.stride(0), n_out,
-                            0 if aux is None else aux.stride(0), K_SPLIT=K // split, SPLIT=split, FIXUP=split > 1,
+    _dense_mma_kernel[grid](x, w, out, ws, cnt, aux, M, N, x.stride(0), w.stride(0), n_out,
+                            0 if aux is None else aux.stride(0), HALF=N // 2 if epi == 1 else 0, K_SPLIT=K // split, SPLIT=split, FIXUP=split > 1,
                             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=epi, EVEN_N=even,
                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .fused_gemv import _gelu_tanh, _rnd, _rows
+from .fused_gemv import _gelu_tanh, _rnd
 
 GROUP_SIZES = (32, 64, 128)
 MAX_DECODE_M = 16
@@ -199,24 +199,15 @@ def _byte_terms(w, x_even, x_odd, xs, s, z):
 
 
 @triton.jit
-def _store_out(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, HALF, EPI: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] fp32 sums -> out[m, n] at m * stride_om + n, by the epilogue EPI:
-    0 as is; 1 GeGLU over interleaved rows (offs_n from fused_gemv._rows: 2i gate row i, 2i + 1 up
-    row HALF + i) -> out[m, i] = gelu_tanh(gate) * up; 2 gelu_tanh(acc) * aux[m, n] (the PLE gate
-    times the layer's input, aux[m, n] at m * stride_am + n). Rounded to out's dtype where the unfused
-    torch path rounds (the GEMM output, gelu, the product)."""
+def _store_out(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, EPI: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 sums -> out[m, n] at m * stride_om + n: as is (EPI 0), or
+    gelu_tanh(acc) * aux[m, n] (EPI 2: the PLE gate times the layer's input, aux[m, n] at
+    m * stride_am + n), rounded to out's dtype where the unfused torch path rounds (the GEMM
+    output, gelu, the product). EPI 1 (GeGLU) is `_geglu_from_ws`."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     mask = n_ok[:, None] & m_ok[None, :]
     if EPI == 0:
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(DT), mask=mask)
-    elif EPI == 1:
-        BN: tl.constexpr = acc.shape[0]
-        BM: tl.constexpr = acc.shape[1]
-        g, u = tl.split(tl.permute(tl.reshape(acc, (BN // 2, 2, BM)), (0, 2, 1)))
-        act = _rnd(_rnd(_gelu_tanh(_rnd(g, DT)), DT) * _rnd(u, DT), DT)
-        i, _ = tl.split(tl.reshape(offs_n, (BN // 2, 2)))  # the gate rows: out's columns
-        ok = (i < HALF)[:, None] & m_ok[None, :]
-        tl.store(out_ptr + offs_m[None, :] * stride_om + i[:, None], act.to(DT), mask=ok)
     else:
         p = tl.load(aux_ptr + offs_m[None, :] * stride_am + offs_n[:, None], mask=mask, other=0.0).to(tl.float32)
         act = _rnd(_rnd(_gelu_tanh(_rnd(acc, DT)), DT) * p, DT)
@@ -224,12 +215,31 @@ def _store_out(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, str
 
 
 @triton.jit
+def _geglu_from_ws(ws_ptr, offs_m, m_ok, out_ptr, M, N, HALF, stride_om, SPLIT: tl.constexpr, ROWS: tl.constexpr):
+    """EPI 1: the tile's ROWS gate rows i and up rows HALF + i summed from the partials in ws
+    [SPLIT, M, N] (split order, from L2) as two [ROWS, BLOCK_M] blocks, then out[m, i] =
+    gelu_tanh(gate) * up, rounded as the torch path rounds."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = (i < HALF)[:, None] & m_ok[None, :]
+    g_ptrs = ws_ptr + offs_m[None, :] * N + i[:, None]
+    g = tl.zeros((ROWS, offs_m.shape[0]), dtype=tl.float32)
+    u = tl.zeros_like(g)
+    for sk in tl.static_range(SPLIT):
+        g += tl.load(g_ptrs + sk * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+        u += tl.load(g_ptrs + sk * M * N + HALF, mask=ok, other=0.0, cache_modifier=".cg")
+    act = _rnd(_rnd(_gelu_tanh(_rnd(g, DT)), DT) * _rnd(u, DT), DT)
+    tl.store(out_ptr + offs_m[None, :] * stride_om + i[:, None], act.to(DT), mask=ok)
+
+
+@triton.jit
 def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om,
                  SPLIT: tl.constexpr, FIXUP: tl.constexpr, aux_ptr=None, stride_am=0, HALF=0,
-                 EPI: tl.constexpr = 0):
+                 EPI: tl.constexpr = 0, acc_u=None):
     """acc [BLOCK_N, BLOCK_M] fp32 of this program (grid: N tiles, K splits, M tiles) -> out [M, N]
-    (out[m, n] at m * stride_om + n; through `_store_out`'s epilogue EPI). SPLIT == 1: stored. Else
-    the partial goes to ws [SPLIT, M, N] fp32 and the
+    (out[m, n] at m * stride_om + n; through the epilogue EPI: `_store_out`, `_geglu_from_ws`; EPI 1:
+    acc holds gate rows offs_n, acc_u the up rows HALF + offs_n, and both go through ws [SPLIT, M, N]
+    and back, so the accumulators' layout never has to be split in registers). SPLIT == 1: stored. Else the partial goes to ws [SPLIT, M, N] fp32 and the
     tile's last program to arrive (one counter per tile, acq_rel at GPU scope, after a barrier so
     every thread's partial is written) sums the SPLIT partials in split order, stores out and zeroes
     the counter for the next launch: the sums of `_splitk_reduce_kernel`, bit for bit, without a
@@ -238,19 +248,27 @@ def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N
     mask = n_ok[:, None] & m_ok[None, :]
     pid_k = tl.program_id(1)
     tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-    if SPLIT == 1:
-        _store_out(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, HALF, EPI)
+    ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
+    if SPLIT == 1 and EPI != 1:
+        _store_out(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, EPI)
     else:
-        ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
         tl.store(ws_ptrs + pid_k * M * N, acc, mask=mask)
+        if EPI == 1:
+            tl.store(ws_ptrs + pid_k * M * N + HALF, acc_u, mask=mask)
+    if SPLIT == 1 and EPI == 1:
+        tl.debug_barrier()  # the tile's partial, every thread's part, before it is read back
+        _geglu_from_ws(ws_ptr, offs_m, m_ok, out_ptr, M, N, HALF, stride_om, 1, acc.shape[0])
     if SPLIT > 1 and FIXUP:
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            tot = tl.zeros_like(acc)
-            for sk in tl.static_range(SPLIT):  # .cg: from L2, where the other programs' partials are
-                tot += tl.load(ws_ptrs + sk * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _store_out(tot, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, HALF, EPI)
+            if EPI == 1:
+                _geglu_from_ws(ws_ptr, offs_m, m_ok, out_ptr, M, N, HALF, stride_om, SPLIT, acc.shape[0])
+            else:
+                tot = tl.zeros_like(acc)
+                for sk in tl.static_range(SPLIT):  # .cg: from L2, where the other programs' partials are
+                    tot += tl.load(ws_ptrs + sk * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_out(tot, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_am, EPI)
             tl.store(cnt_ptr + tile, 0)
 
 
@@ -428,20 +446,42 @@ def _dequant_bytes(w, s, z, ASM: tl.constexpr):
 
 
 @triton.jit
+def _group_load(w_ptrs, s_ptrs, z_ptrs, n_ok, EVEN_N: tl.constexpr):
+    """One scale group of a [R, GROUP] weight tile: its code bytes [R, GROUP / 2], scales and zeros [R]."""
+    if EVEN_N:
+        return tl.load(w_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
+    return (tl.load(w_ptrs, mask=n_ok[:, None], other=0), tl.load(s_ptrs, mask=n_ok, other=0.0),
+            tl.load(z_ptrs, mask=n_ok, other=0.0))
+
+
+@triton.jit
+def _group_mma(w, s, z, x_even, x_odd, acc, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Dequantize one group to x's dtype, two dots (low / high nibbles against the even / odd
+    columns of x [BLOCK_M, GROUP / 2]) into acc [R, BLOCK_M]."""
+    w_lo, w_hi = _dequant_bytes(w, s[:, None], z[:, None], ASM)
+    acc = tl.dot(w_lo.to(x_even.dtype), tl.trans(x_even), acc, input_precision=DOT_PRECISION)
+    return tl.dot(w_hi.to(x_odd.dtype), tl.trans(x_odd), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _group_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, stride_xm, stride_qn, stride_om,
     K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    aux_ptr=None, stride_am=0, HALF=0, EPI: tl.constexpr = 0,
+    aux_ptr=None, stride_am=0, HALF: tl.constexpr = 0, EPI: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     HG: tl.constexpr = GROUP // 2  # bytes per group and row: k = 2j (low nibble), 2j + 1 (high)
 
-    offs_n, n_ok = _rows(pid_n, N, HALF, BLOCK_N, EPI)  # EPI 1: gate and up rows interleaved
+    # EPI 1 (GeGLU): BLOCK_N gate rows i0.. and the same up rows HALF + i0.. as two tiles, each with
+    # affine row offsets (one tile over both runs cost a pointer register per row: 80 -> 102-114
+    # registers at 32 x 16 tiles, 2 warps, and the occupancy with them)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < (HALF if EPI == 1 else N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     w_ptrs = qw_ptr + pid_k * (K_SPLIT // 2) + offs_n[:, None] * stride_qn + tl.arange(0, HG)[None, :]
@@ -451,26 +491,28 @@ def _group_mma_kernel(
     x_ptrs = x_ptr + pid_k * K_SPLIT + offs_m[:, None] * stride_xm + tl.arange(0, GROUP)[None, :]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if EPI == 1:
+        up = HALF * stride_qn  # the up tile's byte offset
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, K_SPLIT, GROUP):
-        if EVEN_N:
-            w = tl.load(w_ptrs)
-            s = tl.load(s_ptrs)
-            z = tl.load(z_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-            s = tl.load(s_ptrs, mask=n_ok, other=0.0)
-            z = tl.load(z_ptrs, mask=n_ok, other=0.0)
+        w, s, z = _group_load(w_ptrs, s_ptrs, z_ptrs, n_ok, EVEN_N)
+        if EPI == 1:
+            w_u, s_u, z_u = _group_load(w_ptrs + up, s_ptrs + HALF, z_ptrs + HALF, n_ok, EVEN_N)
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP]
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HG, 2)))
-        w_lo, w_hi = _dequant_bytes(w, s[:, None], z[:, None], ASM)
-        acc = tl.dot(w_lo.to(x.dtype), tl.trans(x_even), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(w_hi.to(x.dtype), tl.trans(x_odd), acc, input_precision=DOT_PRECISION)
+        acc = _group_mma(w, s, z, x_even, x_odd, acc, ASM, DOT_PRECISION)
+        if EPI == 1:
+            acc_u = _group_mma(w_u, s_u, z_u, x_even, x_odd, acc_u, ASM, DOT_PRECISION)
         w_ptrs += HG
         s_ptrs += N
         z_ptrs += N
         x_ptrs += GROUP
-    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
-                 aux_ptr, stride_am, HALF, EPI)
+    if EPI == 1:
+        _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
+                     aux_ptr, stride_am, HALF, EPI, acc_u)
+    else:
+        _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
+                     aux_ptr, stride_am, HALF, EPI)
 
 
 @triton.jit
@@ -597,6 +639,9 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (16, 2560, 2048): _grp(32, 4, 2),       # o: 6.80 / 7.00 / 6.14
     (16, 2560, 4096): _grp(64, 8, 4),       # o (full): 7.77 / 8.56 / 10.45
     (16, 20480, 2560): _grp(32, 2, 2),      # gate|up: 17.00 / 18.27 / 28.57
+    # (with the GeGLU epilogue block_n counts the rows of each half, 64 rows a program; run AK, us:
+    # 18.50 at these tiles, 18.88 at 16 / 2 / 1 warp, 20.41-26.35 at 5 others; the plain kernel
+    # 17.28, and + torch's GeGLU as eager launches 23.09)
     (16, 2560, 10240): _grp(64, 8, 4),      # down: 13.81 / 15.14 / 18.18
     (16, 2560, 256): _grp(32, 1, 2),        # PLE projection: 2.68 (was 16, 1, 1: 3.54) / 3.45 / 3.20
     (16, 10752, 2560): _grp(64, 4, 4),      # W_plm: 13.14 (was 32, 2, 2: 13.70) / 13.56 / 15.54
@@ -773,8 +818,9 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     epi = EPILOGUES[epilogue]
     n_out = N // 2 if epi == 1 else N
     out = torch.empty(M, n_out, device=x.device, dtype=x.dtype)
-    ws = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
+    ws = out if split == 1 and epi != 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    # EPI 1: a program takes block_n gate rows and the same up rows (2 x block_n rows of W)
+    grid = (triton.cdiv(N // 2 if epi == 1 else N, cfg.block_n), split, triton.cdiv(M, cfg.block_m))
     cnt = arrival_counters(x.device, grid[0] * grid[2], "w4a16 split-K") if fixup else ws
     head = (x, qweight, scales, zeros, out, ws, cnt, M, N, x.stride(0), qweight.stride(0), n_out)
     if cfg.block_m == 1:  # grid over rows of x
@@ -790,9 +836,9 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.per_group:
             asm = x.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16 and not _INTERPRET
-            even = (N // 2) % (cfg.block_n // 2) == 0 if epi == 1 else N % cfg.block_n == 0
+            even = (N // 2 if epi == 1 else N) % cfg.block_n == 0
             _group_mma_kernel[grid](*head, EVEN_N=even, ASM=asm, aux_ptr=aux, stride_am=0 if aux is None else aux.stride(0),
-                                    HALF=N // 2, EPI=epi, **common)
+                                    HALF=N // 2 if epi == 1 else 0, EPI=epi, **common)
         else:
             _mma_kernel[grid](*head, BLOCK_K=cfg.block_k, **common)
     if split > 1 and not fixup:

@@ -6,7 +6,6 @@ from ..metrics.latency import latency_summary
 
 def run(ctx):
     f, p = ctx.factory, ctx.params
-    c = f.config
     text, ids = p.get("prompt"), p.get("ids")
     if (text is None) == (ids is None):
         raise ValueError("task=generate needs exactly one of task.prompt=<text> or task.ids=[<int>, ...]")

@@ -25,7 +25,7 @@ def run(ctx):
         baseline.setdefault(g, v)
 
     table = markdown_table(rows, baseline) if rows else "(no successful runs)"
-    md = [f"# fastgemma report\n", f"{len(records)} records from {', '.join(map(str, inputs))}: "
+    md = ["# fastgemma report\n", f"{len(records)} records from {', '.join(map(str, inputs))}: "
           f"{len(rows)} configurations, {len(failed)} failed runs.\n", table]
     if failed:
         md += ["\n## Failed runs\n", failed_table(failed)]
