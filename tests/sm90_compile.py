@@ -16,6 +16,7 @@ from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
+from fastgemma.kernels.skinny_gemm import _dense_mma_kernel
 from fastgemma.kernels.w4a16 import _group_mma_kernel
 
 D16 = [["tt.divisibility", 16]]
@@ -72,20 +73,38 @@ def main():
     # scope after a barrier, then L2 loads), extra columns: atomics, barriers before the first one, .cg loads
     dot_sig = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
                "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_qn": "i32",
-               "stride_om": "i32"}
-    for name, bn, warps, even, split in [("int4 per-group 16x32", 32, 2, True, 1),
-                                         ("int4 per-group 16x64", 64, 4, True, 1),
-                                         ("int4 per-group 16x128 tail", 128, 8, False, 1),
-                                         ("int4 per-group 16x64 split-4 fixup", 64, 4, True, 4)]:
+               "stride_om": "i32", "aux_ptr": "*bf16", "stride_am": "i32"}
+    # the epilogue variants (the verify pass's gate|up and PLE gate, 2 warps, split 2) beside the plain
+    # kernel on the same rows per program: registers (occupancy) must not grow with the epilogue
+    for name, bn, warps, even, split, epi in [("int4 per-group 16x32", 32, 2, True, 1, 0),
+                                              ("int4 per-group 16x64", 64, 4, True, 1, 0),
+                                              ("int4 per-group 16x128 tail", 128, 8, False, 1, 0),
+                                              ("int4 per-group 16x64 split-4 fixup", 64, 4, True, 4, 0),
+                                              ("int4 per-group 16x32 split-2", 32, 2, True, 2, 0),
+                                              ("int4 per-group 16x64 split-2", 64, 2, True, 2, 0),
+                                              ("int4 per-group 16x32 split-2 gelu_mul", 32, 2, True, 2, 2),
+                                              ("int4 per-group 16x(2x32) split-2 geglu", 32, 2, True, 2, 1)]:
         ce = dict(K_SPLIT=2560 // split, SPLIT=split, FIXUP=split > 1, GROUP=128, BLOCK_M=16, BLOCK_N=bn,
-                  EVEN_N=even, ASM=True, DOT_PRECISION="tf32")
-        ptx, regs, spills = build(_group_mma_kernel, dot_sig, ce, (0, 1, 2, 3, 4, 5, 6, 10), warps)
+                  EVEN_N=even, ASM=True, DOT_PRECISION="tf32", EPI=epi, HALF=10240 if epi == 1 else 0)
+        aligned = (0, 1, 2, 3, 4, 5, 6, 10) if epi == 0 and split != 2 else (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13)
+        ptx, regs, spills = build(_group_mma_kernel, dot_sig, ce, aligned, warps)
         mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
         atom = ptx.find("atom.")
         atoms = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx))
         bars = ptx[:atom].count("bar.sync") if atom >= 0 else 0
         print(f"dot\t{name}\t{regs}\t{spills}\t{ptx.count('fma.rn.bf16x2')}\t{mma}\t{atoms}\t{bars}\t"
               f"{ptx.count('ld.global.cg')}\t{split}")
+    # the skinny GEMM (the PLE gate with gelu_mul, split 10 through the fixup; geglu): no spills,
+    # tensor-core dots ("skinny" lines: name, registers, spills, mma instructions, atomics)
+    sk_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+              "aux_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
+              "stride_am": "i32"}
+    for name, epi, split in [("skinny ple gate gelu_mul", 2, 10), ("skinny geglu", 1, 2)]:
+        ce = dict(HALF=128 if epi == 1 else 0, K_SPLIT=2560 // split, SPLIT=split, FIXUP=True, BLOCK_M=16, BLOCK_N=16,
+                  BLOCK_K=128, EPI=epi, EVEN_N=True, DOT_PRECISION="tf32")
+        ptx, regs, spills = build(_dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
+        mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
+        print(f"skinny\t{name}\t{regs}\t{spills}\t{mma}\t{len(re.findall(r'atom.global.gpu.acq_rel.add', ptx))}")
     # the drafter head (E4B: 2,048 centroids of 128 tokens, hidden 256, top 32): no spills, one
     # arrival atomic in the select kernel ("draft" lines: name, registers, spills, atomics)
     head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",
