@@ -639,7 +639,7 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (16, 2560, 2048): _grp(32, 4, 2),       # o: 6.80 / 7.00 / 6.14
     (16, 2560, 4096): _grp(64, 8, 4),       # o (full): 7.77 / 8.56 / 10.45
     (16, 20480, 2560): _grp(32, 2, 2),      # gate|up: 17.00 / 18.27 / 28.57
-    # (with the GeGLU epilogue block_n counts the rows of each half, 64 rows a program; run AK, us:
+    # (with the GeGLU epilogue block_n counts the rows of each half, 64 rows a program; run AL, us:
     # 18.50 at these tiles, 18.88 at 16 / 2 / 1 warp, 20.41-26.35 at 5 others; the plain kernel
     # 17.28, and + torch's GeGLU as eager launches 23.09)
     (16, 2560, 10240): _grp(64, 8, 4),      # down: 13.81 / 15.14 / 18.18
