@@ -171,7 +171,7 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
 
 @pytest.mark.parametrize("int4", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_verify_step_equals_the_ordinary_step(int4, backend):
+def test_fused_verify_step_equals_the_ordinary_step(int4, backend, monkeypatch):
     """fuse=layers' wider step (5 rows: a verify pass) with GeGLU and the PLE gate's gelu * input in
     GEMM stores (the int4 per-group kernel, the dense skinny GEMM; twins, then the Triton kernels
     under the interpreter) gives the ordinary step's hidden states and cache writes, fp32."""
@@ -182,6 +182,12 @@ def test_fused_verify_step_equals_the_ordinary_step(int4, backend):
     from fastgemma.transforms.quant import Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 
+    import fastgemma.kernels.skinny_gemm as skinny_mod
+    import fastgemma.kernels.w4a16 as w4a16_mod
+
+    # wide tiles: a handful of programs per launch keeps the interpreter fast
+    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, 64, 1, 4))
     model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=2)
     model.step_attention = decode_attention_ref
     t = FuseLayers(backend=backend)
@@ -189,16 +195,20 @@ def test_fused_verify_step_equals_the_ordinary_step(int4, backend):
     if int4:  # the PLE gate quantised too (skip only the K=16 projection): int4 gelu_mul
         Int4Quant(group_size=32, skip=("per_layer_projection",), backend=backend).apply(model)
     assert model.fused_verify is not None and t.describe()["verify_epilogues"]
-    ids, pos = torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None]
-    outs = []
-    for verify in (model.fused_verify, None):
-        model.fused_verify = verify
-        cache = KVCache(GEMMA4_TINY, 1, 64, window=4, device="cpu", dtype=torch.float32)
-        last = max(cache.k)  # the last store layer (cache.k / v: by layer index)
-        outs.append((model.step(ids, pos, cache), cache.k[0].clone(), cache.v[last].clone()))
-    (h, k, v), (h_ref, k_ref, v_ref) = outs
-    assert (h - h_ref).abs().max().item() < 1e-4
-    assert torch.allclose(k, k_ref, atol=1e-5) and torch.allclose(v, v_ref, atol=1e-5)
+    fused_verify = model.fused_verify
+    # 5 rows of one sequence (a verify pass), then a batch of 2 at one row each (the PLE input's
+    # rows then come from two sequences: aux's row stride is not the hidden's)
+    for ids, pos in ((torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None]),
+                     (torch.tensor([[3], [9]]), torch.tensor([[0], [0]]))):
+        outs = []
+        for verify in (fused_verify, None):
+            model.fused_verify = verify
+            cache = KVCache(GEMMA4_TINY, ids.shape[0], 64, window=4, device="cpu", dtype=torch.float32)
+            last = max(cache.k)  # the last store layer (cache.k / v: by layer index)
+            outs.append((model.step(ids, pos, cache), cache.k[0].clone(), cache.v[last].clone()))
+        (h, k, v), (h_ref, k_ref, v_ref) = outs
+        assert h.shape == h_ref.shape and (h - h_ref).abs().max().item() < 1e-4
+        assert torch.allclose(k, k_ref, atol=1e-5) and torch.allclose(v, v_ref, atol=1e-5)
 
 
 def test_fuse_layers_wide_steps_and_refusals():
