@@ -17,7 +17,8 @@
 #             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
 #   spec      speculative decoding: depth x acceptance profile x window (bench.spec); compiled, as in
 #             the README: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
-#             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s)
+#             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s); with
+#             --fuse layers, --verify-epilogues off,on compares the verify pass's GEMM epilogues in one run
 #   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
 # Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PREFILL_ARGS, PROFILE_VARIANTS,
