@@ -6,6 +6,7 @@ from ..metrics.latency import latency_summary
 
 def run(ctx):
     f, p = ctx.factory, ctx.params
+    f.model  # built (and checked) first: a bad stack is reported before a missing prompt
     text, ids = p.get("prompt"), p.get("ids")
     if (text is None) == (ids is None):
         raise ValueError("task=generate needs exactly one of task.prompt=<text> or task.ids=[<int>, ...]")
