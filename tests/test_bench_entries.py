@@ -148,9 +148,9 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
 
 def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
     """--fuse layers: the AR rows take the fused one-row step (its torch twin here), the k+1-row passes
-    the ordinary step, the drafter its fused step or the unfused one (a row each); speculative tokens
-    still equal AR's and the verify pass agrees with the fused AR step on every teacher-forced
-    position (fp32)."""
+    the ordinary step with or without its GEMM epilogues, the drafter its fused step or the unfused
+    one (a row each); speculative tokens still equal AR's and the verify pass agrees with the fused
+    AR step on every teacher-forced position (fp32)."""
     import json
 
     from fastgemma.bench import spec
