@@ -22,8 +22,8 @@
 #   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
 # COMPILE_CACHE=DIR keeps torch.compile's and Triton's caches in DIR/inductor and DIR/triton, so a later
-#   run on the same software skips most compiles (H200: the prompt's forward 177 -> 66 s, the spec part
-#   261 -> 147 s with the caches of earlier runs).
+#   run on the same software skips most compiles (H200: compiling the prompt's forward took 177 s
+#   fresh, 66 s with the caches of an earlier run).
 # Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PREFILL_ARGS, PROFILE_VARIANTS,
 #   INT4_MS. The fused step: LADDER_VARIANTS=compiled_triton_merged_gemv,compiled_triton_fused_pdl,compiled_triton_fused
 #   LADDER_ARGS="--hf-new 0 --hf-check 0" (skip transformers' figure), PROFILE_VARIANTS=compiled_triton_fused_pdl.
