@@ -120,9 +120,9 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True):
     x2 = x.reshape(-1, x.shape[-1])
     a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
     if isinstance(mod, Int4Linear):
-        op = w4a16_epilogue_op if triton_ops and mod.backend == "triton" else (
-            lambda *a: w4a16_torch(*a[:5], epilogue=a[5], aux=a[6]))
-        y = op(x2, mod.qweight, mod.scales, mod.zeros, mod.group_size, epilogue, a2)
+        w = (mod.qweight, mod.scales, mod.zeros, mod.group_size)
+        y = (w4a16_epilogue_op(x2, *w, epilogue, a2) if triton_ops and mod.backend == "triton"
+             else w4a16_torch(x2, *w, epilogue=epilogue, aux=a2))
     elif fits(*x2.shape) and mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES:
         y = (skinny_matmul_op(x2, mod.weight, epilogue, a2) if triton_ops
              else skinny_matmul_ref(x2, mod.weight, epilogue=epilogue, aux=a2))
