@@ -111,6 +111,14 @@ def split_ms(gen, prompt, new) -> dict:
     return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in gen.last_split_s.items() if v}
 
 
+def _on_off(flag: str, value: str) -> list[str]:
+    """A comparison flag's rows: on, off, or both in the order given."""
+    rows = [x for x in value.split(",") if x]
+    if not rows or set(rows) - {"on", "off"}:
+        raise SystemExit(f"{flag} {value!r}: on, off or on,off")
+    return rows
+
+
 def use_prefill(gen, name: str, prompt_len: int) -> None:
     """The generator's prompt path (bench.prefill's variants), its graphs captured up to prompt_len."""
     from .prefill import set_variant
@@ -201,12 +209,8 @@ def main(argv=None):
             d = model.fuse_drafter(d, head=model.draft_head if name == "fused_head" else None)
         drafters[name] = d
     drafter = next(iter(drafters.values()))
-    fixups = [x for x in a.split_fixup.split(",") if x]
-    if not fixups or set(fixups) - {"on", "off"}:
-        raise SystemExit(f"--split-fixup {a.split_fixup!r}: on, off or on,off")
-    epilogues = [x for x in a.verify_epilogues.split(",") if x]
-    if not epilogues or set(epilogues) - {"on", "off"}:
-        raise SystemExit(f"--verify-epilogues {a.verify_epilogues!r}: on, off or on,off")
+    fixups = _on_off("--split-fixup", a.split_fixup)
+    epilogues = _on_off("--verify-epilogues", a.verify_epilogues)
     fused_verify = model.fused_verify  # None without --fuse layers
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
@@ -286,7 +290,8 @@ def main(argv=None):
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
-                           verify_epilogues=epi if fused_verify is not None else None, prefill=pname, diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
+                           verify_epilogues=epi if fused_verify is not None else None, prefill=pname,
+                           diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
                 if ar_forced is not None and pname == prefills[0]:  # the k+1-row pass vs the AR step on AR's trace

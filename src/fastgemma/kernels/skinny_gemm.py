@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .w4a16 import EPILOGUES, _split_store, apply_epilogue, check_epilogue
+from .w4a16 import _INTERPRET, _SMS, EPILOGUES, _split_store, apply_epilogue, check_epilogue
 
-_INTERPRET = bool(triton.knobs.runtime.interpret)
 MAX_M = 16
 
 
@@ -91,7 +90,7 @@ def default_config(N: int, K: int) -> SkinnyConfig:
     while bk > 16 and K % bk:
         bk //= 2
     blocks = max(1, K // bk)
-    want = max(1, 2 * 132 // triton.cdiv(N, bn))
+    want = max(1, 2 * _SMS // triton.cdiv(N, bn))
     split = max(d for d in range(1, min(want, 10, blocks) + 1) if blocks % d == 0)
     return SkinnyConfig(bn, bk, split, 1)
 
