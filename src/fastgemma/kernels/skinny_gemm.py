@@ -133,7 +133,8 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None 
     cnt = arrival_counters(x.device, grid[0], "skinny split-K") if split > 1 else ws
     even = (N // 2) % (cfg.block_n // 2) == 0 if epi == 1 else N % cfg.block_n == 0
     _dense_mma_kernel[grid](x, w, out, ws, cnt, aux, M, N, x.stride(0), w.stride(0), n_out,
-                            0 if aux is None else aux.stride(0), HALF=N // 2 if epi == 1 else 0, K_SPLIT=K // split, SPLIT=split, FIXUP=split > 1,
+                            0 if aux is None else aux.stride(0), HALF=N // 2 if epi == 1 else 0,
+                            K_SPLIT=K // split, SPLIT=split, FIXUP=split > 1,
                             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=epi, EVEN_N=even,
                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -239,12 +239,13 @@ def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N
     """acc [BLOCK_N, BLOCK_M] fp32 of this program (grid: N tiles, K splits, M tiles) -> out [M, N]
     (out[m, n] at m * stride_om + n; through the epilogue EPI: `_store_out`, `_geglu_from_ws`; EPI 1:
     acc holds gate rows offs_n, acc_u the up rows HALF + offs_n, and both go through ws [SPLIT, M, N]
-    and back, so the accumulators' layout never has to be split in registers). SPLIT == 1: stored. Else the partial goes to ws [SPLIT, M, N] fp32 and the
-    tile's last program to arrive (one counter per tile, acq_rel at GPU scope, after a barrier so
-    every thread's partial is written) sums the SPLIT partials in split order, stores out and zeroes
-    the counter for the next launch: the sums of `_splitk_reduce_kernel`, bit for bit, without a
-    second launch (FIXUP=False: the partial only, `_splitk_reduce_kernel` sums them after; EPI 0
-    only). Counters are shared per device: split launches must not run concurrently (one stream, no PDL)."""
+    and back, so the accumulators' layout never has to be split in registers). SPLIT == 1: stored.
+    Else the partial goes to ws [SPLIT, M, N] fp32 and the tile's last program to arrive (one
+    counter per tile, acq_rel at GPU scope, after a barrier so every thread's partial is written)
+    sums the SPLIT partials in split order, stores out and zeroes the counter for the next launch:
+    the sums of `_splitk_reduce_kernel`, bit for bit, without a second launch (FIXUP=False: the
+    partial only, `_splitk_reduce_kernel` sums them after; EPI 0 only). Counters are shared per
+    device: split launches must not run concurrently (one stream, no PDL)."""
     mask = n_ok[:, None] & m_ok[None, :]
     pid_k = tl.program_id(1)
     tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
@@ -837,7 +838,8 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
         if cfg.per_group:
             asm = x.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16 and not _INTERPRET
             even = (N // 2 if epi == 1 else N) % cfg.block_n == 0
-            _group_mma_kernel[grid](*head, EVEN_N=even, ASM=asm, aux_ptr=aux, stride_am=0 if aux is None else aux.stride(0),
+            _group_mma_kernel[grid](*head, EVEN_N=even, ASM=asm, aux_ptr=aux,
+                                    stride_am=0 if aux is None else aux.stride(0),
                                     HALF=N // 2 if epi == 1 else 0, EPI=epi, **common)
         else:
             _mma_kernel[grid](*head, BLOCK_K=cfg.block_k, **common)
