@@ -94,6 +94,18 @@ def main():
         bars = ptx[:atom].count("bar.sync") if atom >= 0 else 0
         print(f"dot\t{name}\t{regs}\t{spills}\t{ptx.count('fma.rn.bf16x2')}\t{mma}\t{atoms}\t{bars}\t"
               f"{ptx.count('ld.global.cg')}\t{split}")
+    # packed scale / zero words (SZ): one int32 per row and group, which the pipeliner streams with
+    # cp.async like the codes ("packed" lines: name, registers, spills, the packed kernel's cp.async
+    # copies, the plain kernel's, on the same tiles)
+    for name, epi in [("int4 per-group 16x32 split-2 packed", 0), ("int4 per-group 16x(2x32) split-2 geglu packed", 1)]:
+        ce = dict(K_SPLIT=1280, SPLIT=2, FIXUP=True, GROUP=128, BLOCK_M=16, BLOCK_N=32, EVEN_N=True, ASM=True,
+                  DOT_PRECISION="tf32", EPI=epi, HALF=10240 if epi == 1 else 0)
+        aligned = (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13)
+        plain, _, _ = build(_group_mma_kernel, dot_sig, dict(ce, SZ=False), aligned, 2)
+        ptx, regs, spills = build(_group_mma_kernel, dict(dot_sig, s_ptr="*i32", z_ptr="*i32"), dict(ce, SZ=True),
+                                  aligned, 2)
+        copies = [len(re.findall(r"cp\.async\.c[ag]\.shared", t)) for t in (ptx, plain)]
+        print(f"packed\t{name}\t{regs}\t{spills}\t{copies[0]}\t{copies[1]}")
     # the skinny GEMM (the PLE gate with gelu_mul, split 10 through the fixup; geglu): no spills,
     # tensor-core dots ("skinny" lines: name, registers, spills, mma instructions, atomics)
     sk_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",

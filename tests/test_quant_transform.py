@@ -149,6 +149,38 @@ def test_int4linear_shapes_bias_and_state_dict():
     torch.testing.assert_close(m2(x), y)
 
 
+def test_int4linear_keeps_its_packed_scale_zero_words_in_step():
+    """16-bit scales come with `sz` (pack_scale_zero), rebuilt by set_scales and by .to(); fp32 scales
+    have none; state dicts leave it out; a triton-backend fp16 module passes it to the per-group
+    kernel and gets the separate-scales output bit for bit."""
+    from fastgemma.kernels.w4a16 import pack_scale_zero
+    from fastgemma.transforms.fuse import _cat_int4
+
+    lin = nn.Linear(256, 48).to(torch.bfloat16)
+    m = Int4Linear.from_linear(lin, 64, backend="torch")
+    assert torch.equal(m.sz, pack_scale_zero(m.scales, m.zeros))
+    assert "sz" not in m.state_dict()
+    m.set_scales(m.scales * 2, m.zeros)
+    assert torch.equal(m.sz, pack_scale_zero(m.scales, m.zeros))
+    with pytest.raises(ValueError, match=r"scales / zeros must be \[4, 48\]"):
+        m.set_scales(m.scales[:2], m.zeros[:2])
+    m.half()
+    assert m.scales.dtype == torch.float16 and torch.equal(m.sz, pack_scale_zero(m.scales, m.zeros))
+    m.float()
+    assert m.scales.dtype == torch.float32 and m.sz is None
+    assert Int4Linear.from_linear(nn.Linear(256, 48), 64).sz is None  # fp32 weights, fp32 scales
+    parts = [Int4Linear.from_linear(nn.Linear(256, n).half(), 64, backend="triton") for n in (32, 16)]
+    merged = _cat_int4(parts)
+    assert torch.equal(merged.sz, pack_scale_zero(merged.scales, merged.zeros))
+    x = torch.randn(5, 256).half()
+    merged.config = W4A16Config(32, 128, 2, 4, 3, 16, per_group=True)
+    sep = Int4Linear(256, 48, 64, backend="triton", dtype=torch.float16)
+    sep.load_state_dict(merged.state_dict())
+    sep.sz = None
+    sep.config = merged.config
+    assert torch.equal(merged(x), sep(x))
+
+
 def test_bad_group_size_names_the_layer():
     model = _model()
     model.layers[1].odd_proj = nn.Linear(96, 16)  # K = 96: 64 and 128 do not divide it

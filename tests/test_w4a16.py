@@ -204,6 +204,58 @@ def test_per_group_kernel_matches_twin(M, config, G, dtype):
     assert rel_e < TOL[dtype], rel_e
 
 
+@pytest.mark.parametrize("G", [64, 128])
+@pytest.mark.parametrize("epilogue", ["none", "geglu", "gelu_mul"])
+@pytest.mark.parametrize("M,config", [(5, W4A16Config(32, 128, 3, 4, 3, 16, per_group=True)),
+                                      (8, W4A16Config(16, 128, 1, 1, 3, 16, per_group=True)),
+                                      (3, W4A16Config(64, 128, 2, 4, 3, 16, per_group=True))])
+def test_packed_scale_zero_words_give_the_same_bits(M, config, epilogue, G):
+    """The per-group kernel on `pack_scale_zero` words equals it on separate scales / zeros bit for
+    bit (fp16: the words carry the same 16-bit values), with tails, split-K and every epilogue;
+    PACKED_SZ = False ignores the words."""
+    from fastgemma.kernels import w4a16 as k4
+
+    n = 96 if epilogue == "geglu" else N  # geglu: gate and up halves of 48 rows (a tail for 32 / 64)
+    w, qw, s, z = _weights(G, n=n, dtype=torch.float16)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).half()
+    aux = torch.randn(M, n, generator=torch.Generator().manual_seed(7)).half() if epilogue == "gelu_mul" else None
+    sz = k4.pack_scale_zero(s, z)
+    assert sz.dtype == torch.int32 and sz.shape == s.shape
+    assert torch.equal((sz & 0xFFFF).to(torch.int16).view(torch.float16), s)
+    assert torch.equal((sz >> 16).to(torch.int16).view(torch.float16), z)
+    base = w4a16_matmul(x, qw, s, z, G, config, epilogue=epilogue, aux=aux)
+    got = w4a16_matmul(x, qw, s, z, G, config, epilogue=epilogue, aux=aux, sz=sz)
+    assert torch.equal(got, base)
+    ref = w4a16_torch(x, qw, s, z, G, epilogue=epilogue, aux=aux)
+    assert _err(got, ref)[1] < 2 * TOL[torch.float16]
+    # words that disagree with the scales show that the kernel read them; PACKED_SZ off ignores them
+    wrong = k4.pack_scale_zero(s * 2, z)
+    assert not torch.equal(w4a16_matmul(x, qw, s, z, G, config, epilogue=epilogue, aux=aux, sz=wrong), base)
+    k4.PACKED_SZ = False
+    try:
+        assert torch.equal(w4a16_matmul(x, qw, s, z, G, config, epilogue=epilogue, aux=aux, sz=wrong), base)
+    finally:
+        k4.PACKED_SZ = True
+
+
+def test_pack_scale_zero_checks():
+    from fastgemma.kernels.w4a16 import pack_scale_zero
+
+    s = torch.ones(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16-bit scales"):
+        pack_scale_zero(s.float(), s.float())
+    with pytest.raises(ValueError, match="16-bit scales"):
+        pack_scale_zero(s, s.half())
+    with pytest.raises(ValueError, match="differ in shape"):
+        pack_scale_zero(s, s[:2])
+    _, qw, sc, z = _weights(128, dtype=torch.float16)
+    x = torch.randn(2, K).half()
+    with pytest.raises(ValueError, match="sz must be contiguous int32"):
+        w4a16_matmul(x, qw, sc, z, 128, sz=pack_scale_zero(sc, z)[:, :50])
+    with pytest.raises(ValueError, match="sz must be contiguous int32"):
+        w4a16_matmul(x, qw, sc, z, 128, sz=pack_scale_zero(sc, z).float())
+
+
 def test_per_group_needs_a_dot_tile():
     with pytest.raises(ValueError, match="per_group needs block_m >= 16"):
         resolve_config(1, 2048, 2560, 128, W4A16Config(16, 128, per_group=True))
@@ -255,7 +307,8 @@ def test_split_fixup_equals_the_reduce_launch(monkeypatch, M, config):
         assert int(arrival_counters(x.device, 1).abs().sum()) == 0
     assert _err(got, w4a16_torch(x, qw, s, z, 64))[1] < TOL[torch.float16]
     # bench_shapes' comparison of the two (a stub timer here): equal, and the fixup switched back on
-    row = k4._time_reduce_launch(x, qw, s, z, [(qw, s, z)], 64, config, lambda fn: (fn(), 1.5)[1])
+    row = k4._time_reduce_launch(x, qw, s, z, [(qw, s, z, k4.pack_scale_zero(s, z))], 64, config,
+                                 lambda fn: (fn(), 1.5)[1])
     assert row == dict(reduce_launch_us=1.5, fixup_equal=True) and k4.SPLIT_FIXUP
 
 

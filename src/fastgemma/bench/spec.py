@@ -56,16 +56,19 @@ def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False):
 
 
 def use_verify_tiles(name: str) -> None:
-    """The W4A16 tiles of the verify pass (M = 2..16): per_group (the table) | mma (the first
-    tl.dot kernel's table, kept as the baseline). Tiles are looked up at launch, so this holds for
-    every graph captured after it."""
+    """The W4A16 tiles of the verify pass (M = 2..16): per_group (the table: the per-group kernel on
+    packed scale / zero words) | separate (the per-group kernel's previous table on separate scales /
+    zeros) | mma (the first tl.dot kernel's table). Tiles and PACKED_SZ are read at launch, so this
+    holds for every graph captured after it."""
     if name not in _TILES:
         raise SystemExit(f"unknown verify tiles {name!r}; known: {', '.join(_TILES)}")
     w4a16.CONFIGS.update(_TILES[name])
+    w4a16.PACKED_SZ = name != "separate"
 
 
 def _tile_tables() -> dict:
-    return {"per_group": {k: v for k, v in w4a16.CONFIGS.items() if k in w4a16.MMA_M16}, "mma": dict(w4a16.MMA_M16)}
+    return {"per_group": {k: v for k, v in w4a16.CONFIGS.items() if k in w4a16.MMA_M16},
+            "separate": dict(w4a16.PER_GROUP_SEPARATE), "mma": dict(w4a16.MMA_M16)}
 
 
 _TILES = _tile_tables()
@@ -160,7 +163,8 @@ def main(argv=None):
     ap.add_argument("--no-agreement", dest="agreement", action="store_false",
                     help="skip the teacher-forced top-1 agreement of the verify pass with the AR step")
     ap.add_argument("--verify-tiles", default="per_group",
-                    help="int4 tiles of the k+1-row passes, comma-separated to compare in one run: per_group, mma")
+                    help="int4 tiles of the k+1-row passes, comma-separated to compare in one run: per_group, "
+                         "separate (per-group, separate scales / zeros), mma")
     ap.add_argument("--fuse", default="none", choices=("none", "layers"),
                     help="layers: the body's fused one-row step (fuse=layers fuse.pdl=true) for the AR rows")
     ap.add_argument("--drafter-steps", default="",

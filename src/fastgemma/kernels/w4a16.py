@@ -101,6 +101,18 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype | N
     return q, scales.t().contiguous(), zeros.t().contiguous()
 
 
+def pack_scale_zero(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """16-bit scales / zeros [K/G, N] -> int32 [K/G, N]: the scale's bits low, the zero's high. The
+    per-group kernel reads one word per row and group (`w4a16_matmul(..., sz=...)`)."""
+    if scales.dtype not in (torch.bfloat16, torch.float16) or zeros.dtype != scales.dtype:
+        raise ValueError(f"pack_scale_zero needs 16-bit scales and zeros of one dtype, got {scales.dtype} / "
+                         f"{zeros.dtype}")
+    if scales.shape != zeros.shape:
+        raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} differ in shape")
+    lo = scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    return lo | (zeros.contiguous().view(torch.int16).to(torch.int32) << 16)
+
+
 def dequantize_int4(qweight, scales, zeros, group_size: int, dtype: torch.dtype = torch.float32):
     """qweight [N, K/2], scales / zeros [K/G, N] -> W [N, K], computed in fp32, returned in dtype."""
     N, K = qweight.shape[0], qweight.shape[1] * 2
@@ -109,10 +121,11 @@ def dequantize_int4(qweight, scales, zeros, group_size: int, dtype: torch.dtype 
     return w.reshape(N, K).to(dtype)
 
 
-def w4a16_torch(x, qweight, scales, zeros, group_size: int, config=None, epilogue: str = "none", aux=None):
+def w4a16_torch(x, qweight, scales, zeros, group_size: int, config=None, epilogue: str = "none", aux=None,
+                sz=None):
     """Torch twin: x [M, K] @ dequant(W)^T -> [M, N] in x's dtype (W rounded to x's dtype first,
     as the tl.dot path does; cuBLAS / CPU matmul accumulate in fp32), then `apply_epilogue`.
-    `config` is ignored."""
+    `config` and `sz` (the packed copy of scales / zeros) are ignored."""
     y = F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype))
     return apply_epilogue(y, epilogue, aux)
 
@@ -447,12 +460,31 @@ def _dequant_bytes(w, s, z, ASM: tl.constexpr):
 
 
 @triton.jit
+def _unpack_sz(v, DT: tl.constexpr):
+    """int32 words (scale in the low 16 bits, zero in the high 16: `pack_scale_zero`) -> (s, z) in DT."""
+    return (v & 0xFFFF).to(tl.int16).to(DT, bitcast=True), (v >> 16).to(tl.int16).to(DT, bitcast=True)
+
+
+@triton.jit
 def _group_load(w_ptrs, s_ptrs, z_ptrs, n_ok, EVEN_N: tl.constexpr):
     """One scale group of a [R, GROUP] weight tile: its code bytes [R, GROUP / 2], scales and zeros [R]."""
     if EVEN_N:
         return tl.load(w_ptrs), tl.load(s_ptrs), tl.load(z_ptrs)
     return (tl.load(w_ptrs, mask=n_ok[:, None], other=0), tl.load(s_ptrs, mask=n_ok, other=0.0),
             tl.load(z_ptrs, mask=n_ok, other=0.0))
+
+
+@triton.jit
+def _group_load_sz(w_ptrs, sz_ptrs, n_ok, EVEN_N: tl.constexpr, DT: tl.constexpr):
+    """`_group_load` from packed (scale, zero) int32 words (`pack_scale_zero`): one 32-bit load per
+    row, which Triton's pipeliner streams ahead with the codes (it leaves 2-byte loads in the loop)."""
+    if EVEN_N:
+        w = tl.load(w_ptrs)
+        v = tl.load(sz_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        v = tl.load(sz_ptrs, mask=n_ok, other=0)
+    return w, (v & 0xFFFF).to(tl.int16).to(DT, bitcast=True), (v >> 16).to(tl.int16).to(DT, bitcast=True)
 
 
 @triton.jit
@@ -471,12 +503,13 @@ def _group_mma_kernel(
     K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    aux_ptr=None, stride_am=0, HALF: tl.constexpr = 0, EPI: tl.constexpr = 0,
+    aux_ptr=None, stride_am=0, HALF: tl.constexpr = 0, EPI: tl.constexpr = 0, SZ: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     HG: tl.constexpr = GROUP // 2  # bytes per group and row: k = 2j (low nibble), 2j + 1 (high)
+    DT: tl.constexpr = x_ptr.dtype.element_ty
 
     # EPI 1 (GeGLU): BLOCK_N gate rows i0.. and the same up rows HALF + i0.. as two tiles, each with
     # affine row offsets (one tile over both runs cost a pointer register per row: 80 -> 102-114
@@ -496,9 +529,15 @@ def _group_mma_kernel(
         up = HALF * stride_qn  # the up tile's byte offset
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, K_SPLIT, GROUP):
-        w, s, z = _group_load(w_ptrs, s_ptrs, z_ptrs, n_ok, EVEN_N)
+        if SZ:
+            w, s, z = _group_load_sz(w_ptrs, s_ptrs, n_ok, EVEN_N, DT)
+        else:
+            w, s, z = _group_load(w_ptrs, s_ptrs, z_ptrs, n_ok, EVEN_N)
         if EPI == 1:
-            w_u, s_u, z_u = _group_load(w_ptrs + up, s_ptrs + HALF, z_ptrs + HALF, n_ok, EVEN_N)
+            if SZ:
+                w_u, s_u, z_u = _group_load_sz(w_ptrs + up, s_ptrs + HALF, n_ok, EVEN_N, DT)
+            else:
+                w_u, s_u, z_u = _group_load(w_ptrs + up, s_ptrs + HALF, z_ptrs + HALF, n_ok, EVEN_N)
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP]
         x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HG, 2)))
         acc = _group_mma(w, s, z, x_even, x_odd, acc, ASM, DOT_PRECISION)
@@ -629,23 +668,22 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (1, 10752, 2560): _gemv(16, 512, 1, 2, words=True),  # W_plm: 9.62 / 12.44 / 15.40
     # the int4 head (lm_head=int4), run V: 106.98 us (3.3 TB/s) / the byte loop at 16 x 512, 8 warps 218.99
     (1, 262144, 2560): _gemv(32, 512, 1, 2, words=True),
-    # M = 2..16 (the verify pass): the per-group kernel. bench_shapes(ms=(8,), sweep=True,
-    # per_group_only=True) on the H200 (run AF, 2026-11-30, graph-timed, weights out of L2), us at
-    # M = 8: this config / the same tiles with the dequantization block before 488d3a0 (19
-    # instructions per 8 weights, same run) / cuBLAS bf16. Changed tiles: the earlier entry's time after "was"
-    (16, 2048, 2560): _grp(64, 5, 4),       # q (KV-shared layers): 6.82 / 7.35 / 6.68
-    (16, 4096, 2560): _grp(64, 5, 4),       # q (full): 7.76 (was 32, 4, 2: 8.01) / 8.22 / 7.91
-    (16, 3072, 2560): _grp(64, 5, 4),       # q|k|v: 7.02 / 7.43 / 7.17
-    (16, 6144, 2560): _grp(32, 4, 2),       # q|k|v (full): 8.80 / 9.15 / 10.43
-    (16, 2560, 2048): _grp(32, 4, 2),       # o: 6.80 / 7.00 / 6.14
-    (16, 2560, 4096): _grp(64, 8, 4),       # o (full): 7.77 / 8.56 / 10.45
-    (16, 20480, 2560): _grp(32, 2, 2),      # gate|up: 17.00 / 18.27 / 28.57
-    # (with the GeGLU epilogue block_n counts the rows of each half, 64 rows a program; run AL, us:
-    # 18.50 at these tiles, 18.88 at 16 / 2 / 1 warp, 20.41-26.35 at 5 others; the plain kernel
-    # 17.28, and + torch's GeGLU as eager launches 23.09)
-    (16, 2560, 10240): _grp(64, 8, 4),      # down: 13.81 / 15.14 / 18.18
-    (16, 2560, 256): _grp(32, 1, 2),        # PLE projection: 2.68 (was 16, 1, 1: 3.54) / 3.45 / 3.20
-    (16, 10752, 2560): _grp(64, 4, 4),      # W_plm: 13.14 (was 32, 2, 2: 13.70) / 13.56 / 15.54
+    # M = 2..16 (the verify pass): the per-group kernel on packed scale / zero words (`pack_scale_zero`,
+    # streamed ahead with the codes). bench_shapes(ms=(8,), sweep=True, per_group_only=True, packed=True)
+    # on the H200 (run BA, 2026-11-30, graph-timed, weights out of L2), us at M = 8: this config / the
+    # previous entry (PER_GROUP_SEPARATE) on separate scales / zeros, same run / cuBLAS bf16
+    (16, 2048, 2560): _grp(32, 4, 2),       # q (KV-shared layers): 5.46 / 6.84 / 6.69
+    (16, 4096, 2560): _grp(32, 4, 2),       # q (full): 6.38 / 7.93 / 7.99
+    (16, 3072, 2560): _grp(32, 4, 2),       # q|k|v: 5.99 / 7.06 / 7.20
+    (16, 6144, 2560): _grp(32, 4, 2),       # q|k|v (full): 7.42 / 8.82 / 9.99
+    (16, 2560, 2048): _grp(32, 4, 2),       # o: 5.38 / 6.83 / 6.20
+    (16, 2560, 4096): _grp(32, 4, 2),       # o (full): 7.34 / 7.85 / 10.71
+    # gate|up runs with the GeGLU epilogue (block_n = rows of each half): 15.80 packed / 18.56 separate
+    # (run BA); plain 17.63 / 17.08 (the sweep's best plain tiles, 32 / 1 / 2: 16.87)
+    (16, 20480, 2560): _grp(32, 2, 2),      # gate|up
+    (16, 2560, 10240): _grp(64, 8, 4),      # down: 12.74 / 13.80 / 18.42
+    (16, 2560, 256): _grp(16, 1, 1),        # PLE projection: 2.72 / 3.46 / 3.20
+    (16, 10752, 2560): _grp(32, 2, 2),      # W_plm: 10.83 / 13.14 / 15.59
     (16, 262144, 2560): _mma(64, 128),      # head: 254.32 with this tl.dot config; per-group untimed
     # M > 16 (prompt chunks): the per-group kernel on large tiles. bench_shapes(ms=(256,), sweep=True,
     # graph=False) on the H200 (2026-11-30, eager launches, weights out of L2), us at M = 256: this
@@ -665,6 +703,22 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (256, 20480, 2560): _deq(16, 512),     # gate|up: 86.06 / 99.46 / 46.40
     (256, 2560, 10240): _deq(16, 1024),    # down: 52.83 / 92.90 / 33.73
     (256, 10752, 2560): _deq(16, 512),     # W_plm: 49.86 / 64.35 / 28.02
+}
+
+# M = 2..16, the per-group kernel on separate scales / zeros (PACKED_SZ = False): the table before
+# the packed words, kept as the baseline of `bench.spec --verify-tiles separate`. Run AF (2026-11-30),
+# us at M = 8; PLE projection and W_plm re-swept then
+PER_GROUP_SEPARATE: dict[tuple[int, int, int], W4A16Config] = {
+    (16, 2048, 2560): _grp(64, 5, 4),       # q (KV-shared layers): 6.82
+    (16, 4096, 2560): _grp(64, 5, 4),       # q (full): 7.76
+    (16, 3072, 2560): _grp(64, 5, 4),       # q|k|v: 7.02
+    (16, 6144, 2560): _grp(32, 4, 2),       # q|k|v (full): 8.80
+    (16, 2560, 2048): _grp(32, 4, 2),       # o: 6.80
+    (16, 2560, 4096): _grp(64, 8, 4),       # o (full): 7.77
+    (16, 20480, 2560): _grp(32, 2, 2),      # gate|up: 17.00 (GeGLU epilogue: 18.50, run AL)
+    (16, 2560, 10240): _grp(64, 8, 4),      # down: 13.81
+    (16, 2560, 256): _grp(32, 1, 2),        # PLE projection: 2.68
+    (16, 10752, 2560): _grp(64, 4, 4),      # W_plm: 13.14
 }
 
 # M = 2..16 through the first tl.dot kernel (`_mma_kernel`): the table before the per-group
@@ -750,6 +804,9 @@ def resolve_config(M: int, N: int, K: int, group_size: int, config: W4A16Config 
 # split_k > 1: the K splits' partials are summed by the last program of each output tile to finish
 # (True), or by a second launch, `_splitk_reduce_kernel` (False: the baseline; the same sums)
 SPLIT_FIXUP = True
+# the per-group kernel reads packed scale / zero words where the caller passes them (`sz`; True), or
+# the separate scales and zeros (False: the baseline). Read at launch, as SPLIT_FIXUP
+PACKED_SZ = True
 
 
 EPILOGUES = {"none": 0, "geglu": 1, "gelu_mul": 2}
@@ -779,11 +836,13 @@ def check_epilogue(epilogue: str, M: int, N: int, aux: torch.Tensor | None) -> N
 
 
 def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config | None = None,
-                 epilogue: str = "none", aux: torch.Tensor | None = None):
+                 epilogue: str = "none", aux: torch.Tensor | None = None, sz: torch.Tensor | None = None):
     """x [M, K] (fp16 / bf16 / fp32) @ W^T -> [M, N] in x's dtype; W given as (qweight, scales,
     zeros) from `quantize_int4` + `pack_int4`. No host sync; the grid depends on shapes only.
     `epilogue` (apply_epilogue): geglu -> [M, N/2], gelu_mul (aux [M, N]) -> [M, N]; in the
-    per-group kernel's store (its split-K fixup included), else applied in torch after the GEMM."""
+    per-group kernel's store (its split-K fixup included), else applied in torch after the GEMM.
+    `sz` (optional, `pack_scale_zero(scales, zeros)`): the per-group kernel reads it instead of
+    scales and zeros when they have x's dtype (same values; other kernels ignore it)."""
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("w4a16_matmul runs on CUDA tensors (or with TRITON_INTERPRET=1); "
                            "use w4a16_torch on the CPU")
@@ -802,6 +861,9 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     if N * K // 2 >= 2**31:
         raise ValueError(f"int32 offsets: N * K / 2 must stay below 2^31, got {N} x {K}")
     check_epilogue(epilogue, M, N, aux)
+    if sz is not None and (sz.dtype != torch.int32 or sz.shape != scales.shape or not sz.is_contiguous()):
+        raise ValueError(f"sz must be contiguous int32 {tuple(scales.shape)} (pack_scale_zero), "
+                         f"got {sz.dtype} {tuple(sz.shape)}")
     if M == 0:
         return x.new_empty(0, N // 2 if epilogue == "geglu" else N)
     if x.stride(1) != 1:
@@ -810,7 +872,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     split = cfg.split_k
     fixup = SPLIT_FIXUP and split > 1
     if epilogue != "none" and not (cfg.per_group and (split == 1 or fixup)):  # the GEMM, then torch's epilogue
-        return apply_epilogue(w4a16_matmul(x, qweight, scales, zeros, group_size, cfg), epilogue, aux)
+        return apply_epilogue(w4a16_matmul(x, qweight, scales, zeros, group_size, cfg, sz=sz), epilogue, aux)
     if cfg.dequant:  # prompt chunks: bf16 W once, then the GEMM through cuBLAS
         w = dequantize_int4_triton(qweight, scales, zeros, group_size, x.dtype, cfg.block_n,
                                    cfg.block_k // group_size)
@@ -838,7 +900,10 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
         if cfg.per_group:
             asm = x.dtype == torch.bfloat16 and scales.dtype == torch.bfloat16 and not _INTERPRET
             even = (N // 2 if epi == 1 else N) % cfg.block_n == 0
-            _group_mma_kernel[grid](*head, EVEN_N=even, ASM=asm, aux_ptr=aux,
+            packed = PACKED_SZ and sz is not None and scales.dtype == x.dtype
+            if packed:  # scales / zeros as one int32 word per row and group
+                head = head[:2] + (sz, sz) + head[4:]
+            _group_mma_kernel[grid](*head, EVEN_N=even, ASM=asm, SZ=packed, aux_ptr=aux,
                                     stride_am=0 if aux is None else aux.stride(0),
                                     HALF=N // 2 if epi == 1 else 0, EPI=epi, **common)
         else:
@@ -904,7 +969,7 @@ def _time_reduce_launch(x, qw, s, z, qbufs, group_size, cfg, timed_us) -> dict:
     SPLIT_FIXUP = False
     try:
         base = w4a16_matmul(x, qw, s, z, group_size, cfg)
-        t = timed_us(_rotating(qbufs, lambda a, b, c: w4a16_matmul(x, a, b, c, group_size, cfg)))
+        t = timed_us(_rotating(qbufs, lambda a, b, c, d: w4a16_matmul(x, a, b, c, group_size, cfg, sz=d)))
     finally:
         SPLIT_FIXUP = True
     return dict(reduce_launch_us=t, fixup_equal=bool(torch.equal(fixed, base)))
@@ -912,13 +977,14 @@ def _time_reduce_launch(x, qw, s, z, qbufs, group_size, cfg, timed_us) -> dict:
 
 def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = None, dtype=torch.bfloat16,
                  sweep: bool = False, graph: bool = True, rep_ms: int = 20, device: str = "cuda",
-                 per_group_only: bool = False) -> list[dict]:
+                 per_group_only: bool = False, packed: bool = False) -> list[dict]:
     """Time each E4B shape: int4 kernel vs cuBLAS bf16 (F.linear), weights rotated out of L2.
 
     graph=True times inside CUDA graphs (do_bench_cudagraph; the decode path), False times eager
     launches (do_bench). sweep=True also tries `candidates` and prints CONFIGS lines for the best
-    (per_group_only: the table's config and the per-group kernel's candidates only).
-    Returns one dict per (shape, M). Needs a CUDA device.
+    (per_group_only: the table's config and the per-group kernel's candidates only). packed=True:
+    the per-group kernel reads `pack_scale_zero` words (the row keeps the table's config on separate
+    scales / zeros as `separate_sz_us`). Returns one dict per (shape, M). Needs a CUDA device.
     """
     from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer
 
@@ -939,7 +1005,9 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
         q, s, z = quantize_int4(w, group_size)
         qw = pack_int4(q)
         q_bytes = qw.numel() + 2 * s.numel() * s.element_size()
-        qbufs = [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_past_l2(q_bytes, dev))]
+        qbufs = [(qw.clone(), s.clone(), z.clone(), pack_scale_zero(s, z) if packed else None)
+                 for _ in range(copies_past_l2(q_bytes, dev))]
+        sz = qbufs[0][3]
         wbufs = [(w.clone(),) for _ in range(copies_past_l2(w.numel() * w.element_size(), dev))]
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)
@@ -955,8 +1023,9 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
             results, err = [], float("nan")
             for cfg in cfgs:
                 try:
-                    e = max_rel_err(w4a16_matmul(x, qw, s, z, group_size, cfg), ref)
-                    t = timed_us(rotating(qbufs, lambda a, b, c, cfg=cfg: w4a16_matmul(x, a, b, c, group_size, cfg)))
+                    e = max_rel_err(w4a16_matmul(x, qw, s, z, group_size, cfg, sz=sz), ref)
+                    t = timed_us(rotating(qbufs, lambda a, b, c, d, cfg=cfg: w4a16_matmul(x, a, b, c, group_size, cfg,
+                                                                                         sz=d)))
                 except Exception as ex:  # out of resources for a candidate: skip it
                     print(f"    skip {cfg}: {type(ex).__name__}")
                     continue
@@ -975,13 +1044,17 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
                        bf16_us=t_ref, config=cfg_tab, best_us=t_best, best_config=cfg_best, max_rel_err=err)
             if cfg_tab.split_k > 1:  # the same tiles with the partials summed by a second launch
                 row.update(_time_reduce_launch(x, qw, s, z, qbufs, group_size, cfg_tab, timed_us))
+            if packed and cfg_tab.per_group:  # the table's tiles on separate scales / zeros
+                row["separate_sz_us"] = timed_us(rotating(qbufs, lambda a, b, c, d: w4a16_matmul(
+                    x, a, b, c, group_size, cfg_tab)))
             rows.append(row)
             print(f"{name:>10} {N:>6} {K:>6} {M:>3} | {t_tab:8.2f} {q_bytes / t_tab / 1e3:6.0f} | "
                   f"{t_ref:8.2f} {2 * N * K / t_ref / 1e3:6.0f} | {t_ref / t_tab:5.2f} | {err:8.1e} | {cfg_tab}"
                   + (f" | unfactored {t_base:.2f} us, {'byte' if cfg_tab.words else 'word'} loop {t_other:.2f} us"
                      if M == 1 else "")
                   + (f" | reduce launch {row['reduce_launch_us']:.2f} us, bitwise equal {row['fixup_equal']}"
-                     if "reduce_launch_us" in row else ""))
+                     if "reduce_launch_us" in row else "")
+                  + (f" | separate scales / zeros {row['separate_sz_us']:.2f} us" if "separate_sz_us" in row else ""))
             if sweep:
                 print(f"{'best':>10} {'':>6} {'':>6} {M:>3} | {t_best:8.2f} {q_bytes / t_best / 1e3:6.0f} | {cfg_best}")
                 pg = [r for r in results if r[1].per_group]
@@ -1001,23 +1074,24 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
 # The launcher as an opaque op, so torch.compile traces around it (dispatch-table tiles only).
 @torch.library.custom_op("fastgemma::w4a16_matmul", mutates_args=())
 def w4a16_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
-    return w4a16_matmul(x, qweight, scales, zeros, group_size)
+                    group_size: int, sz: torch.Tensor | None = None) -> torch.Tensor:
+    return w4a16_matmul(x, qweight, scales, zeros, group_size, sz=sz)
 
 
 @w4a16_matmul_op.register_fake
-def _(x, qweight, scales, zeros, group_size):
+def _(x, qweight, scales, zeros, group_size, sz=None):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 # The launcher with an epilogue (the verify pass's GeGLU and PLE gate, fuse=layers), same dispatch.
 @torch.library.custom_op("fastgemma::w4a16_epilogue", mutates_args=())
 def w4a16_epilogue_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                      group_size: int, epilogue: str, aux: torch.Tensor | None) -> torch.Tensor:
-    return w4a16_matmul(x, qweight, scales, zeros, group_size, epilogue=epilogue, aux=aux)
+                      group_size: int, epilogue: str, aux: torch.Tensor | None,
+                      sz: torch.Tensor | None = None) -> torch.Tensor:
+    return w4a16_matmul(x, qweight, scales, zeros, group_size, epilogue=epilogue, aux=aux, sz=sz)
 
 
 @w4a16_epilogue_op.register_fake
-def _(x, qweight, scales, zeros, group_size, epilogue, aux):
+def _(x, qweight, scales, zeros, group_size, epilogue, aux, sz=None):
     N = qweight.shape[0]
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))

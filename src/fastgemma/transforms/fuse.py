@@ -43,8 +43,7 @@ def _cat_int4(parts: list[Int4Linear]) -> Int4Linear:
     out = Int4Linear(parts[0].in_features, sum(p.out_features for p in parts), parts[0].group_size,
                      backend=parts[0].backend, dtype=dtype, device="meta")
     out.qweight = torch.cat([p.qweight for p in parts], 0)
-    out.scales = torch.cat([p.scales.to(dtype) for p in parts], 1)
-    out.zeros = torch.cat([p.zeros.to(dtype) for p in parts], 1)
+    out.set_scales(torch.cat([p.scales.to(dtype) for p in parts], 1), torch.cat([p.zeros.to(dtype) for p in parts], 1))
     return out
 
 

@@ -121,7 +121,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True):
     a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
     if isinstance(mod, Int4Linear):
         w = (mod.qweight, mod.scales, mod.zeros, mod.group_size)
-        y = (w4a16_epilogue_op(x2, *w, epilogue, a2) if triton_ops and mod.backend == "triton"
+        y = (w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz) if triton_ops and mod.backend == "triton"
              else w4a16_torch(x2, *w, epilogue=epilogue, aux=a2))
     elif fits(*x2.shape) and mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES:
         y = (skinny_matmul_op(x2, mod.weight, epilogue, a2) if triton_ops

@@ -16,16 +16,16 @@ import torch
 import torch.nn as nn
 
 from fastgemma.kernels.w4a16 import (
-    GROUP_SIZES, W4A16Config, check_group_size, pack_int4, quantize_int4, w4a16_matmul, w4a16_matmul_op,
-    w4a16_torch,
+    GROUP_SIZES, W4A16Config, check_group_size, pack_int4, pack_scale_zero, quantize_int4, w4a16_matmul,
+    w4a16_matmul_op, w4a16_torch,
 )
 
 
-def _triton(x, qweight, scales, zeros, group_size, config=None):
+def _triton(x, qweight, scales, zeros, group_size, config=None, sz=None):
     # the registered op when the dispatch table decides (torch.compile-safe), the launcher for overrides
     if config is None:
-        return w4a16_matmul_op(x, qweight, scales, zeros, group_size)
-    return w4a16_matmul(x, qweight, scales, zeros, group_size, config)
+        return w4a16_matmul_op(x, qweight, scales, zeros, group_size, sz)
+    return w4a16_matmul(x, qweight, scales, zeros, group_size, config, sz=sz)
 
 
 _BACKENDS = {"triton": _triton, "torch": w4a16_torch}
@@ -38,7 +38,13 @@ def _check_backend(backend: str) -> None:
 
 class Int4Linear(nn.Module):
     """W4A16 linear: packed int4 weight [N, K/2] uint8 + per-group scales / zeros [K/G, N]
-    (layout in fastgemma.kernels.w4a16). forward(x [..., K]) -> [..., N] in x's dtype."""
+    (layout in fastgemma.kernels.w4a16). forward(x [..., K]) -> [..., N] in x's dtype.
+
+    With 16-bit scales the module also holds `sz`, their `pack_scale_zero` words (int32 [K/G, N], not
+    saved in state dicts): the per-group kernel of multi-row launches (the verify pass, prompt chunks)
+    reads one word per row and group. It is rebuilt whenever the scales change through `set_scales`
+    or the module is moved or cast (`_apply`); it adds N * K / G * 4 bytes of memory (~124 MB for
+    the E4B body at g128), not bytes per token (a launch reads one copy or the other)."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: bool = False,
                  backend: str = "triton", dtype: torch.dtype = torch.bfloat16, device=None):
@@ -53,8 +59,29 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.zeros(in_features // group_size, out_features, dtype=dtype, device=device))
         self.register_buffer("zeros", torch.zeros(in_features // group_size, out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("sz", None, persistent=False)
+        self._pack_sz()
         self.config: W4A16Config | None = None  # tile override; None -> the kernel's dispatch table
         self._matmul = _BACKENDS[backend]
+
+    def _pack_sz(self) -> None:
+        s, z = self.scales, self.zeros
+        packable = s.dtype in (torch.bfloat16, torch.float16) and z.dtype == s.dtype and s.shape == z.shape
+        self.sz = pack_scale_zero(s, z) if packable else None
+
+    def set_scales(self, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Replace scales and zeros ([K/G, N] each) and rebuild `sz`."""
+        shape = (self.in_features // self.group_size, self.out_features)
+        if tuple(scales.shape) != shape or tuple(zeros.shape) != shape:
+            raise ValueError(f"scales / zeros must be {list(shape)}, got {list(scales.shape)} / {list(zeros.shape)}")
+        self.scales, self.zeros = scales, zeros
+        self._pack_sz()
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() convert the scales; the packed copy follows them
+        out = super()._apply(fn, recurse)
+        self._pack_sz()
+        return out
 
     def set_backend(self, backend: str) -> None:
         _check_backend(backend)
@@ -68,8 +95,7 @@ class Int4Linear(nn.Module):
                   backend, dtype=w.dtype, device=w.device)
         q, scales, zeros = quantize_int4(w, group_size)
         mod.qweight.copy_(pack_int4(q))
-        mod.scales = scales
-        mod.zeros = zeros
+        mod.set_scales(scales, zeros)
         if linear.bias is not None:
             mod.bias = linear.bias.detach().clone()
         return mod
@@ -79,7 +105,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros,
-                         self.group_size, self.config)
+                         self.group_size, self.config, sz=self.sz)
         y = y.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias

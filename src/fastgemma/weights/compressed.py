@@ -122,7 +122,7 @@ class PackQuantized:
                 zp = None if self.symmetric else get(name + ".weight_zero_point")
                 qweight, scales, zeros = to_int4(get(name + _PACKED), scale, zp)
                 mod.qweight.copy_(qweight)
-                mod.scales, mod.zeros = scales.to(mod.qweight.device), zeros.to(mod.qweight.device)
+                mod.set_scales(scales.to(mod.qweight.device), zeros.to(mod.qweight.device))
                 promoted += scales.dtype != scale.dtype
         return promoted
 
