@@ -82,6 +82,7 @@ def main():
                                               ("int4 per-group 16x64 split-4 fixup", 64, 4, True, 4, 0),
                                               ("int4 per-group 16x32 split-2", 32, 2, True, 2, 0),
                                               ("int4 per-group 16x64 split-2", 64, 2, True, 2, 0),
+                                              ("int4 per-group 16x64 2 warps split-8", 64, 2, True, 8, 0),
                                               ("int4 per-group 16x32 split-2 gelu_mul", 32, 2, True, 2, 2),
                                               ("int4 per-group 16x(2x32) split-2 geglu", 32, 2, True, 2, 1)]:
         ce = dict(K_SPLIT=2560 // split, SPLIT=split, FIXUP=split > 1, GROUP=128, BLOCK_M=16, BLOCK_N=bn,

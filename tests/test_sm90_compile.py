@@ -32,7 +32,7 @@ def test_gpu_only_variants_compile_for_sm90():
     # the drafter head: no spills; the select kernel's one arrival atomic (its last program picks)
     assert heads == {"draft head select": [heads["draft head select"][0], 0, 1],
                      "draft head centroids": [heads["draft head centroids"][0], 0, 0]}, heads
-    assert len(rows) == 13 and len(dots) == 8, r.stdout
+    assert len(rows) == 13 and len(dots) == 9, r.stdout
     for name, (regs, spills, fmas, mmas, atoms, bars, cg_loads, split) in dots.items():
         # the inline PTX survived (8 packed fmas per 4 code bytes) and the dots run on tensor cores
         assert spills == 0 and fmas >= 8 and fmas % 8 == 0 and mmas > 0, (name, regs, spills, fmas, mmas)

@@ -670,20 +670,22 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (1, 262144, 2560): _gemv(32, 512, 1, 2, words=True),
     # M = 2..16 (the verify pass): the per-group kernel on packed scale / zero words (`pack_scale_zero`,
     # streamed ahead with the codes). bench_shapes(ms=(8,), sweep=True, per_group_only=True, packed=True)
-    # on the H200 (run BA, 2026-11-30, graph-timed, weights out of L2), us at M = 8: this config / the
-    # previous entry (PER_GROUP_SEPARATE) on separate scales / zeros, same run / cuBLAS bf16
-    (16, 2048, 2560): _grp(32, 4, 2),       # q (KV-shared layers): 5.46 / 6.84 / 6.69
-    (16, 4096, 2560): _grp(32, 4, 2),       # q (full): 6.38 / 7.93 / 7.99
-    (16, 3072, 2560): _grp(32, 4, 2),       # q|k|v: 5.99 / 7.06 / 7.20
-    (16, 6144, 2560): _grp(32, 4, 2),       # q|k|v (full): 7.42 / 8.82 / 9.99
-    (16, 2560, 2048): _grp(32, 4, 2),       # o: 5.38 / 6.83 / 6.20
-    (16, 2560, 4096): _grp(32, 4, 2),       # o (full): 7.34 / 7.85 / 10.71
-    # gate|up runs with the GeGLU epilogue (block_n = rows of each half): 15.80 packed / 18.56 separate
-    # (run BA); plain 17.63 / 17.08 (the sweep's best plain tiles, 32 / 1 / 2: 16.87)
-    (16, 20480, 2560): _grp(32, 2, 2),      # gate|up
-    (16, 2560, 10240): _grp(64, 8, 4),      # down: 12.74 / 13.80 / 18.42
-    (16, 2560, 256): _grp(16, 1, 1),        # PLE projection: 2.72 / 3.46 / 3.20
-    (16, 10752, 2560): _grp(32, 2, 2),      # W_plm: 10.83 / 13.14 / 15.59
+    # on the H200 (2026-11-30, graph-timed, weights out of L2), us at M = 8: this config (run BD, which
+    # added 32 rows per warp: 64 x 2 warps) / run BA's best on 16 rows per warp / the previous entry
+    # (PER_GROUP_SEPARATE) on separate scales / zeros (run BA) / cuBLAS bf16 (run BD)
+    (16, 2048, 2560): _grp(32, 4, 2),       # q (KV-shared layers): 5.45 / 5.46 / 6.84 / 6.75
+    (16, 4096, 2560): _grp(64, 4, 2),       # q (full): 6.23 / 6.38 / 7.93 / 7.91
+    (16, 3072, 2560): _grp(64, 5, 2),       # q|k|v: 5.70 / 5.99 / 7.06 / 7.17
+    (16, 6144, 2560): _grp(64, 5, 2),       # q|k|v (full): 7.10 / 7.42 / 8.82 / 10.38
+    (16, 2560, 2048): _grp(64, 8, 2),       # o: 5.35 / 5.38 / 6.83 / 6.18
+    (16, 2560, 4096): _grp(64, 8, 2),       # o (full): 6.80 / 7.34 / 7.85 / 9.43
+    # gate|up runs with the GeGLU epilogue (block_n = rows of each half), run BD, us: 32/4/2 15.46,
+    # 32/2/2 15.82 (run BA: 15.80; separate scales / zeros 18.56), 64/4/2 17.15, 16/2/1 17.21, 32/1/2
+    # 18.62, 64/2/2 18.61; plain (no epilogue) 64/2/2 15.09, 32/2/2 17.51; cuBLAS bf16 28.64
+    (16, 20480, 2560): _grp(32, 4, 2),      # gate|up
+    (16, 2560, 10240): _grp(64, 8, 2),      # down: 11.06 / 12.74 / 13.80 / 18.31
+    (16, 2560, 256): _grp(16, 1, 1),        # PLE projection: 2.74 / 2.72 / 3.46 / 3.18
+    (16, 10752, 2560): _grp(64, 4, 2),      # W_plm: 9.49 / 10.83 / 13.14 / 15.52
     (16, 262144, 2560): _mma(64, 128),      # head: 254.32 with this tl.dot config; per-group untimed
     # M > 16 (prompt chunks): the per-group kernel on large tiles. bench_shapes(ms=(256,), sweep=True,
     # graph=False) on the H200 (2026-11-30, eager launches, weights out of L2), us at M = 256: this
@@ -955,8 +957,11 @@ def prefill_candidates() -> list[W4A16Config]:
 
 def per_group_candidates(M: int) -> list[W4A16Config]:
     """`_group_mma_kernel` tiles (block_n, split_k, warps), 16-row dot tiles, for M <= 16."""
+    # 32 rows per warp (64 / 2 warps) share each group's x fragments over two row tiles: ~20% fewer
+    # loop instructions per row than 16 rows per warp, at ~146 registers
     return [_grp(bn, sk, w) for bn, sk, w in ((16, 1, 1), (16, 4, 1), (32, 1, 2), (32, 2, 2), (32, 4, 2), (64, 1, 4),
-                                              (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 4), (128, 2, 8), (128, 4, 8))]
+                                              (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 4), (128, 2, 8), (128, 4, 8),
+                                              (64, 1, 2), (64, 2, 2), (64, 4, 2), (64, 8, 2), (128, 2, 4), (128, 4, 4))]
 
 
 def _time_reduce_launch(x, qw, s, z, qbufs, group_size, cfg, timed_us) -> dict:
