@@ -16,6 +16,7 @@ from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
+from fastgemma.kernels.residual_norm import _residual_norm_kernel
 from fastgemma.kernels.skinny_gemm import _dense_mma_kernel
 from fastgemma.kernels.w4a16 import _group_mma_kernel
 
@@ -118,6 +119,15 @@ def main():
         ptx, regs, spills = build(_dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
         mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
         print(f"skinny\t{name}\t{regs}\t{spills}\t{mma}\t{len(re.findall(r'atom.global.gpu.acq_rel.add', ptx))}")
+    # the wider step's residual update + norm, a 2,560-wide row in registers (8 warps): no spills
+    # ("norm" lines: name, registers, spills)
+    rn_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr", "x_ptr")}
+    rn_sig.update(stride_a="i32", stride_y="i32", stride_h="i32", stride_x="i32", eps="fp32", off="fp32")
+    for name, has_y, has_scale, has_pre in [("residual norm", True, False, True), ("residual scale norm", True, True, True),
+                                            ("norm", False, False, True)]:
+        ce = dict(K=2560, BLOCK=4096, HAS_Y=has_y, HAS_SCALE=has_scale, HAS_PRE=has_pre)
+        _, regs, spills = build(_residual_norm_kernel, rn_sig, ce, tuple(range(11)), 8)
+        print(f"norm\t{name}\t{regs}\t{spills}")
     # the drafter head (E4B: 2,048 centroids of 128 tokens, hidden 256, top 32): no spills, one
     # arrival atomic in the select kernel ("draft" lines: name, registers, spills, atomics)
     head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",

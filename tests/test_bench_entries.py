@@ -160,13 +160,14 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
                "--fuse", "layers", "--drafter-steps", "fused,fused_head,unfused", "--split-fixup", "off,on",
-               "--verify-epilogues", "off,on", "--head", "pruned:50", "--out", str(out)])
+               "--verify-epilogues", "off,on", "--verify-norms", "on,off", "--head", "pruned:50", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["stack"]["FuseLayers"]["fused_layers"] is True
     rows = lines[1:]
-    assert [(r["spec"], r.get("drafter_step"), r.get("split_fixup"), r.get("verify_epilogues")) for r in rows] == [
-        ("none", None, None, None)] + [("replay", d, f, e) for d in ("fused", "fused_head", "unfused")
-                                       for f in ("off", "on") for e in ("off", "on")]
+    assert [(r["spec"], r.get("drafter_step"), r.get("split_fixup"), r.get("verify_epilogues"), r.get("verify_norms"))
+            for r in rows] == [("none", None, None, None, None)] + [
+        ("replay", d, f, e, n) for d in ("fused", "fused_head", "unfused") for f in ("off", "on")
+        for e, n in (("off", None), ("on", "on"), ("on", "off"))]
     assert w4a16.SPLIT_FIXUP  # back on afterwards
     for r in rows[1:]:
         assert r["identity_rate"] == 1.0 and r["diverge_at"] == [8]
@@ -177,6 +178,8 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--split-fixup", "maybe"])
     with pytest.raises(SystemExit, match="verify-epilogues"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--verify-epilogues", "both"])
+    with pytest.raises(SystemExit, match="verify-norms"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--verify-norms", "kernel"])
 
 
 def test_prefill_bench_on_the_cpu(tmp_path):

@@ -14,7 +14,9 @@ def test_gpu_only_variants_compile_for_sm90():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
-    rows = {f[0]: [int(x) for x in f[1:]] for f in lines if f[0] not in ("dot", "draft", "skinny", "packed")}
+    rows = {f[0]: [int(x) for x in f[1:]] for f in lines if f[0] not in ("dot", "draft", "skinny", "packed", "norm")}
+    norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
+    assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}
     # packed scale / zero words: no spills, and more cp.async copies than the plain kernel (the words
     # are streamed ahead with the codes instead of loaded in the loop)

@@ -15,9 +15,10 @@ Per layer at one row, five GEMVs with their neighbours folded in, then the PLE p
 q/k/v norms, RoPE, the cache writes and the attention are the static step's own (compiled, they
 fuse among themselves). Models without PLE carry the MLP's residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
-wider steps (the verify pass, batches) `fused_verify`: the ordinary layer with GeGLU in the int4
+wider steps (the verify pass, batches) `fused_verify`: the layer's GEMMs with GeGLU in the int4
 gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or the dense
-skinny GEMM of kernels/skinny_gemm.py). The MTP drafter's one-row step takes the
+skinny GEMM of kernels/skinny_gemm.py), and each residual update with the next norm in one
+kernel per row (kernels/residual_norm.py). The MTP drafter's one-row step takes the
 same GEMVs (`fused_draft`: pre-projection, then per layer q, o, gate|up + GeGLU, down, then the
 post-projection), set on the drafter by `model.fuse_drafter` when speculative decoding builds it.
 Its centroid-masked head stays torch's: kernels/draft_head.py's two launches were slower on the
@@ -131,27 +132,53 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True):
     return y.reshape(*lead, -1)
 
 
-def fused_verify(model, ids, pos, cache, triton_ops: bool = True):
-    """Wider static steps (the verify pass, batches) under fuse=layers: the layer's torch path
-    (DecoderLayer.forward, merged projections), with two epilogues in GEMM stores: GeGLU in gate|up
-    and gelu_tanh(PLE gate) * PLE input in the PLE gate (`_epilogue_call`). The norms and residual
-    adds stay compiled: a norm prologue would have every program of a multi-row GEMM re-read all
-    rows of x for their sums of squares."""
+def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True):
+    """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
+    epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
+    (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
+    (kernels/residual_norm.py: the one-row fused GEMV's prologue, as `fused_decode` groups them)
+    instead of compiled reductions. q/k/v norms, RoPE, the cache writes and the attention stay the
+    static step's own. norm_kernels=False: the same updates as torch code (the twin), which
+    torch.compile turns into its own reductions (the baseline of `bench.spec --verify-norms`)."""
+    from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
+
+    c = model.config
+    eps, off = c.rms_eps, c.norm_offset
+
+    def rn(a, y=None, post=None, scale=None, pre=None):
+        if triton_ops and norm_kernels:
+            h, x = residual_norm_op(a, y, post, scale, pre, eps, off)
+            return (h if y is not None else a), (x if pre is not None else None)
+        h, x = residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
+        return (h if y is not None else a), x
+
     x, ple = model.embed(ids)
+    lead = x.shape[:-1]
     store_attend = model.step_store_attend(ids, pos, cache)
+    h = x.reshape(-1, x.shape[-1])
+    pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
         at = layer.self_attn
         cos, sin = store_attend.rope[layer.spec.sliding]
-        attn = store_attend(layer, *at.project(layer.input_layernorm(x), cos, sin))
-        x = x + layer.post_attention_layernorm(at.o_proj(attn))
-        act = _epilogue_call(layer.mlp.gate_up_proj, layer.pre_feedforward_layernorm(x), "geglu",
-                             triton_ops=triton_ops)
-        x = x + layer.post_feedforward_layernorm(layer.mlp.down_proj(act))
+        pre = layer.input_layernorm.weight
+        if pend is None:
+            h, xin = rn(h, pre=pre)
+        else:
+            h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
+        attn = store_attend(layer, *at.project(xin.reshape(*lead, -1), cos, sin))
+        o = at.o_proj(attn).reshape(h.shape)
+        h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
+        act = _epilogue_call(layer.mlp.gate_up_proj, xff, "geglu", triton_ops=triton_ops)
+        dn = layer.mlp.down_proj(act)
         if layer.ple:
-            g = _epilogue_call(layer.per_layer_input_gate, x, "gelu_mul", ple[:, :, i], triton_ops=triton_ops)
-            x = x + layer.post_per_layer_input_norm(layer.per_layer_projection(g))
-        x = x * layer.layer_scalar
-    return model.norm(x)
+            h, _ = rn(h, dn, layer.post_feedforward_layernorm.weight)
+            g = _epilogue_call(layer.per_layer_input_gate, h, "gelu_mul", ple[:, :, i].reshape(h.shape[0], -1),
+                               triton_ops=triton_ops)
+            pend = (h, layer.per_layer_projection(g), layer.post_per_layer_input_norm, layer.layer_scalar)
+        else:
+            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
+    _, out = rn(pend[0], pend[1], pend[2].weight, pend[3], model.norm.weight)
+    return out.reshape(*lead, -1)
 
 
 def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
