@@ -123,8 +123,8 @@ def main():
     # ("norm" lines: name, registers, spills)
     rn_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr", "x_ptr")}
     rn_sig.update(stride_a="i32", stride_y="i32", stride_h="i32", stride_x="i32", eps="fp32", off="fp32")
-    for name, has_y, has_scale, has_pre in [("residual norm", True, False, True), ("residual scale norm", True, True, True),
-                                            ("norm", False, False, True)]:
+    for name, has_y, has_scale, has_pre in [("residual norm", True, False, True),
+                                            ("residual scale norm", True, True, True), ("norm", False, False, True)]:
         ce = dict(K=2560, BLOCK=4096, HAS_Y=has_y, HAS_SCALE=has_scale, HAS_PRE=has_pre)
         _, regs, spills = build(_residual_norm_kernel, rn_sig, ce, tuple(range(11)), 8)
         print(f"norm\t{name}\t{regs}\t{spills}")

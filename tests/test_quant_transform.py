@@ -175,7 +175,8 @@ def test_int4linear_keeps_its_packed_scale_zero_words_in_step():
     x = torch.randn(5, 256).half()
     merged.config = W4A16Config(32, 128, 2, 4, 3, 16, per_group=True)
     sep = Int4Linear(256, 48, 64, backend="triton", dtype=torch.float16)
-    sep.load_state_dict(merged.state_dict())
+    sep.load_state_dict(merged.state_dict())  # scales copied in place: the words are repacked
+    assert torch.equal(sep.sz, merged.sz)
     sep.sz = None
     sep.config = merged.config
     assert torch.equal(merged(x), sep(x))

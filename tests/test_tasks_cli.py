@@ -47,6 +47,16 @@ def test_weight_bytes_per_token_counts_the_head_and_one_ple_row(tmp_path):
     every += sum(b.numel() * 4 for n, b in m.named_buffers() if "inv_freq" not in n)  # layer scalars
     ple = m.embed_tokens_per_layer.weight
     assert weight_bytes_per_step(m) == every - ple.numel() * 4 + ple.shape[1] * 4
+    # int4 layers count their codes, scales and zeros once: the packed scale / zero words are a copy
+    from fastgemma.transforms.quant import Int4Linear, Int4Quant
+
+    m = Int4Quant(group_size=32, skip=("per_layer_projection",), backend="torch").apply(m.to(torch.bfloat16))
+    lins = [mod for mod in m.modules() if isinstance(mod, Int4Linear)]
+    assert lins and all(mod.sz is not None for mod in lins)
+    before = weight_bytes_per_step(m)
+    for mod in lins:
+        mod.sz = None
+    assert weight_bytes_per_step(m) == before
 
 
 def test_identity_of_the_baseline_and_the_static_step_is_exact(tmp_path):

@@ -32,14 +32,17 @@ def weight_bytes_per_step(model) -> int:
     """Bytes of parameters and persistent buffers one decode step reads.
 
     Every body linear, norm and packed quantised buffer (whatever a quant transform left in the
-    modules) counts in full. Gathers count one row: the PLE table (ple_vocab x L*ple_dim) and, when a
-    separate head replaces the tied one (model.logits_head), the embedding. With the tied head the
-    embedding matrix is read whole by the head, so it counts once in full.
+    modules) counts in full, except copies a module lists in `derived_buffers` (Int4Linear's packed
+    scale / zero words: a launch reads them or the scales and zeros, not both). Gathers count one
+    row: the PLE table (ple_vocab x L*ple_dim) and, when a separate head replaces the tied one
+    (model.logits_head), the embedding. With the tied head the embedding matrix is read whole by
+    the head, so it counts once in full.
     """
     gathered = {"embed_tokens_per_layer.weight"}
     if getattr(model, "logits_head", None) is not None:
         gathered.add("embed_tokens.weight")
-    seen, total = set(), 0
+    seen = {id(getattr(m, b)) for m in model.modules() for b in getattr(m, "derived_buffers", ())}
+    total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t is None or id(t) in seen or t.device.type == "meta":
             continue

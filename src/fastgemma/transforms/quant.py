@@ -42,9 +42,11 @@ class Int4Linear(nn.Module):
 
     With 16-bit scales the module also holds `sz`, their `pack_scale_zero` words (int32 [K/G, N], not
     saved in state dicts): the per-group kernel of multi-row launches (the verify pass, prompt chunks)
-    reads one word per row and group. It is rebuilt whenever the scales change through `set_scales`
-    or the module is moved or cast (`_apply`); it adds N * K / G * 4 bytes of memory (~124 MB for
-    the E4B body at g128), not bytes per token (a launch reads one copy or the other)."""
+    reads one word per row and group. It is rebuilt by `set_scales`, `load_state_dict` and moves /
+    casts (`_apply`): change scales only through those. It adds N * K / G * 4 bytes of memory (~124 MB
+    for the E4B body at g128), not bytes per token (a launch reads one copy or the other)."""
+
+    derived_buffers = ("sz",)  # copies of other buffers: not counted as bytes a step reads
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: bool = False,
                  backend: str = "triton", dtype: torch.dtype = torch.bfloat16, device=None):
@@ -82,6 +84,11 @@ class Int4Linear(nn.Module):
         out = super()._apply(fn, recurse)
         self._pack_sz()
         return out
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # load_state_dict copies scales / zeros in place: repack after it
+        super()._load_from_state_dict(*args, **kwargs)
+        self._pack_sz()
 
     def set_backend(self, backend: str) -> None:
         _check_backend(backend)
