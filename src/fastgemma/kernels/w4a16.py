@@ -958,10 +958,13 @@ def prefill_candidates() -> list[W4A16Config]:
 def per_group_candidates(M: int) -> list[W4A16Config]:
     """`_group_mma_kernel` tiles (block_n, split_k, warps), 16-row dot tiles, for M <= 16."""
     # 32 rows per warp (64 / 2 warps) share each group's x fragments over two row tiles: ~20% fewer
-    # loop instructions per row than 16 rows per warp, at ~146 registers
-    return [_grp(bn, sk, w) for bn, sk, w in ((16, 1, 1), (16, 4, 1), (32, 1, 2), (32, 2, 2), (32, 4, 2), (64, 1, 4),
-                                              (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 4), (128, 2, 8), (128, 4, 8),
-                                              (64, 1, 2), (64, 2, 2), (64, 4, 2), (64, 8, 2), (128, 2, 4), (128, 4, 4))]
+    # loop instructions per row than 16 rows per warp, at ~146 registers. The last five: the cp.async
+    # pipeline's depth (2 or 4 stages instead of 3) on the tiles runs BA / BD chose most
+    out = [_grp(bn, sk, w) for bn, sk, w in ((16, 1, 1), (16, 4, 1), (32, 1, 2), (32, 2, 2), (32, 4, 2), (64, 1, 4),
+                                             (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 4), (128, 2, 8), (128, 4, 8),
+                                             (64, 1, 2), (64, 2, 2), (64, 4, 2), (64, 8, 2), (128, 2, 4), (128, 4, 4))]
+    return out + [_grp(bn, sk, w, st) for bn, sk, w, st in ((32, 4, 2, 2), (32, 4, 2, 4), (64, 4, 2, 4), (64, 8, 2, 2),
+                                                            (64, 8, 2, 4))]
 
 
 def _time_reduce_launch(x, qw, s, z, qbufs, group_size, cfg, timed_us) -> dict:
