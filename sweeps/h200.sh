@@ -19,12 +19,15 @@
 #             the README: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
 #             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s); with
 #             --fuse layers, --verify-epilogues off,on compares the verify pass's GEMM epilogues in one run
+#   counters  Nsight Compute counters of the int4 kernels per E4B shape at 1 and 8 rows: time, DRAM, issue,
+#             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
+#             --shapes gate|up,down --separate")
 #   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
 # COMPILE_CACHE=DIR keeps torch.compile's and Triton's caches in DIR/inductor and DIR/triton, so a later
 #   run on the same software skips most compiles (H200: compiling the prompt's forward took 177 s
 #   fresh, 66 s with the caches of an earlier run).
-# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PREFILL_ARGS, PROFILE_VARIANTS,
+# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PREFILL_ARGS, PROFILE_VARIANTS, COUNTERS_ARGS,
 #   INT4_MS. The fused step: LADDER_VARIANTS=compiled_triton_merged_gemv,compiled_triton_fused_pdl,compiled_triton_fused
 #   LADDER_ARGS="--hf-new 0 --hf-check 0" (skip transformers' figure), PROFILE_VARIANTS=compiled_triton_fused_pdl.
 #   bash sweeps/h200.sh profile int4
@@ -76,11 +79,12 @@ bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
+    counters) run counters python3 -m fastgemma.bench.counters ${COUNTERS_ARGS:-} --out "$out" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, int4, int4fused, stack, head, prefill, spec, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, int4, int4fused, stack, head, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

@@ -1,0 +1,165 @@
+"""Hardware counters of the int4 kernels at E4B shapes, through Nsight Compute: is a kernel waiting
+on memory, on its instruction issue, or short of resident warps?
+
+    python -m fastgemma.bench.counters [--ms 1,8] [--shapes gate|up,down] [--separate] [--out DIR]
+
+runs itself under `ncu --clock-control none` (the clocks as they are; ncu flushes the caches before
+each profiled launch) with one launch per (shape, rows): at one row the fused GEMV that fuse=layers
+launches for that shape (`fused_w4a16`, with its prologue / epilogue), at 2..16 rows the per-group
+kernel of the verify pass (`w4a16_matmul`, table tiles, packed scale / zero words unless
+--separate; gate|up with its GeGLU epilogue). Prints one row per launch: time, DRAM throughput,
+issue slots busy, warps resident, the top stall reasons per issued instruction, instructions per
+weight (thread instructions: warp instructions x 32 / weights). `--launch` runs the launches alone
+(what ncu profiles). The H200 machines have ncu (KINDS.md: it reads counters on Firecracker).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+METRICS = {
+    "us": "gpu__time_duration.sum",
+    "dram %": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "issue %": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "warps %": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "regs": "launch__registers_per_thread",
+    "GHz": "sm__cycles_elapsed.avg.per_second",
+    "inst": "smsp__inst_executed.sum",
+}
+STALLS = ("long_scoreboard", "wait", "barrier", "short_scoreboard", "math_pipe_throttle", "not_selected",
+          "dispatch_stall", "mio_throttle", "lg_throttle", "no_instruction")
+_STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+KERNELS = "regex:_group_mma_kernel|_fused_w4a16_kernel|_gemv_kernel|_mma_kernel"
+# verify-pass shapes (N, K, epilogue) at 2..16 rows; one-row shapes come from fused_w4a16.E4B_CASES
+MULTI_ROW = {"q|k|v": (3072, 2560, "none"), "q|k|v full": (6144, 2560, "none"), "q": (2048, 2560, "none"),
+             "o": (2560, 2048, "none"), "o full": (2560, 4096, "none"), "gate|up": (20480, 2560, "geglu"),
+             "down": (2560, 10240, "none"), "PLE projection": (2560, 256, "none")}
+
+
+def metric_names() -> list[str]:
+    return list(METRICS.values()) + [_STALL.format(s) for s in STALLS]
+
+
+def plan(ms: list[int], shapes: list[str] | None) -> list[tuple[str, int]]:
+    """(shape, rows) launches in order; shapes from the one-row fused cases / MULTI_ROW."""
+    from ..kernels.fused_w4a16 import E4B_CASES
+
+    out = []
+    for m in ms:
+        known = E4B_CASES if m == 1 else MULTI_ROW
+        names = shapes or list(known)
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise SystemExit(f"--shapes: unknown at {m} row(s): {', '.join(bad)}; known: {', '.join(known)}")
+        if not 1 <= m <= 16:
+            raise SystemExit(f"--ms: rows from 1 to 16 (the decode and verify kernels), got {m}")
+        out += [(n, m) for n in names]
+    return out
+
+
+def launch(launches: list[tuple[str, int]], packed: bool = True) -> None:
+    """One launch per (shape, rows), in order, on fresh weights (what ncu profiles)."""
+    import torch
+
+    from ..kernels.fused_w4a16 import E4B_CASES, fused_w4a16
+    from ..kernels.w4a16 import pack_int4, pack_scale_zero, quantize_int4, w4a16_matmul
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.counters launches CUDA kernels; no CUDA device here")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    vec = lambda m, n: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    for name, m in launches:
+        N, K, mode = E4B_CASES[name] if m == 1 else MULTI_ROW[name]
+        q, s, z = quantize_int4(vec(N, K) * 0.02, 128)
+        qw = pack_int4(q)
+        if m == 1:  # the fused GEMV as fuse=layers launches it for this shape
+            kw = {}
+            if mode != "plain":  # as fused_w4a16.bench_tiles builds its cases
+                kw = dict(y=vec(1, K), post=vec(1, K), pre=vec(1, K))
+                if mode == "residual":
+                    kw["scale"] = vec(1, 1)
+                else:
+                    kw["epilogue"] = "geglu"
+            fused_w4a16(vec(1, K), qw, s, z, 128, eps=1e-6, **kw)
+        else:
+            w4a16_matmul(vec(m, K), qw, s, z, 128, epilogue=mode, sz=pack_scale_zero(s, z) if packed else None)
+        torch.cuda.synchronize()
+
+
+def _num(v: str) -> float:
+    return float(v.replace(",", ""))
+
+
+def parse(text: str) -> list[dict]:
+    """ncu's plain report -> one dict per profiled launch: kernel, grid, block, then each metric's
+    value by its full name (numbers; thousands separators dropped)."""
+    rows = []
+    head = re.compile(r"^\s+(\S+) \(([\d, ]+)\)x\(([\d, ]+)\), Context")
+    line = re.compile(r"^\s+([a-z_]+__[\w.]+)\s+(?:\S+\s+)?([\d,.]+)\s*$")
+    for t in text.splitlines():
+        h = head.match(t)
+        if h:
+            rows.append(dict(kernel=h.group(1), grid=h.group(2).replace(" ", ""), block=h.group(3).replace(" ", "")))
+            continue
+        mm = line.match(t)
+        if mm and rows:
+            rows[-1][mm.group(1)] = _num(mm.group(2))
+    return rows
+
+
+def table(rows: list[dict], launches: list[tuple[str, int]]) -> str:
+    """The rows labelled by launch order (shape, rows, weights) as a markdown table."""
+    from ..kernels.fused_w4a16 import E4B_CASES
+
+    if len(rows) != len(launches):
+        raise ValueError(f"ncu profiled {len(rows)} launches, {len(launches)} were planned")
+    cols = ["shape", "rows", "kernel", "grid x block"] + list(METRICS) + ["inst / weight"] + list(STALLS)
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r, (name, m) in zip(rows, launches):
+        N, K, _ = E4B_CASES[name] if m == 1 else MULTI_ROW[name]
+        vals = [r.get(v) for v in METRICS.values()]
+        inst = r.get(METRICS["inst"])
+        per_w = None if inst is None else inst * 32 / (N * K)
+        stalls = [r.get(_STALL.format(s)) for s in STALLS]
+        fmt = lambda x: "" if x is None else (f"{x:,.0f}" if x >= 1000 else f"{x:.2f}")  # noqa: E731
+        out.append("| " + " | ".join([name, str(m), r["kernel"], f"{r['grid']} x {r['block']}"]
+                                     + [fmt(v) for v in vals] + [fmt(per_w)] + [fmt(v) for v in stalls]) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ms", default="1,8", help="rows per launch, comma-separated (1: fused GEMV; 2..16: per-group)")
+    ap.add_argument("--shapes", default="", help="comma-separated names (default: every E4B case)")
+    ap.add_argument("--separate", action="store_true", help="per-group kernel on separate scales / zeros")
+    ap.add_argument("--out", default="", help="directory for ncu's raw report (ncu.txt)")
+    ap.add_argument("--launch", action="store_true", help="run the launches only (what ncu profiles)")
+    a = ap.parse_args(argv)
+    launches = plan([int(x) for x in a.ms.split(",") if x], [x for x in a.shapes.split(",") if x] or None)
+    if a.launch:
+        launch(launches, packed=not a.separate)
+        return
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise SystemExit("bench.counters needs Nsight Compute's `ncu` on PATH (the H200 machines have it); "
+                         "--launch runs the launches alone")
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", KERNELS, "--metrics", ",".join(metric_names()),
+           sys.executable, "-m", "fastgemma.bench.counters", "--launch", "--ms", a.ms, "--shapes", a.shapes]
+    if a.separate:
+        cmd.append("--separate")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "ncu.txt"), "w") as f:
+            f.write(r.stdout + r.stderr)
+    if r.returncode:
+        raise SystemExit(f"ncu failed (rc {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}")
+    print(table(parse(r.stdout), launches))
+
+
+if __name__ == "__main__":
+    main()
