@@ -208,7 +208,8 @@ def test_per_group_kernel_matches_twin(M, config, G, dtype):
 @pytest.mark.parametrize("epilogue", ["none", "geglu", "gelu_mul"])
 @pytest.mark.parametrize("M,config", [(5, W4A16Config(32, 128, 3, 4, 3, 16, per_group=True)),
                                       (8, W4A16Config(16, 128, 1, 1, 3, 16, per_group=True)),
-                                      (3, W4A16Config(64, 128, 2, 4, 3, 16, per_group=True))])
+                                      (3, W4A16Config(64, 128, 2, 4, 3, 16, per_group=True)),
+                                      (40, W4A16Config(64, 128, 1, 4, 3, 64, per_group=True))])  # prompt chunk
 def test_packed_scale_zero_words_give_the_same_bits(M, config, epilogue, G):
     """The per-group kernel on `pack_scale_zero` words equals it on separate scales / zeros bit for
     bit (fp16: the words carry the same 16-bit values), with tails, split-K and every epilogue;
