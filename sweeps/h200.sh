@@ -6,7 +6,8 @@
 #   chain     the step's 252 body GEMVs alone in one CUDA graph: cuBLAS, plain, prefetch, PDL (bench.chain)
 #   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes); INT4_MS=8
 #             sweeps the verify pass's row count instead of one row (INT4_MS=1,8: both), INT4_SHAPES=qkv,o
-#             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates
+#             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates, INT4_PACKED=0 the
+#             per-group kernel on separate scales / zeros (default: the packed words, as the engine runs it)
 #   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
@@ -71,7 +72,7 @@ for p in "${parts[@]}"; do
     int4) run int4 python3 -c "from fastgemma.kernels.w4a16 import bench_shapes, E4B_SHAPES as S
 sh = '${INT4_SHAPES:-}'
 bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh else None, sweep=True, rep_ms=10,
-             per_group_only='${INT4_PER_GROUP:-0}' == '1')" ;;
+             per_group_only='${INT4_PER_GROUP:-0}' == '1', packed='${INT4_PACKED:-1}' == '1')" ;;
     stack) run stack python3 -m fastgemma.bench.stack ${STACK_ARGS:-} --out "$out/stack.jsonl" ;;
     int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles, E4B_CASES as C
 cs = '${INT4FUSED_CASES:-}'
