@@ -34,10 +34,20 @@ STALLS = ("long_scoreboard", "wait", "barrier", "short_scoreboard", "math_pipe_t
           "dispatch_stall", "mio_throttle", "lg_throttle", "no_instruction")
 _STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 KERNELS = "regex:_group_mma_kernel|_fused_w4a16_kernel|_gemv_kernel|_mma_kernel"
-# verify-pass shapes (N, K, epilogue) at 2..16 rows; one-row shapes come from fused_w4a16.E4B_CASES
-MULTI_ROW = {"q|k|v": (3072, 2560, "none"), "q|k|v full": (6144, 2560, "none"), "q": (2048, 2560, "none"),
-             "o": (2560, 2048, "none"), "o full": (2560, 4096, "none"), "gate|up": (20480, 2560, "geglu"),
-             "down": (2560, 10240, "none"), "PLE projection": (2560, 256, "none")}
+
+
+def _multi_row() -> dict:
+    """The verify pass's shapes (N, K, epilogue) at 2..16 rows: fused_w4a16.E4B_CASES' shapes, gate|up
+    with its GeGLU epilogue (the norms of the one-row prologues run apart there)."""
+    from ..kernels.fused_w4a16 import E4B_CASES
+
+    return {n: (N, K, "geglu" if mode == "geglu" else "none") for n, (N, K, mode) in E4B_CASES.items()}
+
+
+def _shape(name: str, m: int) -> tuple[int, int, str]:
+    from ..kernels.fused_w4a16 import E4B_CASES
+
+    return (E4B_CASES if m == 1 else _multi_row())[name]
 
 
 def metric_names() -> list[str]:
@@ -45,16 +55,15 @@ def metric_names() -> list[str]:
 
 
 def plan(ms: list[int], shapes: list[str] | None) -> list[tuple[str, int]]:
-    """(shape, rows) launches in order; shapes from the one-row fused cases / MULTI_ROW."""
+    """(shape, rows) launches in order; shape names from fused_w4a16.E4B_CASES."""
     from ..kernels.fused_w4a16 import E4B_CASES
 
     out = []
     for m in ms:
-        known = E4B_CASES if m == 1 else MULTI_ROW
-        names = shapes or list(known)
-        bad = [n for n in names if n not in known]
+        names = shapes or list(E4B_CASES)
+        bad = [n for n in names if n not in E4B_CASES]
         if bad:
-            raise SystemExit(f"--shapes: unknown at {m} row(s): {', '.join(bad)}; known: {', '.join(known)}")
+            raise SystemExit(f"--shapes: unknown at {m} row(s): {', '.join(bad)}; known: {', '.join(E4B_CASES)}")
         if not 1 <= m <= 16:
             raise SystemExit(f"--ms: rows from 1 to 16 (the decode and verify kernels), got {m}")
         out += [(n, m) for n in names]
@@ -65,7 +74,7 @@ def launch(launches: list[tuple[str, int]], packed: bool = True) -> None:
     """One launch per (shape, rows), in order, on fresh weights (what ncu profiles)."""
     import torch
 
-    from ..kernels.fused_w4a16 import E4B_CASES, fused_w4a16
+    from ..kernels.fused_w4a16 import case_inputs, fused_w4a16
     from ..kernels.w4a16 import pack_int4, pack_scale_zero, quantize_int4, w4a16_matmul
 
     if not torch.cuda.is_available():
@@ -73,18 +82,11 @@ def launch(launches: list[tuple[str, int]], packed: bool = True) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     vec = lambda m, n: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
     for name, m in launches:
-        N, K, mode = E4B_CASES[name] if m == 1 else MULTI_ROW[name]
+        N, K, mode = _shape(name, m)
         q, s, z = quantize_int4(vec(N, K) * 0.02, 128)
         qw = pack_int4(q)
         if m == 1:  # the fused GEMV as fuse=layers launches it for this shape
-            kw = {}
-            if mode != "plain":  # as fused_w4a16.bench_tiles builds its cases
-                kw = dict(y=vec(1, K), post=vec(1, K), pre=vec(1, K))
-                if mode == "residual":
-                    kw["scale"] = vec(1, 1)
-                else:
-                    kw["epilogue"] = "geglu"
-            fused_w4a16(vec(1, K), qw, s, z, 128, eps=1e-6, **kw)
+            fused_w4a16(vec(1, K), qw, s, z, 128, eps=1e-6, **case_inputs(mode, K, lambda n: vec(1, n)))
         else:
             w4a16_matmul(vec(m, K), qw, s, z, 128, epilogue=mode, sz=pack_scale_zero(s, z) if packed else None)
         torch.cuda.synchronize()
@@ -113,19 +115,19 @@ def parse(text: str) -> list[dict]:
 
 def table(rows: list[dict], launches: list[tuple[str, int]]) -> str:
     """The rows labelled by launch order (shape, rows, weights) as a markdown table."""
-    from ..kernels.fused_w4a16 import E4B_CASES
-
     if len(rows) != len(launches):
         raise ValueError(f"ncu profiled {len(rows)} launches, {len(launches)} were planned")
     cols = ["shape", "rows", "kernel", "grid x block"] + list(METRICS) + ["inst / weight"] + list(STALLS)
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    def fmt(x):
+        return "" if x is None else (f"{x:,.0f}" if x >= 1000 else f"{x:.2f}")
+
     for r, (name, m) in zip(rows, launches):
-        N, K, _ = E4B_CASES[name] if m == 1 else MULTI_ROW[name]
+        N, K, _ = _shape(name, m)
         vals = [r.get(v) for v in METRICS.values()]
         inst = r.get(METRICS["inst"])
         per_w = None if inst is None else inst * 32 / (N * K)
         stalls = [r.get(_STALL.format(s)) for s in STALLS]
-        fmt = lambda x: "" if x is None else (f"{x:,.0f}" if x >= 1000 else f"{x:.2f}")  # noqa: E731
         out.append("| " + " | ".join([name, str(m), r["kernel"], f"{r['grid']} x {r['block']}"]
                                      + [fmt(v) for v in vals] + [fmt(per_w)] + [fmt(v) for v in stalls]) + " |")
     return "\n".join(out)

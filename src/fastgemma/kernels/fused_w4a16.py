@@ -136,6 +136,19 @@ E4B_CASES = {
 }
 
 
+def case_inputs(mode: str, K: int, vec) -> dict:
+    """The prologue / epilogue arguments of a `E4B_CASES` mode (vec(n) -> a [1, n] activation):
+    residual: y, post, pre and the layer scale; geglu: y, post, pre and the GeGLU epilogue; plain: none."""
+    if mode == "plain":
+        return {}
+    kw = dict(y=vec(K), post=vec(K), pre=vec(K))
+    if mode == "residual":
+        kw["scale"] = vec(1)
+    else:
+        kw["epilogue"] = "geglu"
+    return kw
+
+
 def tile_candidates() -> list[W4A16Config]:
     """What `bench_tiles` tries (resolve_config fits block_k to K; > 16 K blocks are skipped): the byte
     loop on small tiles (the one-row table's among them), the word loop on 4-32 rows."""
@@ -169,13 +182,7 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
         q, sc, zr = quantize_int4(w, group_size)
         qw = pack_int4(q)
         vec = lambda n: torch.randn(1, n, device=dev, dtype=dtype, generator=gen)  # noqa: E731
-        kw = dict(eps=1e-6, pdl=pdl)
-        if mode != "plain":
-            kw.update(y=vec(K), post=vec(K), pre=vec(K))
-            if mode == "residual":
-                kw["scale"] = vec(1)
-            else:
-                kw["epilogue"] = "geglu"
+        kw = dict(eps=1e-6, pdl=pdl, **case_inputs(mode, K, vec))
         a = vec(K)
         ref = fused_w4a16_ref(a, qw, sc, zr, group_size, **kw)[0]
         nbytes = qw.numel() + 2 * sc.numel() * sc.element_size()

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_gemv import _rnd
+from .fused_gemv import _h_block, _rnd
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 
@@ -31,15 +31,17 @@ def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_p
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     ok = k < K
-    h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
-    if HAS_Y:
+    if HAS_Y:  # the one-row prologue's residual update (fused_gemv._h_block), the row as one block
         y = tl.load(y_ptr + row * stride_y + k, mask=ok, other=0.0).to(tl.float32)
-        post = tl.load(post_ptr + k, mask=ok, other=0.0).to(tl.float32)
         inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / K + eps)
-        h = _rnd(h + _rnd(y * inv_y * (post + off), DT), DT)
+        scale = 1.0
         if HAS_SCALE:
-            h = _rnd(h * tl.load(scale_ptr).to(tl.float32), DT)
+            scale = tl.load(scale_ptr).to(tl.float32)
+        h = _h_block(a_ptr + row * stride_a, y_ptr + row * stride_y, post_ptr, 0, k, inv_y, scale, off, K, BLOCK,
+                     HAS_SCALE, DT)
         tl.store(h_ptr + row * stride_h + k, h.to(DT), mask=ok)
+    else:
+        h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
     if HAS_PRE:
         pre = tl.load(pre_ptr + k, mask=ok, other=0.0).to(tl.float32)
         inv_x = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)

@@ -484,7 +484,8 @@ def _group_load_sz(w_ptrs, sz_ptrs, n_ok, EVEN_N: tl.constexpr, DT: tl.constexpr
     else:
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
         v = tl.load(sz_ptrs, mask=n_ok, other=0)
-    return w, (v & 0xFFFF).to(tl.int16).to(DT, bitcast=True), (v >> 16).to(tl.int16).to(DT, bitcast=True)
+    s, z = _unpack_sz(v, DT)
+    return w, s, z
 
 
 @triton.jit
@@ -525,9 +526,8 @@ def _group_mma_kernel(
     x_ptrs = x_ptr + pid_k * K_SPLIT + offs_m[:, None] * stride_xm + tl.arange(0, GROUP)[None, :]
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if EPI == 1:
-        up = HALF * stride_qn  # the up tile's byte offset
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # EPI 1 only: the up rows
+    up = HALF * stride_qn  # EPI 1: the up tile's byte offset
     for _ in range(0, K_SPLIT, GROUP):
         if SZ:
             w, s, z = _group_load_sz(w_ptrs, s_ptrs, n_ok, EVEN_N, DT)
@@ -547,12 +547,8 @@ def _group_mma_kernel(
         s_ptrs += N
         z_ptrs += N
         x_ptrs += GROUP
-    if EPI == 1:
-        _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
-                     aux_ptr, stride_am, HALF, EPI, acc_u)
-    else:
-        _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
-                     aux_ptr, stride_am, HALF, EPI)
+    _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
+                 aux_ptr, stride_am, HALF, EPI, acc_u)
 
 
 @triton.jit

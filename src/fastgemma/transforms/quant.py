@@ -61,8 +61,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.zeros(in_features // group_size, out_features, dtype=dtype, device=device))
         self.register_buffer("zeros", torch.zeros(in_features // group_size, out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
-        self.register_buffer("sz", None, persistent=False)
-        self._pack_sz()
+        self.register_buffer("sz", None, persistent=False)  # packed once scales are set (set_scales, loads, moves)
         self.config: W4A16Config | None = None  # tile override; None -> the kernel's dispatch table
         self._matmul = _BACKENDS[backend]
 
