@@ -128,6 +128,27 @@ def main():
         ce = dict(K=2560, BLOCK=4096, HAS_Y=has_y, HAS_SCALE=has_scale, HAS_PRE=has_pre)
         _, regs, spills = build(_residual_norm_kernel, rn_sig, ce, tuple(range(11)), 8)
         print(f"norm\t{name}\t{regs}\t{spills}")
+    # PDL launches of the verify pass's kernels ("pdl" lines: name, registers, spills, waits, launch
+    # triggers, global loads / cp.async copies before the wait, mma instructions before the trigger,
+    # registers without PDL)
+    def pdl_line(name, fn, sig, ce, aligned, warps):
+        ptx, regs, spills = build(fn, sig, dict(ce, PDL=True), aligned, warps)
+        _, regs0, _ = build(fn, sig, dict(ce, PDL=False), aligned, warps)
+        wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        print(f"pdl\t{name}\t{regs}\t{spills}\t{ptx.count('griddepcontrol.wait')}\t"
+              f"{ptx.count('griddepcontrol.launch_dependents')}\t"
+              f"{len(re.findall(r'ld[.]global|cp[.]async[.]c[ag]', ptx[:wait]))}\t{ptx[:trig].count('mma.sync')}\t{regs0}")
+
+    for name, epi, split in [("int4 per-group geglu split-4", 1, 4), ("int4 per-group split-2", 0, 2)]:
+        ce = dict(K_SPLIT=2560 // split, SPLIT=split, FIXUP=True, GROUP=128, BLOCK_M=16, BLOCK_N=32, EVEN_N=True,
+                  ASM=True, DOT_PRECISION="tf32", EPI=epi, HALF=10240 if epi == 1 else 0, SZ=True)
+        pdl_line(name, _group_mma_kernel, dict(dot_sig, s_ptr="*i32", z_ptr="*i32"), ce,
+                 (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13), 2)
+    ce = dict(HALF=0, K_SPLIT=256, SPLIT=10, FIXUP=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, EPI=2, EVEN_N=True,
+              DOT_PRECISION="tf32")
+    pdl_line("skinny ple gate", _dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
+    pdl_line("residual norm", _residual_norm_kernel, rn_sig,
+             dict(K=2560, BLOCK=4096, HAS_Y=True, HAS_SCALE=True, HAS_PRE=True), tuple(range(11)), 8)
     # the drafter head (E4B: 2,048 centroids of 128 tokens, hidden 256, top 32): no spills, one
     # arrival atomic in the select kernel ("draft" lines: name, registers, spills, atomics)
     head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",

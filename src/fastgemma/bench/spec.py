@@ -179,6 +179,9 @@ def main(argv=None):
     ap.add_argument("--verify-norms", default="on",
                     help="with --fuse layers and epilogues on: residual updates + norms of the k+1-row pass in "
                          "kernels/residual_norm.py (on) or compiled torch (off); on,off: a row each")
+    ap.add_argument("--verify-pdl", default="on",
+                    help="with --fuse layers and epilogues on: the k+1-row pass's GEMMs and norm kernels launched "
+                         "with programmatic dependent launch (on) or plainly (off); on,off: a row each")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--prefill", default="graph",
@@ -220,10 +223,13 @@ def main(argv=None):
     fixups = _on_off("--split-fixup", a.split_fixup)
     epilogues = _on_off("--verify-epilogues", a.verify_epilogues)
     norms = _on_off("--verify-norms", a.verify_norms)
+    pdls = _on_off("--verify-pdl", a.verify_pdl)
     fused_verify = model.fused_verify  # None without --fuse layers
-    compiled_norms = (None if fused_verify is None else
-                      functools.partial(fused_verify.func, *fused_verify.args, **{**fused_verify.keywords,
-                                                                                  "norm_kernels": False}))
+
+    def verify_variant(nrm: str, pdl: str):
+        """fused_verify with the norm kernels (nrm on) or compiled torch, and PDL launches (pdl on)."""
+        return functools.partial(fused_verify.func, *fused_verify.args,
+                                 **{**fused_verify.keywords, "norm_kernels": nrm == "on", "pdl": pdl == "on"})
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -266,14 +272,16 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
-        plan = [(tiles, dname, fix, epi, nrm, kind, k) for tiles in a.verify_tiles.split(",") for dname in drafters
-                for fix in fixups for epi in epilogues for nrm in (norms if epi == "on" else ["off"])
+        fv = fused_verify is not None
+        plan = [(tiles, dname, fix, epi, nrm, pdl, kind, k) for tiles in a.verify_tiles.split(",")
+                for dname in drafters for fix in fixups for epi in epilogues
+                for nrm in (norms if epi == "on" else ["off"]) for pdl in (pdls if fv and epi == "on" else [None])
                 for kind, k in plan]
-        for tiles, dname, fix, epi, nrm, kind, k in plan:
+        for tiles, dname, fix, epi, nrm, pdl, kind, k in plan:
             use_verify_tiles(tiles)
             w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
             # read when the verify step is traced
-            model.fused_verify = None if epi != "on" else (fused_verify if nrm == "on" else compiled_norms)
+            model.fused_verify = verify_variant(nrm, pdl) if fv and epi == "on" else None
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
@@ -305,7 +313,7 @@ def main(argv=None):
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None,
-                           verify_norms=nrm if fused_verify is not None and epi == "on" else None, prefill=pname,
+                           verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, prefill=pname,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
@@ -334,16 +342,16 @@ def main(argv=None):
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | prefill | profile | k | tok/s | x AR | "
-          "tok/step | "
+    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | prefill | profile | k | tok/s | "
+          "x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
           "top1 vs AR | top1 conf | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
-              f"{r.get('prefill', '')} | "
+              f"{r.get('verify_pdl') or ''} | {r.get('prefill', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "

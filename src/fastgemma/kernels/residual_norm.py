@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import _h_block, _rnd
+from .gemv import pdl_supported
+from .w4a16 import _pdl_trigger, _pdl_wait
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 
@@ -26,7 +28,9 @@ _INTERPRET = bool(triton.knobs.runtime.interpret)
 def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_ptr,
                           stride_a, stride_y, stride_h, stride_x, eps, off,
                           K: tl.constexpr, BLOCK: tl.constexpr, HAS_Y: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          HAS_PRE: tl.constexpr):
+                          HAS_PRE: tl.constexpr, PDL: tl.constexpr = False):
+    _pdl_wait(PDL)  # every input but the norm weights is the previous kernels' output
+    _pdl_trigger(PDL)
     DT: tl.constexpr = a_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
@@ -63,9 +67,11 @@ def _check(a, y, post, scale, pre):
         raise ValueError("residual_norm: nothing to do (neither y nor pre)")
 
 
-def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, offset: float = 0.0):
+def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, offset: float = 0.0,
+                  pdl: bool = False):
     """a, y [M, K] (rows contiguous), post / pre [K], scale [1] -> (h [M, K] or None without y,
-    x [M, K] or None without pre); see the module docstring."""
+    x [M, K] or None without pre); see the module docstring. `pdl` (sm90+): programmatic dependent
+    launch (this one waits for the previous kernel before it reads, then lets the next launch)."""
     _check(a, y, post, scale, pre)
     if not (a.is_cuda or _INTERPRET):
         raise RuntimeError("residual_norm runs on CUDA tensors (or with TRITON_INTERPRET=1); use residual_norm_ref")
@@ -75,13 +81,14 @@ def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, off
     h = torch.empty_like(a) if y is not None else None
     x = torch.empty_like(a) if pre is not None else None
     block = triton.next_power_of_2(K)
+    use_pdl = pdl and pdl_supported(a.device)
     _residual_norm_kernel[(M,)](
         a, y if y is not None else a, post if post is not None else a, scale if scale is not None else a,
         pre if pre is not None else a, h if h is not None else a, x if x is not None else a,
         a.stride(0), y.stride(0) if y is not None else 0, h.stride(0) if h is not None else 0,
         x.stride(0) if x is not None else 0, float(eps), float(offset),
         K=K, BLOCK=block, HAS_Y=y is not None, HAS_SCALE=scale is not None, HAS_PRE=pre is not None,
-        num_warps=max(1, min(8, block // 512)),
+        PDL=use_pdl, num_warps=max(1, min(8, block // 512)), **({"launch_pdl": True} if use_pdl else {}),
     )
     return h, x
 
@@ -109,12 +116,13 @@ def residual_norm_ref(a, y=None, post=None, scale=None, pre=None, *, eps: float,
 
 @torch.library.custom_op("fastgemma::residual_norm", mutates_args=())
 def residual_norm_op(a: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None, scale: torch.Tensor | None,
-                     pre: torch.Tensor | None, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
-    h, x = residual_norm(a, y, post, scale, pre, eps=eps, offset=offset)
+                     pre: torch.Tensor | None, eps: float, offset: float,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    h, x = residual_norm(a, y, post, scale, pre, eps=eps, offset=offset, pdl=pdl)
     return (h if h is not None else a.new_empty(0)), (x if x is not None else a.new_empty(0))
 
 
 @residual_norm_op.register_fake
-def _(a, y, post, scale, pre, eps, offset):
+def _(a, y, post, scale, pre, eps, offset, pdl=False):
     return (torch.empty_like(a) if y is not None else a.new_empty(0),
             torch.empty_like(a) if pre is not None else a.new_empty(0))

@@ -109,10 +109,11 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
 SKINNY_MAX_BYTES = 4 << 20
 
 
-def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True):
+def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False):
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
-    rows); otherwise the GEMM, then torch's epilogue."""
+    rows); otherwise the GEMM, then torch's epilogue. No epilogue: a dense linear is mod(x) itself.
+    `pdl`: the Triton GEMMs launch with programmatic dependent launch (weights prefetched into L2)."""
     from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
     from ..kernels.w4a16 import apply_epilogue, w4a16_epilogue_op, w4a16_torch
     from .quant import Int4Linear
@@ -122,24 +123,30 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True):
     a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
     if isinstance(mod, Int4Linear):
         w = (mod.qweight, mod.scales, mod.zeros, mod.group_size)
-        y = (w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz) if triton_ops and mod.backend == "triton"
+        y = (w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz, pdl) if triton_ops and mod.backend == "triton"
              else w4a16_torch(x2, *w, epilogue=epilogue, aux=a2))
+    elif epilogue == "none":
+        return mod(x)
     elif fits(*x2.shape) and mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES:
-        y = (skinny_matmul_op(x2, mod.weight, epilogue, a2) if triton_ops
+        y = (skinny_matmul_op(x2, mod.weight, epilogue, a2, pdl) if triton_ops
              else skinny_matmul_ref(x2, mod.weight, epilogue=epilogue, aux=a2))
     else:
         y = apply_epilogue(torch.nn.functional.linear(x2, mod.weight), epilogue, a2)
     return y.reshape(*lead, -1)
 
 
-def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True):
+def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
     (kernels/residual_norm.py: the one-row fused GEMV's prologue, as `fused_decode` groups them)
     instead of compiled reductions. q/k/v norms, RoPE, the cache writes and the attention stay the
     static step's own. norm_kernels=False: the same updates as torch code (the twin), which
-    torch.compile turns into its own reductions (the baseline of `bench.spec --verify-norms`)."""
+    torch.compile turns into its own reductions (the baseline of `bench.spec --verify-norms`).
+    pdl=True (fuse.pdl, sm90+): those GEMMs and norm kernels launch with programmatic dependent launch,
+    each letting the next one launch at once; a GEMM prefetches its weights into L2 before it waits
+    for the kernel before it (`bench.spec --verify-pdl`). The q/k norms, RoPE, cache writes and the
+    attention between q|k|v and o launch plainly."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     c = model.config
@@ -147,10 +154,13 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
 
     def rn(a, y=None, post=None, scale=None, pre=None):
         if triton_ops and norm_kernels:
-            h, x = residual_norm_op(a, y, post, scale, pre, eps, off)
+            h, x = residual_norm_op(a, y, post, scale, pre, eps, off, pdl)
             return (h if y is not None else a), (x if pre is not None else None)
         h, x = residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
         return (h if y is not None else a), x
+
+    def gemm(mod, x, epilogue="none", aux=None):
+        return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl)
 
     x, ple = model.embed(ids)
     lead = x.shape[:-1]
@@ -159,22 +169,23 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
         at = layer.self_attn
+        lin = _layer_linears(i, layer)
         cos, sin = store_attend.rope[layer.spec.sliding]
         pre = layer.input_layernorm.weight
         if pend is None:
             h, xin = rn(h, pre=pre)
         else:
             h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
-        attn = store_attend(layer, *at.project(xin.reshape(*lead, -1), cos, sin))
-        o = at.o_proj(attn).reshape(h.shape)
+        qkv = gemm(lin["in"], xin.reshape(*lead, -1))
+        attn = store_attend(layer, *split_qkv(at, qkv, cos, sin))
+        o = gemm(lin["o"], attn).reshape(h.shape)
         h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
-        act = _epilogue_call(layer.mlp.gate_up_proj, xff, "geglu", triton_ops=triton_ops)
-        dn = layer.mlp.down_proj(act)
+        act = gemm(lin["gate_up"], xff, "geglu")
+        dn = gemm(lin["down"], act)
         if layer.ple:
             h, _ = rn(h, dn, layer.post_feedforward_layernorm.weight)
-            g = _epilogue_call(layer.per_layer_input_gate, h, "gelu_mul", ple[:, :, i].reshape(h.shape[0], -1),
-                               triton_ops=triton_ops)
-            pend = (h, layer.per_layer_projection(g), layer.post_per_layer_input_norm, layer.layer_scalar)
+            g = gemm(lin["ple_gate"], h, "gelu_mul", ple[:, :, i].reshape(h.shape[0], -1))
+            pend = (h, gemm(lin["ple_proj"], g), layer.post_per_layer_input_norm, layer.layer_scalar)
         else:
             pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
     _, out = rn(pend[0], pend[1], pend[2].weight, pend[3], model.norm.weight)
@@ -254,7 +265,7 @@ class FuseLayers:
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
-        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton")
+        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", pdl=self.pdl)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
