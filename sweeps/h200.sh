@@ -4,6 +4,8 @@
 #   profile   kernels per decode step and where the time goes (bench.profile)
 #   gemv      our bf16 GEMV vs cuBLAS on every E4B shape, with a tile sweep (kernels.gemv.bench_shapes)
 #   chain     the step's 252 body GEMVs alone in one CUDA graph: cuBLAS, plain, prefetch, PDL (bench.chain)
+#   verifychain the verify pass's int4 GEMMs, PLE gate and residual-norm kernels alone in one CUDA graph, plain
+#             vs PDL launches, alternating rounds, bit identity checked (bench.verify_chain; VERIFYCHAIN_ARGS)
 #   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes); INT4_MS=8
 #             sweeps the verify pass's row count instead of one row (INT4_MS=1,8: both), INT4_SHAPES=qkv,o
 #             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates, INT4_PACKED=0 the
@@ -20,6 +22,7 @@
 #             the README: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
 #             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s); with
 #             --fuse layers, --verify-epilogues off,on compares the verify pass's GEMM epilogues in one run
+#             (--verify-norms on,off: its norm kernels; --verify-pdl on,off: its PDL launches)
 #   counters  Nsight Compute counters of the int4 kernels per E4B shape at 1 and 8 rows: time, DRAM, issue,
 #             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
 #             --shapes gate|up,down --separate")
@@ -47,7 +50,7 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
   mkdir -p "$COMPILE_CACHE/inductor" "$COMPILE_CACHE/triton"
   export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi
-part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -80,12 +83,13 @@ bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
+    verifychain) run verifychain python3 -m fastgemma.bench.verify_chain ${VERIFYCHAIN_ARGS:-} --out "$out/verifychain.jsonl" ;;
     counters) run counters python3 -m fastgemma.bench.counters ${COUNTERS_ARGS:-} --out "$out" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, int4, int4fused, stack, head, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, stack, head, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

@@ -268,3 +268,29 @@ def test_prefill_tile_tables_and_the_long_chunk_entries():
     finally:
         w4a16.CONFIGS.clear()
         w4a16.CONFIGS.update(saved)
+
+
+def test_verify_chain_kernels_match_their_twins_on_the_cpu():
+    """bench.verify_chain's kernel chain (interpreter) against the same chain through the twins, on two
+    layers (sliding, full) of a tiny Gemma 4 layout with PLE (fp32: the kernels' fp32 paths); the pdl flag changes no bit (PDL is
+    a launch attribute; the interpreter launches plainly); bad arguments refused in one line."""
+    import dataclasses
+
+    from fastgemma.bench import verify_chain
+    from fastgemma.model.config import preset
+
+    cfg = dataclasses.replace(preset("gemma4_tiny"), ple_dim=32)
+    layers = verify_chain.build_layers(cfg, "cpu", group=32, dtype=torch.float32)[4:6]  # sliding, full
+    g = torch.Generator().manual_seed(1)
+    x0, ple = torch.randn(5, cfg.hidden_size, generator=g), torch.randn(5, cfg.ple_dim, generator=g)
+    norm_w = torch.rand(cfg.hidden_size, generator=g)
+    got = verify_chain.run_verify_chain(layers, x0, ple, norm_w, pdl=False)
+    assert torch.equal(got, verify_chain.run_verify_chain(layers, x0, ple, norm_w, pdl=True))
+    ref = verify_chain.run_verify_chain(layers, x0, ple, norm_w, pdl=False, twin=True)
+    assert got.shape == (5, cfg.hidden_size) and torch.isfinite(ref).all()
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+    for bad, msg in ((["--rows", "1"], "--rows"), (["--rounds", "0"], "--rounds")):
+        with pytest.raises(SystemExit, match=msg):
+            verify_chain.main(bad)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        verify_chain.main([])
