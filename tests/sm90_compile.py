@@ -16,6 +16,7 @@ from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
+from fastgemma.kernels.qkv_finish import _qkv_finish_kernel
 from fastgemma.kernels.residual_norm import _residual_norm_kernel
 from fastgemma.kernels.skinny_gemm import _dense_mma_kernel
 from fastgemma.kernels.w4a16 import _group_mma_kernel
@@ -149,6 +150,13 @@ def main():
     pdl_line("skinny ple gate", _dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
     pdl_line("residual norm", _residual_norm_kernel, rn_sig,
              dict(K=2560, BLOCK=4096, HAS_Y=True, HAS_SCALE=True, HAS_PRE=True), tuple(range(11)), 8)
+    # the q/k/v kernel of a sliding store layer (D 256) and a full one (D 512, 2 warps)
+    qkv_sig = {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+               "idx_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "T": "i32",
+               "stride_qkv": "i32", "stride_cs": "i32", "stride_ib": "i32", "stride_it": "i32", "stride_cb": "i32",
+               "stride_cs_slot": "i32", "stride_ch": "i32", "eps": "fp32", "off": "fp32"}
+    for name, D, warps in [("qkv finish sliding", 256, 1), ("qkv finish full", 512, 2)]:
+        pdl_line(name, _qkv_finish_kernel, qkv_sig, dict(H=8, HKV=2, D=D, V_NORM=True), tuple(range(9)), warps)
     # the drafter head (E4B: 2,048 centroids of 128 tokens, hidden 256, top 32): no spills, one
     # arrival atomic in the select kernel ("draft" lines: name, registers, spills, atomics)
     head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",

@@ -182,10 +182,10 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--verify-norms", "kernel"])
 
 
-def test_spec_bench_verify_pdl_rows_on_the_cpu(tmp_path):
-    """bench.spec --verify-pdl on,off: a row each for the fused verify pass (none where the
-    epilogues are off, so fused_verify is not used); both decode AR's tokens; a bad value is
-    refused in one line."""
+def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
+    """bench.spec --verify-pdl on,off --verify-qkv on,off: a row each for the fused verify pass (none
+    where the epilogues are off, so fused_verify is not used); all decode AR's tokens; a bad value
+    is refused in one line."""
     import json
 
     from fastgemma.bench import spec
@@ -194,14 +194,16 @@ def test_spec_bench_verify_pdl_rows_on_the_cpu(tmp_path):
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
                "--fuse", "layers", "--drafter-steps", "fused", "--verify-epilogues", "off,on",
-               "--verify-pdl", "on,off", "--head", "pruned:50", "--out", str(out)])
+               "--verify-pdl", "on,off", "--verify-qkv", "on,off", "--head", "pruned:50", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
-    assert [(r["spec"], r.get("verify_epilogues"), r.get("verify_pdl")) for r in rows] == [
-        ("none", None, None), ("replay", "off", None), ("replay", "on", "on"), ("replay", "on", "off")]
+    assert [(r["spec"], r.get("verify_epilogues"), r.get("verify_pdl"), r.get("verify_qkv")) for r in rows] == [
+        ("none", None, None, None), ("replay", "off", None, None)] + [
+        ("replay", "on", p, q) for p in ("on", "off") for q in ("on", "off")]
     for r in rows[1:]:
         assert r["identity_rate"] == 1.0 and r["diverge_at"] == [8] and r["top1_agree"] == 1.0
-    with pytest.raises(SystemExit, match="verify-pdl"):
-        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--verify-pdl", "yes"])
+    for flag in ("--verify-pdl", "--verify-qkv"):
+        with pytest.raises(SystemExit, match=flag):
+            spec.main(["--model", "gemma4_tiny", "--device", "cpu", flag, "yes"])
 
 
 def test_prefill_bench_on_the_cpu(tmp_path):

@@ -182,6 +182,9 @@ def main(argv=None):
     ap.add_argument("--verify-pdl", default="on",
                     help="with --fuse layers and epilogues on: the k+1-row pass's GEMMs and norm kernels launched "
                          "with programmatic dependent launch (on) or plainly (off); on,off: a row each")
+    ap.add_argument("--verify-qkv", default="on",
+                    help="with --fuse layers and epilogues on: the k+1-row pass's q/k/v norms, RoPE and cache writes "
+                         "in one kernel per layer (on) or compiled torch (off); on,off: a row each")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--prefill", default="graph",
@@ -224,12 +227,15 @@ def main(argv=None):
     epilogues = _on_off("--verify-epilogues", a.verify_epilogues)
     norms = _on_off("--verify-norms", a.verify_norms)
     pdls = _on_off("--verify-pdl", a.verify_pdl)
+    qkvs = _on_off("--verify-qkv", a.verify_qkv)
     fused_verify = model.fused_verify  # None without --fuse layers
 
-    def verify_variant(nrm: str, pdl: str):
-        """fused_verify with the norm kernels (nrm on) or compiled torch, and PDL launches (pdl on)."""
+    def verify_variant(nrm: str, pdl: str, qkv: str):
+        """fused_verify with the norm kernels (nrm on) or compiled torch, PDL launches (pdl on), the
+        q/k/v kernel (qkv on) or compiled torch."""
         return functools.partial(fused_verify.func, *fused_verify.args,
-                                 **{**fused_verify.keywords, "norm_kernels": nrm == "on", "pdl": pdl == "on"})
+                                 **{**fused_verify.keywords, "norm_kernels": nrm == "on", "pdl": pdl == "on",
+                                    "qkv_kernel": qkv == "on"})
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -273,15 +279,15 @@ def main(argv=None):
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
         fv = fused_verify is not None
-        plan = [(tiles, dname, fix, epi, nrm, pdl, kind, k) for tiles in a.verify_tiles.split(",")
+        plan = [(tiles, dname, fix, epi, nrm, pdl, qkv, kind, k) for tiles in a.verify_tiles.split(",")
                 for dname in drafters for fix in fixups for epi in epilogues
                 for nrm in (norms if epi == "on" else ["off"]) for pdl in (pdls if fv and epi == "on" else [None])
-                for kind, k in plan]
-        for tiles, dname, fix, epi, nrm, pdl, kind, k in plan:
+                for qkv in (qkvs if fv and epi == "on" else [None]) for kind, k in plan]
+        for tiles, dname, fix, epi, nrm, pdl, qkv, kind, k in plan:
             use_verify_tiles(tiles)
             w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
             # read when the verify step is traced
-            model.fused_verify = verify_variant(nrm, pdl) if fv and epi == "on" else None
+            model.fused_verify = verify_variant(nrm, pdl, qkv) if fv and epi == "on" else None
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
@@ -313,7 +319,7 @@ def main(argv=None):
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None,
-                           verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, prefill=pname,
+                           verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, verify_qkv=qkv, prefill=pname,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
@@ -342,16 +348,16 @@ def main(argv=None):
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | prefill | profile | k | tok/s | "
-          "x AR | tok/step | "
+    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | prefill | profile | k | "
+          "tok/s | x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
           "top1 vs AR | top1 conf | accept_by_pos |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * 27)
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
-              f"{r.get('verify_pdl') or ''} | {r.get('prefill', '')} | "
+              f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('prefill', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "

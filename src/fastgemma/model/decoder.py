@@ -246,7 +246,8 @@ class Gemma4Model(nn.Module):
     def step_store_attend(self, ids, pos, cache):
         """Marks the step's ring slots and returns fn(layer, q, k, v) -> [B, T, H*D]: writes the
         layer's K/V for these rows (store layers), then attends through self.step_attention.
-        fn.rope: {sliding: (cos, sin)} for these positions."""
+        fn.rope: {sliding: (cos, sin)} for these positions; fn.attend(layer, q): the attention alone;
+        fn.slots: {sliding: [B, T] cache rows of these positions}."""
         c = self.config
         bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
         slots = pos % cache.ring
@@ -254,12 +255,8 @@ class Gemma4Model(nn.Module):
         attn = self.step_attention
         window = cache.window
 
-        def store_attend(layer, q, k, v):
+        def attend(layer, q):
             s = layer.spec
-            if s.stores_kv:
-                idx = slots if s.sliding else pos
-                cache.k[s.index][bidx, idx] = k
-                cache.v[s.index][bidx, idx] = v
             src = s.kv_source
             if s.sliding:
                 o = attn(q, cache.k[src], cache.v[src], pos, cache.ring_pos, window, c.attn_scale)
@@ -267,7 +264,17 @@ class Gemma4Model(nn.Module):
                 o = attn(q, cache.k[src], cache.v[src], pos, None, 0, c.attn_scale)
             return o.flatten(2)
 
+        def store_attend(layer, q, k, v):
+            s = layer.spec
+            if s.stores_kv:
+                idx = slots if s.sliding else pos
+                cache.k[s.index][bidx, idx] = k
+                cache.v[s.index][bidx, idx] = v
+            return attend(layer, q)
+
         store_attend.rope = self.rope(pos, self.embed_tokens.weight.dtype)
+        store_attend.attend = attend  # the attention alone, for callers that wrote K/V themselves
+        store_attend.slots = {True: slots, False: pos}  # cache row of each step row, by `sliding`
         return store_attend
 
     # ---- head ----------------------------------------------------------------------------------

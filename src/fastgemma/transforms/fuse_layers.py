@@ -12,8 +12,8 @@ Per layer at one row, five GEMVs with their neighbours folded in, then the PLE p
     PLE gate <- prologue: residual += post_feedforward_layernorm(down); epilogue: gelu_tanh(.) * PLE input
     PLE proj <- the gated PLE input as is
 
-q/k/v norms, RoPE, the cache writes and the attention are the static step's own (compiled, they
-fuse among themselves). Models without PLE carry the MLP's residual into the next q|k|v instead.
+q/k/v norms, RoPE and the cache writes take one launch per layer (kernels/qkv_finish.py; the
+torch backend: the static step's own ops), then the step's attention. Models without PLE carry the MLP's residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
 wider steps (the verify pass, batches) `fused_verify`: the layer's GEMMs with GeGLU in the int4
 gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or the dense
@@ -25,7 +25,8 @@ Its centroid-masked head stays torch's: kernels/draft_head.py's two launches wer
 H200 (runs Z, AA); `model.draft_head` is that op (or its twin) for an explicit `head=`.
 Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a16`), each layer
 as it is; other kinds (nf4) are refused in one line (use fuse=merged).
-`pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+).
+`pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+), and in wider
+steps the GEMMs, norm kernels and the q/k/v kernel.
 """
 from __future__ import annotations
 
@@ -70,7 +71,28 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float):
     return call
 
 
-def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
+def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False):
+    """The attention output [B, T, H*D] from the merged projection's qkv [B, T, N]. kernel: q/k/v
+    norms, RoPE and the cache writes in one launch (kernels/qkv_finish.py), then the attention
+    alone; else `split_qkv` and the static step's own writes (the twin)."""
+    from ..kernels.qkv_finish import qkv_finish_op, qkv_finish_store_op
+    from ..model.layers import RMSNorm
+
+    at, s = layer.self_attn, layer.spec
+    cos, sin = store_attend.rope[s.sliding]
+    if not kernel:
+        return store_attend(layer, *split_qkv(at, qkv, cos, sin))
+    qn = at.q_norm
+    if not s.stores_kv:
+        q = qkv_finish_op(qkv, qn.weight, cos, sin, at.num_heads, qn.eps, qn.offset, pdl)
+    else:
+        q = qkv_finish_store_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index], cache.v[s.index],
+                                store_attend.slots[s.sliding], at.num_heads, qn.eps, qn.offset,
+                                isinstance(at.v_norm, RMSNorm), pdl)
+    return store_attend.attend(layer, q)
+
+
+def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins."""
     c = model.config
@@ -81,15 +103,14 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False):
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
     pend = None
     for i, layer in enumerate(model.layers):
-        at = layer.self_attn
         lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
         if pend is None:
             qkv, _ = call(h, lin["in"], pre=pre)
         else:
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
-        q, k, v = split_qkv(at, qkv.reshape(1, 1, -1), *store_attend.rope[layer.spec.sliding])
-        o, _ = call(store_attend(layer, q, k, v).reshape(1, -1), lin["o"])
+        attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl)
+        o, _ = call(attn.reshape(1, -1), lin["o"])
         act, h = call(h, lin["gate_up"], o, layer.post_attention_layernorm.weight, None,
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
         dn, _ = call(act, lin["down"])
@@ -135,18 +156,18 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     return y.reshape(*lead, -1)
 
 
-def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False):
+def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
+                 qkv_kernel: bool = True):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
     (kernels/residual_norm.py: the one-row fused GEMV's prologue, as `fused_decode` groups them)
-    instead of compiled reductions. q/k/v norms, RoPE, the cache writes and the attention stay the
-    static step's own. norm_kernels=False: the same updates as torch code (the twin), which
+    instead of compiled reductions; q/k/v norms, RoPE and the cache writes in one launch per layer
+    (`qkv_kernel`, kernels/qkv_finish.py; False: the static step's own ops). norm_kernels=False: the same updates as torch code (the twin), which
     torch.compile turns into its own reductions (the baseline of `bench.spec --verify-norms`).
-    pdl=True (fuse.pdl, sm90+): those GEMMs and norm kernels launch with programmatic dependent launch,
-    each letting the next one launch at once; a GEMM prefetches its weights into L2 before it waits
-    for the kernel before it (`bench.spec --verify-pdl`). The q/k norms, RoPE, cache writes and the
-    attention between q|k|v and o launch plainly."""
+    pdl=True (fuse.pdl, sm90+): the GEMMs, norm kernels and q/k/v kernels launch with programmatic
+    dependent launch: each waits for the kernel before it first, and lets the next one launch after
+    its main loop (`bench.spec --verify-pdl`). The attention kernels launch plainly."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     c = model.config
@@ -168,16 +189,14 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     h = x.reshape(-1, x.shape[-1])
     pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
-        at = layer.self_attn
         lin = _layer_linears(i, layer)
-        cos, sin = store_attend.rope[layer.spec.sliding]
         pre = layer.input_layernorm.weight
         if pend is None:
             h, xin = rn(h, pre=pre)
         else:
             h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
         qkv = gemm(lin["in"], xin.reshape(*lead, -1))
-        attn = store_attend(layer, *split_qkv(at, qkv, cos, sin))
+        attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl)
         o = gemm(lin["o"], attn).reshape(h.shape)
         h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
         act = gemm(lin["gate_up"], xff, "geglu")
@@ -264,8 +283,10 @@ class FuseLayers:
             def gemv4(a, qw, s, z, g, y, post, scale, pre, aux, eps, offset, epilogue, pdl):
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
-        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
-        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", pdl=self.pdl)
+        triton_ops = self.backend == "triton"
+        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl,
+                                               qkv_kernel=triton_ops)
+        model.fused_verify = functools.partial(fused_verify, triton_ops=triton_ops, pdl=self.pdl)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
