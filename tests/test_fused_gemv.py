@@ -5,6 +5,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -167,6 +168,10 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
     tokens, logits = _decode(model, cfg, prompt, 6)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    if not int4:  # q/k/v norms, RoPE and the cache writes in kernels/qkv_finish.py (Gemma 3: no v norm)
+        model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=True)
+        tokens, logits = _decode(model, cfg, prompt, 6)
+        assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("int4", [False, True])
@@ -196,19 +201,21 @@ def test_fused_verify_step_equals_the_ordinary_step(int4, backend, monkeypatch):
         Int4Quant(group_size=32, skip=("per_layer_projection",), backend=backend).apply(model)
     assert model.fused_verify is not None and t.describe()["verify_epilogues"]
     fused_verify = model.fused_verify
+    qkv = functools.partial(fused_verify, qkv_kernel=True)  # + kernels/qkv_finish.py (triton backend)
     # 5 rows of one sequence (a verify pass), then a batch of 2 at one row each (the PLE input's
     # rows then come from two sequences: aux's row stride is not the hidden's)
     for ids, pos in ((torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None]),
                      (torch.tensor([[3], [9]]), torch.tensor([[0], [0]]))):
         outs = []
-        for verify in (fused_verify, None):
+        for verify in ((qkv, fused_verify, None) if backend == "triton" else (fused_verify, None)):
             model.fused_verify = verify
             cache = KVCache(GEMMA4_TINY, ids.shape[0], 64, window=4, device="cpu", dtype=torch.float32)
             last = max(cache.k)  # the last store layer (cache.k / v: by layer index)
             outs.append((model.step(ids, pos, cache), cache.k[0].clone(), cache.v[last].clone()))
-        (h, k, v), (h_ref, k_ref, v_ref) = outs
-        assert h.shape == h_ref.shape and (h - h_ref).abs().max().item() < 1e-4
-        assert torch.allclose(k, k_ref, atol=1e-5) and torch.allclose(v, v_ref, atol=1e-5)
+        h_ref, k_ref, v_ref = outs[-1]
+        for h, k, v in outs[:-1]:
+            assert h.shape == h_ref.shape and (h - h_ref).abs().max().item() < 1e-4
+            assert torch.allclose(k, k_ref, atol=1e-5) and torch.allclose(v, v_ref, atol=1e-5)
 
 
 def test_fuse_layers_wide_steps_and_refusals():

@@ -12,8 +12,9 @@ Per layer at one row, five GEMVs with their neighbours folded in, then the PLE p
     PLE gate <- prologue: residual += post_feedforward_layernorm(down); epilogue: gelu_tanh(.) * PLE input
     PLE proj <- the gated PLE input as is
 
-q/k/v norms, RoPE and the cache writes take one launch per layer (kernels/qkv_finish.py; the
-torch backend: the static step's own ops), then the step's attention. Models without PLE carry the MLP's residual into the next q|k|v instead.
+q/k/v norms, RoPE and the cache writes are the static step's own (compiled, they fuse among
+themselves), or with `qkv_kernel` one launch per layer (kernels/qkv_finish.py: off by default
+until it is timed on the GPU; `bench.spec --verify-qkv on`). Models without PLE carry the MLP's residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
 wider steps (the verify pass, batches) `fused_verify`: the layer's GEMMs with GeGLU in the int4
 gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or the dense
@@ -157,14 +158,15 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
-                 qkv_kernel: bool = True):
+                 qkv_kernel: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
     (kernels/residual_norm.py: the one-row fused GEMV's prologue, as `fused_decode` groups them)
     instead of compiled reductions; q/k/v norms, RoPE and the cache writes in one launch per layer
-    (`qkv_kernel`, kernels/qkv_finish.py; False: the static step's own ops). norm_kernels=False: the same updates as torch code (the twin), which
-    torch.compile turns into its own reductions (the baseline of `bench.spec --verify-norms`).
+    with `qkv_kernel` (kernels/qkv_finish.py; False, the default: the static step's own ops).
+    norm_kernels=False: the same updates as torch code (the twin), which torch.compile turns into
+    its own reductions (the baseline of `bench.spec --verify-norms`).
     pdl=True (fuse.pdl, sm90+): the GEMMs, norm kernels and q/k/v kernels launch with programmatic
     dependent launch: each waits for the kernel before it first, and lets the next one launch after
     its main loop (`bench.spec --verify-pdl`). The attention kernels launch plainly."""
@@ -283,10 +285,8 @@ class FuseLayers:
             def gemv4(a, qw, s, z, g, y, post, scale, pre, aux, eps, offset, epilogue, pdl):
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
-        triton_ops = self.backend == "triton"
-        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl,
-                                               qkv_kernel=triton_ops)
-        model.fused_verify = functools.partial(fused_verify, triton_ops=triton_ops, pdl=self.pdl)
+        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
+        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", pdl=self.pdl)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
