@@ -274,8 +274,9 @@ def test_prefill_tile_tables_and_the_long_chunk_entries():
 
 def test_verify_chain_kernels_match_their_twins_on_the_cpu():
     """bench.verify_chain's kernel chain (interpreter) against the same chain through the twins, on two
-    layers (sliding, full) of a tiny Gemma 4 layout with PLE (fp32: the kernels' fp32 paths); the pdl flag changes no bit (PDL is
-    a launch attribute; the interpreter launches plainly); bad arguments refused in one line."""
+    layers (sliding, full) of a tiny Gemma 4 layout with PLE (fp32: the kernels' fp32 paths); the
+    pdl flag changes no bit (PDL is a launch attribute; the interpreter launches plainly); bad
+    arguments refused in one line."""
     import dataclasses
 
     from fastgemma.bench import verify_chain

@@ -14,7 +14,8 @@ Per layer at one row, five GEMVs with their neighbours folded in, then the PLE p
 
 q/k/v norms, RoPE and the cache writes are the static step's own (compiled, they fuse among
 themselves), or with `qkv_kernel` one launch per layer (kernels/qkv_finish.py: off by default
-until it is timed on the GPU; `bench.spec --verify-qkv on`). Models without PLE carry the MLP's residual into the next q|k|v instead.
+until it is timed on the GPU; `bench.spec --verify-qkv on`). Models without PLE carry the MLP's
+residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
 wider steps (the verify pass, batches) `fused_verify`: the layer's GEMMs with GeGLU in the int4
 gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or the dense
