@@ -320,7 +320,8 @@ def main(argv=None):
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None,
-                           verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, verify_qkv=qkv, prefill=pname,
+                           verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, verify_qkv=qkv,
+                           prefill=pname,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None

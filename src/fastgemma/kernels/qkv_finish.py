@@ -85,7 +85,8 @@ def _check(qkv, q_w, k_w, cos, sin, heads, k_cache, v_cache, idx):
     if N != (heads + 2 * hkv) * D:
         raise ValueError(f"qkv's last dim must be (heads + 2 kv heads) x head_dim = {(heads + 2 * hkv) * D}, got {N}")
     if cos.shape != (B, T, 1, D) or sin.shape != cos.shape:
-        raise ValueError(f"cos / sin must be [B, T, 1, D] = {[B, T, 1, D]}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
+        raise ValueError(f"cos / sin must be [B, T, 1, D] = {[B, T, 1, D]}, got {tuple(cos.shape)} / "
+                         f"{tuple(sin.shape)}")
     if store:
         if k_cache.shape != v_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != D:
             raise ValueError(f"k / v caches must be [B, S, Hkv, D] with B={B}, D={D}, got {tuple(k_cache.shape)} / "

@@ -493,8 +493,8 @@ def _group_load_sz(w_ptrs, sz_ptrs, n_ok, EVEN_N: tl.constexpr, DT: tl.constexpr
 def _pdl_trigger(PDL: tl.constexpr):
     """Programmatic dependent launch: let the next kernel launch (it waits for this one's end). The
     verify pass's kernels call it after their main loop: called first, the next kernel's programs
-    took SM room while this one still streamed its weights (run CB: the verify pass's kernel chain
-    2,341 us against 2,111 with the trigger after the loop and 2,161-2,302 plain)."""
+    took SM room while this one still streamed its weights (runs CC-CD, the verify pass's kernels
+    alone: 2,340-2,346 us with the trigger first, 2,111-2,141 after the loop, 2,161-2,302 plain)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -826,7 +826,6 @@ SPLIT_FIXUP = True
 # the per-group kernel reads packed scale / zero words where the caller passes them (`sz`; True), or
 # the separate scales and zeros (False: the baseline). Read at launch, as SPLIT_FIXUP
 PACKED_SZ = True
-
 
 
 EPILOGUES = {"none": 0, "geglu": 1, "gelu_mul": 2}

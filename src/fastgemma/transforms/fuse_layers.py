@@ -136,7 +136,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
     rows); otherwise the GEMM, then torch's epilogue. No epilogue: a dense linear is mod(x) itself.
-    `pdl`: the Triton GEMMs launch with programmatic dependent launch (weights prefetched into L2)."""
+    `pdl`: the Triton GEMMs launch with programmatic dependent launch."""
     from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
     from ..kernels.w4a16 import apply_epilogue, w4a16_epilogue_op, w4a16_torch
     from .quant import Int4Linear
