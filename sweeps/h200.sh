@@ -5,7 +5,8 @@
 #   gemv      our bf16 GEMV vs cuBLAS on every E4B shape, with a tile sweep (kernels.gemv.bench_shapes)
 #   chain     the step's 252 body GEMVs alone in one CUDA graph: cuBLAS, plain, prefetch, PDL (bench.chain)
 #   verifychain the verify pass's int4 GEMMs, PLE gate and residual-norm kernels alone in one CUDA graph, plain
-#             vs PDL launches, alternating rounds, bit identity checked (bench.verify_chain; VERIFYCHAIN_ARGS)
+#             vs PDL launches, alternating rounds, bit identity checked (bench.verify_chain; VERIFYCHAIN_ARGS,
+#             e.g. "--qkv-kernel": kernels/qkv_finish.py between q|k|v and o)
 #   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes); INT4_MS=8
 #             sweeps the verify pass's row count instead of one row (INT4_MS=1,8: both), INT4_SHAPES=qkv,o
 #             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates, INT4_PACKED=0 the

@@ -292,6 +292,15 @@ def test_verify_chain_kernels_match_their_twins_on_the_cpu():
     ref = verify_chain.run_verify_chain(layers, x0, ple, norm_w, pdl=False, twin=True)
     assert got.shape == (5, cfg.hidden_size) and torch.isfinite(ref).all()
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+    # --qkv-kernel: q|k|v through kernels/qkv_finish.py (its q feeds o; the caches written)
+    qkv, qkv_ref = (verify_chain.qkv_inputs(layers, 5, "cpu", torch.float32) for _ in range(2))
+    got = verify_chain.run_verify_chain(layers, x0, ple, norm_w, pdl=True, qkv=qkv)
+    ref = verify_chain.run_verify_chain(layers, x0, ple, norm_w, pdl=False, twin=True, qkv=qkv_ref)
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+    stores = [i for i, c in enumerate(qkv["caches"]) if c is not None]
+    assert stores and all(qkv["caches"][i][0].abs().sum() > 0 for i in stores)
+    for i in stores:
+        torch.testing.assert_close(qkv["caches"][i][1], qkv_ref["caches"][i][1], rtol=1e-5, atol=1e-5)
     for bad, msg in ((["--rows", "1"], "--rows"), (["--rounds", "0"], "--rounds")):
         with pytest.raises(SystemExit, match=msg):
             verify_chain.main(bad)
