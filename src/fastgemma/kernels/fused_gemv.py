@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .gemv import _INTERPRET, MAX_KB, GemvConfig, _wload_all, pdl_supported, resolve_config
+from .gemv import _INTERPRET, MAX_KB, GemvConfig, _pdl_trigger, _pdl_wait, _wload_all, pdl_args, resolve_config
 
 EPILOGUES = {"none": 0, "geglu": 1, "gelu_mul": 2}
 
@@ -169,8 +169,7 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
                        N, HALF, stride_wn, eps, off,
                        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
                        HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_trigger(PDL)
     pid = tl.program_id(0)
     rows, n_ok = _rows(pid, N, HALF, BLOCK_N, EPI)
     offs_k = tl.arange(0, BLOCK_K)
@@ -178,8 +177,7 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _wload_all(w_ptrs, n_ok, offs_k, K,
                                                                                         BLOCK_K)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the previous kernels' outputs are visible from here on
+    _pdl_wait(PDL)  # the previous kernels' outputs are visible from here on
     DT: tl.constexpr = out_ptr.dtype.element_ty
     inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
                                             PRO, HAS_SCALE, HAS_PRE, DT)
@@ -296,9 +294,8 @@ class _Launch:
         # (a, y, post, scale, pre, h) come before the weight's pointers, (aux, out) after them
         self.head = (a, flat(y), flat(post), flat(scale), flat(pre), self.out if self.h is None else self.h)
         self.tail = (flat(aux), self.out)
-        use_pdl = pdl and pdl_supported(device)
         self.flags = dict(K=K, PRO=pro, HAS_SCALE=scale is not None, HAS_PRE=pre is not None, EPI=self.epi,
-                          PDL=use_pdl, **({"launch_pdl": True} if use_pdl else {}))
+                          **pdl_args(pdl, device))
 
     def grid(self, block_n: int) -> tuple[int]:
         """GeGLU programs take block_n / 2 gate rows and their up rows."""

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import _check, _finish, _Launch, _prologue_scalars, _rows, _x_block, fused_gemv_ref
-from .gemv import _INTERPRET, MAX_KB
+from .gemv import _INTERPRET, MAX_KB, _pdl_trigger, _pdl_wait
 from .w4a16 import W4A16Config, _byte_terms, _group_terms, _word_dot, dequantize_int4, resolve_config
 
 
@@ -51,8 +51,7 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
                         K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRO: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, EPI: tl.constexpr,
                         PDL: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_trigger(PDL)
     pid = tl.program_id(0)
     rows, n_ok = _rows(pid, N, HALF, BLOCK_N, EPI)
     NG: tl.constexpr = BLOCK_K // GROUP
@@ -80,8 +79,7 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
         blocks = ()
         for kb in tl.static_range(NKB):
             blocks = blocks + (_block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N),)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    _pdl_wait(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
                                             PRO, HAS_SCALE, HAS_PRE, DT)

@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import pdl_supported
-from .w4a16 import _pdl_trigger, _pdl_wait
+from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 
@@ -113,14 +112,12 @@ def qkv_finish(qkv, q_w, k_w, cos, sin, k_cache=None, v_cache=None, idx=None, *,
     q2 = q2 if q2.stride(1) == 1 else q2.contiguous()
     cos2, sin2 = cos.reshape(B * T, D).contiguous(), sin.reshape(B * T, D).contiguous()
     q = torch.empty(B, T, heads, D, device=qkv.device, dtype=qkv.dtype)
-    use_pdl = pdl and pdl_supported(qkv.device)
     kc = k_cache if store else q
     _qkv_finish_kernel[(B * T, heads + 2 * hkv)](
         q2, q_w, k_w if store else q_w, cos2, sin2, idx if store else q2, q, kc, v_cache if store else q,
         T, q2.stride(0), cos2.stride(0), idx.stride(0) if store else 0, idx.stride(1) if store else 0,
         kc.stride(0), kc.stride(1), kc.stride(2), float(eps), float(offset),
-        H=heads, HKV=hkv, D=D, V_NORM=v_norm, PDL=use_pdl, num_warps=1 if D <= 256 else 2,
-        **({"launch_pdl": True} if use_pdl else {}))
+        H=heads, HKV=hkv, D=D, V_NORM=v_norm, num_warps=1 if D <= 256 else 2, **pdl_args(pdl, qkv.device))
     return q
 
 

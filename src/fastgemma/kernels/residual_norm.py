@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import _h_block, _rnd
-from .gemv import pdl_supported
-from .w4a16 import _pdl_trigger, _pdl_wait
+from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 
@@ -81,14 +80,13 @@ def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, off
     h = torch.empty_like(a) if y is not None else None
     x = torch.empty_like(a) if pre is not None else None
     block = triton.next_power_of_2(K)
-    use_pdl = pdl and pdl_supported(a.device)
     _residual_norm_kernel[(M,)](
         a, y if y is not None else a, post if post is not None else a, scale if scale is not None else a,
         pre if pre is not None else a, h if h is not None else a, x if x is not None else a,
         a.stride(0), y.stride(0) if y is not None else 0, h.stride(0) if h is not None else 0,
         x.stride(0) if x is not None else 0, float(eps), float(offset),
         K=K, BLOCK=block, HAS_Y=y is not None, HAS_SCALE=scale is not None, HAS_PRE=pre is not None,
-        PDL=use_pdl, num_warps=max(1, min(8, block // 512)), **({"launch_pdl": True} if use_pdl else {}),
+        num_warps=max(1, min(8, block // 512)), **pdl_args(pdl, a.device),
     )
     return h, x
 

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .gemv import pdl_supported
-from .w4a16 import _INTERPRET, _SMS, EPILOGUES, _pdl_trigger, _pdl_wait, _split_store, apply_epilogue, check_epilogue
+from .gemv import _pdl_trigger, _pdl_wait, pdl_args
+from .w4a16 import _INTERPRET, _SMS, EPILOGUES, _split_store, apply_epilogue, check_epilogue
 
 MAX_M = 16
 
@@ -136,14 +136,12 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None 
     grid = (triton.cdiv(N, cfg.block_n), split, 1)
     cnt = arrival_counters(x.device, grid[0], "skinny split-K") if split > 1 else ws
     even = (N // 2) % (cfg.block_n // 2) == 0 if epi == 1 else N % cfg.block_n == 0
-    use_pdl = pdl and pdl_supported(x.device)
     _dense_mma_kernel[grid](x, w, out, ws, cnt, aux, M, N, x.stride(0), w.stride(0), n_out,
                             0 if aux is None else aux.stride(0), HALF=N // 2 if epi == 1 else 0,
                             K_SPLIT=K // split, SPLIT=split, FIXUP=split > 1,
                             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=epi, EVEN_N=even,
-                            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=use_pdl,
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                            **({"launch_pdl": True} if use_pdl else {}))
+                            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl, x.device))
     return out
 
 

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
-from .gemv import pdl_supported
+from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 GROUP_SIZES = (32, 64, 128)
 MAX_DECODE_M = 16
@@ -490,23 +490,6 @@ def _group_load_sz(w_ptrs, sz_ptrs, n_ok, EVEN_N: tl.constexpr, DT: tl.constexpr
 
 
 @triton.jit
-def _pdl_trigger(PDL: tl.constexpr):
-    """Programmatic dependent launch: let the next kernel launch (it waits for this one's end). The
-    verify pass's kernels call it after their main loop: called first, the next kernel's programs
-    took SM room while this one still streamed its weights (runs CC-CD, the verify pass's kernels
-    alone: 2,340-2,346 us with the trigger first, 2,111-2,141 after the loop, 2,161-2,302 plain)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """Wait for the kernel before (and its memory) before reading what it wrote or writing anything."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def _group_mma(w, s, z, x_even, x_odd, acc, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Dequantize one group to x's dtype, two dots (low / high nibbles against the even / odd
     columns of x [BLOCK_M, GROUP / 2]) into acc [R, BLOCK_M]."""
@@ -926,11 +909,9 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
             packed = PACKED_SZ and sz is not None and scales.dtype == x.dtype
             if packed:  # scales / zeros as one int32 word per row and group
                 head = head[:2] + (sz, sz) + head[4:]
-            use_pdl = pdl and pdl_supported(x.device)
             _group_mma_kernel[grid](*head, EVEN_N=even, ASM=asm, SZ=packed, aux_ptr=aux,
                                     stride_am=0 if aux is None else aux.stride(0),
-                                    HALF=N // 2 if epi == 1 else 0, EPI=epi, PDL=use_pdl, **common,
-                                    **({"launch_pdl": True} if use_pdl else {}))
+                                    HALF=N // 2 if epi == 1 else 0, EPI=epi, **common, **pdl_args(pdl, x.device))
         else:
             _mma_kernel[grid](*head, BLOCK_K=cfg.block_k, **common)
     if split > 1 and not fixup:
