@@ -303,3 +303,36 @@ def test_fused_int4_tile_bench_and_table(monkeypatch, capsys):
     q, s, z = quantize_int4(torch.randn(8, 256), 128)
     f4.fused_w4a16(torch.randn(1, 256), pack_int4(q), s, z, 128, eps=1e-6)
     assert seen == [W4A16Config(4, 128, 1, 2)]
+
+
+def test_fused_verify_honours_an_int4_tile_override(monkeypatch):
+    """An Int4Linear's `config` (its tile override, which its forward honours) also holds when the
+    wider fused step launches the layer's GEMMs itself."""
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.kernels.decode_attention import decode_attention_ref
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.quant import Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    import fastgemma.kernels.skinny_gemm as skinny_mod
+    import fastgemma.kernels.w4a16 as w4a16_mod
+
+    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, 64, 1, 4))
+    model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=2)
+    model.step_attention = decode_attention_ref
+    FuseLayers(backend="triton").apply(model)
+    Int4Quant(group_size=32, skip=("per_layer_projection",), backend="triton").apply(model)
+    override = w4a16_mod._grp(32, 2, 2)
+    model.layers[0].self_attn.o_proj.config = override
+    seen, launch = [], w4a16_mod.w4a16_matmul
+
+    def spy(x, qweight, scales, zeros, group_size, config=None, *args, **kw):
+        seen.append(config)
+        return launch(x, qweight, scales, zeros, group_size, config, *args, **kw)
+
+    monkeypatch.setattr(w4a16_mod, "w4a16_matmul", spy)
+    cache = KVCache(GEMMA4_TINY, 1, 64, window=4, device="cpu", dtype=torch.float32)
+    h = model.step(torch.tensor([[3, 4]]), torch.arange(2)[None], cache)
+    assert override in seen and torch.isfinite(h).all()

@@ -135,10 +135,11 @@ SKINNY_MAX_BYTES = 4 << 20
 def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False):
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
-    rows); otherwise the GEMM, then torch's epilogue. No epilogue: a dense linear is mod(x) itself.
+    rows); otherwise the GEMM, then torch's epilogue. No epilogue: a dense linear is mod(x) itself;
+    an Int4Linear's tile override (`config`) holds, as in its forward.
     `pdl`: the Triton GEMMs launch with programmatic dependent launch."""
     from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
-    from ..kernels.w4a16 import apply_epilogue, w4a16_epilogue_op, w4a16_torch
+    from ..kernels.w4a16 import apply_epilogue, w4a16_epilogue_op, w4a16_matmul, w4a16_torch
     from .quant import Int4Linear
 
     lead = x.shape[:-1]
@@ -146,8 +147,12 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
     if isinstance(mod, Int4Linear):
         w = (mod.qweight, mod.scales, mod.zeros, mod.group_size)
-        y = (w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz, pdl) if triton_ops and mod.backend == "triton"
-             else w4a16_torch(x2, *w, epilogue=epilogue, aux=a2))
+        if not (triton_ops and mod.backend == "triton"):
+            y = w4a16_torch(x2, *w, epilogue=epilogue, aux=a2)
+        elif mod.config is not None:  # the module's tile override, honoured as Int4Linear.forward does
+            y = w4a16_matmul(x2, *w, mod.config, epilogue, a2, mod.sz, pdl)
+        else:
+            y = w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz, pdl)
     elif epilogue == "none":
         return mod(x)
     elif fits(*x2.shape) and mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES:
