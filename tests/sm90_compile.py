@@ -12,6 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fastgemma.kernels.decode_attention import _combine_kernel, _split_kernel
 from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
@@ -25,10 +26,11 @@ D16 = [["tt.divisibility", 16]]
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def build(fn, sig, constexprs, aligned, warps):
+def build(fn, sig, constexprs, aligned, warps, stages=None):
     sig = dict(sig, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn, sig, constexprs=constexprs, attrs={(i,): D16 for i in aligned})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -131,14 +133,14 @@ def main():
         print(f"norm\t{name}\t{regs}\t{spills}")
     # PDL launches of the verify pass's kernels ("pdl" lines: name, registers, spills, waits, launch
     # triggers, global loads / cp.async copies before the wait, mma instructions before the trigger,
-    # registers without PDL)
-    def pdl_line(name, fn, sig, ce, aligned, warps):
-        ptx, regs, spills = build(fn, sig, dict(ce, PDL=True), aligned, warps)
-        _, regs0, _ = build(fn, sig, dict(ce, PDL=False), aligned, warps)
+    # registers and spill bytes without PDL)
+    def pdl_line(name, fn, sig, ce, aligned, warps, stages=None):
+        ptx, regs, spills = build(fn, sig, dict(ce, PDL=True), aligned, warps, stages)
+        _, regs0, spills0 = build(fn, sig, dict(ce, PDL=False), aligned, warps, stages)
         wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         loads = len(re.findall(r"ld[.]global|cp[.]async[.]c[ag]", ptx[:wait]))
         print(f"pdl\t{name}\t{regs}\t{spills}\t{ptx.count('griddepcontrol.wait')}\t"
-              f"{ptx.count('griddepcontrol.launch_dependents')}\t{loads}\t{ptx[:trig].count('mma.sync')}\t{regs0}")
+              f"{ptx.count('griddepcontrol.launch_dependents')}\t{loads}\t{ptx[:trig].count('mma.sync')}\t{regs0}\t{spills0}")
 
     for name, epi, split in [("int4 per-group geglu split-4", 1, 4), ("int4 per-group split-2", 0, 2)]:
         ce = dict(K_SPLIT=2560 // split, SPLIT=split, FIXUP=True, GROUP=128, BLOCK_M=16, BLOCK_N=32, EVEN_N=True,
@@ -157,6 +159,22 @@ def main():
                "stride_cs_slot": "i32", "stride_ch": "i32", "eps": "fp32", "off": "fp32"}
     for name, D, warps in [("qkv finish sliding", 256, 1), ("qkv finish full", 512, 2)]:
         pdl_line(name, _qkv_finish_kernel, qkv_sig, dict(H=8, HKV=2, D=D, V_NORM=True), tuple(range(9)), warps)
+    # the attention's split kernel on a sliding ring layer (D 256) and a full layer (D 512) at one row
+    # (4 query heads per KV head: a 16-row tile), and the combine kernel
+    # (unit strides along D and of the ring positions are constexprs, as Triton specialises them)
+    split_sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr")}
+    split_sig.update(qpos_ptr="*i64", spos_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16")
+    split_sig.update({n: "i32" for n in ("S", "T", "G", "Hkv", "R", "num_splits", "window")}, qk_scale="fp32")
+    split_sig.update({f"s{t}_{d}": "i32" for t in "qkvo" for d in ("b", "t" if t in "qo" else "s", "h")})
+    split_sig.update(sqp_b="i32", sqp_t="i32", ssp_b="i32")
+    units = dict(sq_d=1, sk_d=1, sv_d=1, so_d=1, ssp_s=1)
+    for name, D, bn, slot in [("attention split sliding", 256, 64, True), ("attention split full", 512, 32, False)]:
+        ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=16, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False)
+        pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
+    comb_sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "G": "i32", "Hkv": "i32", "R": "i32",
+                "num_splits": "i32", "so_b": "i32", "so_t": "i32", "so_h": "i32"}
+    pdl_line("attention combine", _combine_kernel, comb_sig, dict(D=256, BLOCK_S=8, BLOCK_DC=256, so_d=1), (0, 1, 2),
+             4)
     # the drafter head (E4B: 2,048 centroids of 128 tokens, hidden 256, top 32): no spills, one
     # arrival atomic in the select kernel ("draft" lines: name, registers, spills, atomics)
     head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",

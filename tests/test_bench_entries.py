@@ -111,12 +111,35 @@ def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
         assert "FuseLayers" in full["stack"]
     body_gb = {b: by[(b, "full")]["gb_per_token"] - by[(b, "full")]["head_mb"] / 1e3 for b in ("bf16", "int4")}
     assert 0 < body_gb["int4"] < 0.4 * body_gb["bf16"]
-    table = capsys.readouterr().out.split("| body | head |")[1]
-    assert table.count("\n| bf16 |") == 3 and table.count("\n| int4 |") == 3
+    table = capsys.readouterr().out.split("| body | variant | head |")[1]
+    assert table.count("\n| bf16 | base |") == 3 and table.count("\n| int4 | base |") == 3
     assert stack.keepset([5, 3, 5], 4, 10)[:2] == [5, 3] and len(set(stack.keepset([5, 3], 6, 10))) == 6
     for bad in ("pruned", "pruned:0", "int3", "full:3"):
         with pytest.raises(SystemExit, match="bad head"):
             stack.parse_head(bad)
+
+
+def test_stack_bench_step_variants_on_the_cpu(tmp_path, capsys):
+    """bench.stack --variants: the body built once per fused-step variant, its FuseLayers options in the
+    row's stack, the variants' full-head tokens equal to the first's (launch options change no
+    arithmetic); nf4 would take the first only; a bad variant is refused in one line."""
+    from fastgemma.bench import stack
+
+    out = tmp_path / "stack.jsonl"
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--variants", "base,attn_pdl+qkv",
+                "--heads", "full", "pruned:40", "--prompts", "1", "--prompt-len", "12", "--new", "6",
+                "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["variant"], r["head"]) for r in rows] == [
+        (v, h) for v in ("base", "attn_pdl+qkv") for h in ("full", "pruned:40")]
+    fl = [r["stack"]["FuseLayers"] for r in rows]
+    assert [(f["attn_pdl"], f["qkv_kernel"]) for f in fl] == [(False, False)] * 2 + [(True, True)] * 2
+    assert [r["identity_vs_first"] for r in rows] == [1.0, None, 1.0, None]
+    assert "identity vs first variant" in capsys.readouterr().out
+    assert stack.parse_variant("attn_pdl+qkv") == {"attn_pdl": True, "qkv_kernel": True}
+    assert stack.parse_variant("base") == {}
+    with pytest.raises(SystemExit, match="bad variant"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base,fast"])
 
 
 def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
@@ -183,9 +206,9 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
 
 
 def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
-    """bench.spec --verify-pdl on,off --verify-qkv on,off: a row each for the fused verify pass (none
-    where the epilogues are off, so fused_verify is not used); all decode AR's tokens; a bad value
-    is refused in one line."""
+    """bench.spec --verify-pdl on,off --verify-qkv on,off --attn-pdl on,off: a row each for the fused
+    verify pass (none where the epilogues are off, so fused_verify is not used), the AR step built as
+    --variant says; all decode AR's tokens; a bad value is refused in one line."""
     import json
 
     from fastgemma.bench import spec
@@ -194,16 +217,22 @@ def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
                "--fuse", "layers", "--drafter-steps", "fused", "--verify-epilogues", "off,on",
-               "--verify-pdl", "on,off", "--verify-qkv", "on,off", "--head", "pruned:50", "--out", str(out)])
-    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
-    assert [(r["spec"], r.get("verify_epilogues"), r.get("verify_pdl"), r.get("verify_qkv")) for r in rows] == [
-        ("none", None, None, None), ("replay", "off", None, None)] + [
-        ("replay", "on", p, q) for p in ("on", "off") for q in ("on", "off")]
+               "--verify-pdl", "on,off", "--verify-qkv", "on,off", "--attn-pdl", "off,on", "--variant", "attn_pdl+qkv",
+               "--head", "pruned:50", "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines[0]["stack"]["FuseLayers"]["attn_pdl"] is True
+    rows = lines[1:]
+    assert [(r["spec"], r.get("verify_epilogues"), r.get("verify_pdl"), r.get("verify_qkv"), r.get("attn_pdl"))
+            for r in rows] == [("none", None, None, None, None), ("replay", "off", None, None, None)] + [
+        ("replay", "on", p, q, a) for p in ("on", "off") for q in ("on", "off") for a in ("off", "on")]
+    assert {r["variant"] for r in rows} == {"attn_pdl+qkv"}
     for r in rows[1:]:
         assert r["identity_rate"] == 1.0 and r["diverge_at"] == [8] and r["top1_agree"] == 1.0
-    for flag in ("--verify-pdl", "--verify-qkv"):
+    for flag in ("--verify-pdl", "--verify-qkv", "--attn-pdl"):
         with pytest.raises(SystemExit, match=flag):
             spec.main(["--model", "gemma4_tiny", "--device", "cpu", flag, "yes"])
+    with pytest.raises(SystemExit, match="bad variant"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--variant", "qkv+fast"])
 
 
 def test_prefill_bench_on_the_cpu(tmp_path):

@@ -160,3 +160,16 @@ def test_split_heuristic():
     assert da.pick_num_splits(1, 2, 1, 528, 64, 132) == 9
     assert da.pick_num_splits(64, 2, 1, 32768, 32, 132) == 2
     assert da.pick_num_splits(1, 2, 1, 10, 64, 132) == 1
+
+
+def test_pdl_is_a_launch_option():
+    """pdl=True changes no bit (the interpreter launches plainly; sm90_compile checks the wait and the
+    trigger), through the launcher, the opaque op and the twin, which ignores it."""
+    B, T, Hkv, G, D, S = 1, 2, 2, 4, 64, 70
+    q, k, v, q_pos, slot_pos = _make(B, T, Hkv, G, D, S, [60], 32, True, torch.float32)
+    plain = da.decode_attention(q, k, v, q_pos, slot_pos, 32, num_splits=2)
+    assert torch.equal(da.decode_attention(q, k, v, q_pos, slot_pos, 32, num_splits=2, pdl=True), plain)
+    assert torch.equal(da.decode_attention_op(q, k, v, q_pos, slot_pos, 32, 1.0, True),
+                       da.decode_attention(q, k, v, q_pos, slot_pos, 32))
+    assert torch.equal(da.decode_attention_ref(q, k, v, q_pos, slot_pos, 32, 1.0, True),
+                       da.decode_attention_ref(q, k, v, q_pos, slot_pos, 32))

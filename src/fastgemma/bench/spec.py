@@ -38,18 +38,18 @@ from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 
 
-def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False):
+def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base"):
     """Synthetic weights -> merged projections -> int4 body -> Triton attention (bench.stack's int4
     body; fuse: with its fused one-row step, which the AR rows and the drafter can take and the
     k+1-row passes do not) -> head (on a CPU, a smoke test of this script: the torch
     twins of every kernel). head: full | int8 | int4 | pruned:N (bf16 rows: the eos ids, then seeded
     random ids; the pruned model's own greedy trace is the reference, so the keepset only sets the
-    cost)."""
+    cost). variant: the fused step's options (bench.stack.parse_variant)."""
     from ..transforms.sampler import FusedArgmax
     from .stack import build_body, keepset, parse_head, set_head
 
     kind, rows = parse_head(head)
-    model, desc = build_body(cfg, dev, "int4", dtype, fuse=fuse)
+    model, desc = build_body(cfg, dev, "int4", dtype, fuse=fuse, variant=variant)
     with tempfile.TemporaryDirectory() as tmp:  # a pruned head's keepset file, read by apply()
         keep = keepset(list(cfg.eos_ids), rows, cfg.vocab_size) if rows else None
         desc["lm_head"] = set_head(model, kind, rows, keep, dev, tmp)[1]
@@ -184,8 +184,13 @@ def main(argv=None):
                          "with programmatic dependent launch (on) or plainly (off); on,off: a row each")
     ap.add_argument("--verify-qkv", default="off",
                     help="with --fuse layers and epilogues on: the k+1-row pass's q/k/v norms, RoPE and cache writes "
-                         "in one kernel per layer (on; not yet timed on the GPU) or compiled torch (off); on,off: a "
-                         "row each")
+                         "in one kernel per layer (on) or compiled torch (off); on,off: a row each")
+    ap.add_argument("--attn-pdl", default="off",
+                    help="with --fuse layers and epilogues on: the k+1-row pass's attention kernels launched with "
+                         "programmatic dependent launch (on) or plainly (off); on,off: a row each")
+    ap.add_argument("--variant", default="base",
+                    help="with --fuse layers: the one-row AR step's options, as bench.stack --variants (base, "
+                         "attn_pdl, qkv, attn_pdl+qkv)")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--prefill", default="graph",
@@ -211,7 +216,7 @@ def main(argv=None):
         raise SystemExit(f"--prefill {a.prefill!r}: {', '.join(PREFILL)}")
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
-    model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers")
+    model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)
     steps = [x for x in (a.drafter_steps or ("fused" if a.fuse == "layers" else "unfused")).split(",") if x]
     if set(steps) - {"fused", "fused_head", "unfused"} or (set(steps) - {"unfused"} and a.fuse != "layers"):
         raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused, fused_head, unfused; the fused ones need "
@@ -229,14 +234,15 @@ def main(argv=None):
     norms = _on_off("--verify-norms", a.verify_norms)
     pdls = _on_off("--verify-pdl", a.verify_pdl)
     qkvs = _on_off("--verify-qkv", a.verify_qkv)
+    attn_pdls = _on_off("--attn-pdl", a.attn_pdl)
     fused_verify = model.fused_verify  # None without --fuse layers
 
-    def verify_variant(nrm: str, pdl: str, qkv: str):
+    def verify_variant(nrm: str, pdl: str, qkv: str, apdl: str):
         """fused_verify with the norm kernels (nrm on) or compiled torch, PDL launches (pdl on), the
-        q/k/v kernel (qkv on) or compiled torch."""
+        q/k/v kernel (qkv on) or compiled torch, PDL launches of the attention kernels (apdl on)."""
         return functools.partial(fused_verify.func, *fused_verify.args,
                                  **{**fused_verify.keywords, "norm_kernels": nrm == "on", "pdl": pdl == "on",
-                                    "qkv_kernel": qkv == "on"})
+                                    "qkv_kernel": qkv == "on", "attn_pdl": apdl == "on"})
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -252,7 +258,7 @@ def main(argv=None):
 
     def emit(row):
         row.update(gpu=gpu, model=cfg.name, head=a.head, compile=a.compile, prompts=a.prompts,
-                   prompt_len=a.prompt_len, new=a.new)
+                   prompt_len=a.prompt_len, new=a.new, variant=a.variant if a.fuse == "layers" else None)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -280,15 +286,16 @@ def main(argv=None):
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
         fv = fused_verify is not None
-        plan = [(tiles, dname, fix, epi, nrm, pdl, qkv, kind, k) for tiles in a.verify_tiles.split(",")
+        plan = [(tiles, dname, fix, epi, nrm, pdl, qkv, apdl, kind, k) for tiles in a.verify_tiles.split(",")
                 for dname in drafters for fix in fixups for epi in epilogues
                 for nrm in (norms if epi == "on" else ["off"]) for pdl in (pdls if fv and epi == "on" else [None])
-                for qkv in (qkvs if fv and epi == "on" else [None]) for kind, k in plan]
-        for tiles, dname, fix, epi, nrm, pdl, qkv, kind, k in plan:
+                for qkv in (qkvs if fv and epi == "on" else [None])
+                for apdl in (attn_pdls if fv and epi == "on" else [None]) for kind, k in plan]
+        for tiles, dname, fix, epi, nrm, pdl, qkv, apdl, kind, k in plan:
             use_verify_tiles(tiles)
             w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
             # read when the verify step is traced
-            model.fused_verify = verify_variant(nrm, pdl, qkv) if fv and epi == "on" else None
+            model.fused_verify = verify_variant(nrm, pdl, qkv, apdl) if fv and epi == "on" else None
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
@@ -321,6 +328,7 @@ def main(argv=None):
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None,
                            verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, verify_qkv=qkv,
+                           attn_pdl=apdl,
                            prefill=pname,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
@@ -346,20 +354,22 @@ def main(argv=None):
     def f(x, nd=2):
         return "" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
-    fused = " + fused one-row step" if a.fuse == "layers" else ""
+    fused = f" + fused one-row step ({a.variant})" if a.fuse == "layers" else ""
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | prefill | profile | k | "
+    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | prefill | "
+          "profile | k | "
           "tok/s | x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
           "top1 vs AR | top1 conf | accept_by_pos |")
-    print("|" + "---|" * 27)
+    print("|" + "---|" * 28)
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
-              f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('prefill', '')} | "
+              f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('attn_pdl') or ''} | "
+              f"{r.get('prefill', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "

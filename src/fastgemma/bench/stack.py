@@ -7,6 +7,10 @@ Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.
 - bf16: `fuse=layers fuse.pdl=true` (the fused one-row GEMVs of kernels/fused_gemv.py);
 - int4: `quant=int4` g128 (per_layer_input_gate kept bf16) + `fuse=layers fuse.pdl=true`;
 - nf4: `quant=nf4`, bitsandbytes Linear4bit (its own kernels; no fused step).
+`--variants base,attn_pdl,attn_pdl+qkv` builds each fused body once per variant of the step (`fuse.attn_pdl`:
+the attention kernels under PDL too; `fuse.qkv_kernel`: kernels/qkv_finish.py), each compiled on its own;
+the full head's tokens of each variant are compared with the first variant's (`identity vs first variant`:
+launch options must give 1.00).
 The body is compiled once; each head is then swapped in and the step re-captured, the head's pick
 (`sampler=fused_argmax`) outside the compiled region, so a head costs seconds, not a compile.
 Pruned heads keep N rows: the eos ids, the full head's greedy tokens on these prompts, then seeded
@@ -56,9 +60,22 @@ def int4_group_size(cfg) -> int:
     return 128 if cfg.hidden_size % 128 == 0 else 32
 
 
-def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True):
+VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel"}
+
+
+def parse_variant(v: str) -> dict:
+    """A fused-step variant: 'base' (the GEMVs under PDL) or '+'-joined options from VARIANT_OPTS
+    ('attn_pdl': the attention kernels too; 'qkv': kernels/qkv_finish.py) -> FuseLayers options."""
+    opts = [o for o in v.split("+") if o and o != "base"]
+    bad = [o for o in opts if o not in VARIANT_OPTS]
+    if bad:
+        raise SystemExit(f"bad variant {v!r}: base, or options joined by '+' from {', '.join(VARIANT_OPTS)}")
+    return {VARIANT_OPTS[o]: True for o in opts}
+
+
+def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str = "base"):
     """Synthetic weights -> the body's transforms (fuse: the fused one-row step, bf16 and int4
-    bodies). -> (model, {transform: describe()})."""
+    bodies, with the options of `variant`). -> (model, {transform: describe()})."""
     from ..transforms.attention import TorchAttention, TritonAttention
     from ..transforms.fuse import MergeProjections
     from ..transforms.fuse_layers import FuseLayers
@@ -76,7 +93,7 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True):
     elif body != "bf16":
         raise SystemExit(f"unknown body {body!r}; known: {', '.join(BODIES)}")
     if fuse and body != "nf4":
-        parts.append(FuseLayers(backend=backend, pdl=cuda))
+        parts.append(FuseLayers(backend=backend, pdl=cuda, **parse_variant(variant)))
     parts.append(TritonAttention() if cuda else TorchAttention())
     model = synthetic_model(cfg, dev, dtype, seed=0)
     for t in parts:
@@ -150,10 +167,18 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--variants", default="base",
+                    help="fused-step variants per body, comma-separated: base, or options joined by '+' "
+                         f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    if not variants:
+        raise SystemExit("--variants: at least one (base)")
+    for v in variants:
+        parse_variant(v)
     # the full head first: the reference of identity, and the pruned keepsets' first ids
     heads = [("full", None)] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads) if h != ("full", None)]
     dev = a.device
@@ -174,17 +199,19 @@ def main(argv=None):
     print(f"{gpu} | {cfg.name} synthetic | copy bw {bw / 1e12:.2f} TB/s | compile {compiled}", flush=True)
     workdir = tempfile.mkdtemp(prefix="fastgemma-stack-")  # the pruned heads' keepset files
     eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
-    for body in a.bodies:
+    plan = [(b, v) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])]
+    first = {}  # body -> the first variant's full-head tokens
+    for body, variant in plan:
         t0 = time.perf_counter()
         try:
-            model, desc = build_body(cfg, dev, body, dtype)
+            model, desc = build_body(cfg, dev, body, dtype, variant=variant)
         except Exception as e:  # nf4 without bitsandbytes, ...: report and go on
-            print(f"{body}: FAILED to build: {type(e).__name__}: {e}", flush=True)
-            rows.append(dict(body=body, head="*", error=f"{type(e).__name__}: {e}"))
+            print(f"{body} {variant}: FAILED to build: {type(e).__name__}: {e}", flush=True)
+            rows.append(dict(body=body, variant=variant, head="*", error=f"{type(e).__name__}: {e}"))
             continue
         sync()
         nbody = body_bytes(model)
-        print(f"{body}: built in {time.perf_counter() - t0:.1f}s, body reads {nbody / 1e9:.3f} GB/token", flush=True)
+        print(f"{body} {variant}: built in {time.perf_counter() - t0:.1f}s, body reads {nbody / 1e9:.3f} GB/token", flush=True)
         torch._dynamo.reset()
         step_fn = model.step
         if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles
@@ -211,21 +238,24 @@ def main(argv=None):
                 wall = time.perf_counter() - t
                 hus = head_us(model, sampler, dev)
             except Exception as e:
-                print(f"{body} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
-                rows.append(dict(body=body, head=name, error=f"{type(e).__name__}: {e}"))
+                print(f"{body} {variant} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
+                rows.append(dict(body=body, variant=variant, head=name, error=f"{type(e).__name__}: {e}"))
                 continue
             tokens = [o.tokens for o in outs]
             if ref is None:
                 ref = tokens
                 full_tokens = [t for ts in tokens for t in ts]
+                first.setdefault(body, tokens)
             step_ms = statistics.median(s for o in outs for s in o.step_s) * 1e3
             per_tok = nbody + nhead
-            row = dict(body=body, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
+            row = dict(body=body, variant=variant, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
                        tps=sum(len(t) for t in tokens) / wall, step_ms=step_ms,
                        ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3,
                        mbu=per_tok / (step_ms / 1e3) / bw if cuda else None, head_us=hus,
                        identity_rate=sum(t == r for t, r in zip(tokens, ref)) / len(ref),
                        prefix_mean=statistics.mean(common_prefix(t, r) for t, r in zip(tokens, ref)),
+                       identity_vs_first=(sum(t == r for t, r in zip(tokens, first[body])) / len(tokens)
+                                          if kind == "full" else None),  # the full head: against the first variant
                        prepare_s=prep_s, compile=compiled, gpu=gpu, model=cfg.name, prompts=a.prompts,
                        prompt_len=a.prompt_len, new=a.new, stack=desc, lm_head=hinfo)
             rows.append(row)
@@ -247,14 +277,16 @@ def main(argv=None):
 
     print(f"\n{cfg.name} synthetic, merged + Triton attention + CUDA graphs{' + compile' if compiled else ''}, "
           f"fused argmax; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}, copy bw {bw / 1e12:.2f} TB/s")
-    print("| body | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | prefix |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| body | variant | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | prefix | "
+          "identity vs first variant |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['body']} | {r['head']} | failed: {r['error'][:80]} | | | | | | | |")
+            print(f"| {r['body']} | {r['variant']} | {r['head']} | failed: {r['error'][:80]} | | | | | | | | |")
             continue
-        print(f"| {r['body']} | {r['head']} | {r['gb_per_token']:.3f} | {r['head_mb']:.1f} | {r['tps']:.1f} | {r['step_ms']:.3f} | "
-              f"{f(r['mbu'])} | {r['head_us']:.1f} | {r['identity_rate']:.2f} | {r['prefix_mean']:.0f} |")
+        print(f"| {r['body']} | {r['variant']} | {r['head']} | {r['gb_per_token']:.3f} | {r['head_mb']:.1f} | "
+              f"{r['tps']:.1f} | {r['step_ms']:.3f} | {f(r['mbu'])} | {r['head_us']:.1f} | {r['identity_rate']:.2f} | "
+              f"{r['prefix_mean']:.0f} | {f(r['identity_vs_first'])} |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv import _pdl_trigger, _pdl_wait, pdl_args
+
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _DEFAULT_SMS = 132  # H200; used when q is not on a CUDA device (interpreter tests)
@@ -36,8 +38,10 @@ def _split_kernel(
     sqp_b, sqp_t, ssp_b, ssp_s,
     so_b, so_t, so_h, so_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SLOT_POS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SLOT_POS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl_wait(PDL)  # q and the cache rows come from the kernels before
+    _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
     pid_split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -128,8 +132,10 @@ def _combine_kernel(
     o_ptr, lse_ptr, out_ptr,
     G, Hkv, R, num_splits,
     so_b, so_t, so_h, so_d,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, PDL: tl.constexpr,
 ):
+    _pdl_wait(PDL)
+    _pdl_trigger(PDL)  # the next GEMV launches and loads its weights while this merges
     pid_row = tl.program_id(0)  # over B * Hkv * R
     pid_d = tl.program_id(1)
     bh = pid_row // R
@@ -180,9 +186,11 @@ def pick_num_splits(B: int, Hkv: int, row_tiles: int, S: int, block_n: int, num_
 
 
 def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """Split-KV Triton decode attention. Shapes as in the module docstring; returns [B, T, H, D]
-    in q's dtype. q_pos: [B, T] int32/int64; slot_pos: [B, S] int32/int64 or None. No host sync."""
+    in q's dtype. q_pos: [B, T] int32/int64; slot_pos: [B, S] int32/int64 or None. No host sync.
+    pdl (sm90+): both kernels launch with programmatic dependent launch, wait for the kernel before
+    them at their start and let the next one launch at once (gemv.pdl_args)."""
     B, T, H, D = q.shape
     Bk, S, Hkv, Dk = k_cache.shape
     if (Bk, Dk) != (B, D) or v_cache.shape != k_cache.shape or H % Hkv:
@@ -207,6 +215,7 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
     else:
         o_part = lse_part = out  # unused
     spos = slot_pos if slot_pos is not None else q_pos  # dummy pointer when HAS_SLOT_POS is off
+    launch = pdl_args(pdl, q.device)
     ssp = (slot_pos.stride(0), slot_pos.stride(1)) if slot_pos is not None else (0, 0)
     _split_kernel[(num_splits, B * Hkv, row_tiles)](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
@@ -216,20 +225,22 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
         *out.stride(),
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SLOT_POS=slot_pos is not None, SPLIT=split, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if split:
         block_s = triton.next_power_of_2(num_splits)
         block_dc = min(triton.next_power_of_2(D), max(16, 4096 // block_s))  # <= 16 KiB fp32 tile
         _combine_kernel[(B * Hkv * R, triton.cdiv(D, block_dc))](
             o_part, lse_part, out, G, Hkv, R, num_splits, *out.stride(),
-            D=D, BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=4,
+            D=D, BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=4, **launch,
         )
     return out
 
 
-def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0) -> torch.Tensor:
-    """Torch twin of `decode_attention`: fp32 scores over all S slots (no host sync, graph-safe)."""
+def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
+                         pdl: bool = False) -> torch.Tensor:
+    """Torch twin of `decode_attention`: fp32 scores over all S slots (no host sync, graph-safe;
+    `pdl` is the kernel's launch option and changes nothing here)."""
     B, T, H, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -256,10 +267,11 @@ def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scal
 # Registered as an opaque op so torch.compile traces around the kernel instead of into its launcher.
 @torch.library.custom_op("fastgemma::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
-                        slot_pos: torch.Tensor | None, window: int, scale: float = 1.0) -> torch.Tensor:
-    return decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window, scale)
+                        slot_pos: torch.Tensor | None, window: int, scale: float = 1.0,
+                        pdl: bool = False) -> torch.Tensor:
+    return decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window, scale, pdl=pdl)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0):
+def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0, pdl=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

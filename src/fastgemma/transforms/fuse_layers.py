@@ -28,7 +28,8 @@ H200 (runs Z, AA); `model.draft_head` is that op (or its twin) for an explicit `
 Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a16`), each layer
 as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+), and in wider
-steps the GEMMs, norm kernels and the q/k/v kernel.
+steps the GEMMs, norm kernels and the q/k/v kernel; `attn_pdl=True` the attention's split and
+combine kernels as well (without it they launch plainly, and so does the kernel after them).
 """
 from __future__ import annotations
 
@@ -94,12 +95,14 @@ def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False
     return store_attend.attend(layer, q)
 
 
-def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False):
+def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
+                 attn_pdl: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
-    fused ops (fused_gemv_op, fused_w4a16_op) or their twins."""
+    fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
+    with programmatic dependent launch too (kernels/decode_attention.py)."""
     c = model.config
     x, ple = model.embed(ids)
-    store_attend = model.step_store_attend(ids, pos, cache)
+    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl)
     call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset)
     h = x.reshape(1, -1)
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
@@ -164,7 +167,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
-                 qkv_kernel: bool = False):
+                 qkv_kernel: bool = False, attn_pdl: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -175,7 +178,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     its own reductions (the baseline of `bench.spec --verify-norms`).
     pdl=True (fuse.pdl, sm90+): the GEMMs, norm kernels and q/k/v kernels launch with programmatic
     dependent launch: each waits for the kernel before it first, and lets the next one launch after
-    its main loop (`bench.spec --verify-pdl`). The attention kernels launch plainly."""
+    its main loop (`bench.spec --verify-pdl`). attn_pdl: the attention kernels too (each waits first
+    and lets the next launch at once; `bench.spec --attn-pdl`)."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     c = model.config
@@ -193,7 +197,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
 
     x, ple = model.embed(ids)
     lead = x.shape[:-1]
-    store_attend = model.step_store_attend(ids, pos, cache)
+    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl)
     h = x.reshape(-1, x.shape[-1])
     pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
@@ -269,10 +273,10 @@ class FuseLayers:
     "triton": the Triton kernels (CUDA; TRITON_INTERPRET=1 on a CPU); "torch": their twins (the
     same step structure and rounding, any device: the CPU reference of the fused path)."""
 
-    def __init__(self, backend: str = "triton", pdl: bool = False):
+    def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
-        self.backend, self.pdl = backend, pdl
+        self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.merge = MergeProjections()
 
     def apply(self, model):
@@ -291,8 +295,10 @@ class FuseLayers:
             def gemv4(a, qw, s, z, g, y, post, scale, pre, aux, eps, offset, epilogue, pdl):
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
-        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
-        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", pdl=self.pdl)
+        # the q/k/v kernel is Triton's: the torch backend keeps the twin's ops
+        step = dict(pdl=self.pdl, attn_pdl=self.attn_pdl, qkv_kernel=self.qkv_kernel and self.backend == "triton")
+        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **step)
+        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", **step)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
         model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
@@ -305,4 +311,5 @@ class FuseLayers:
 
     def describe(self) -> dict:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
+                "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel,
                 "verify_epilogues": True}
