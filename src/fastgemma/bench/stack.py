@@ -35,6 +35,7 @@ import time
 import torch
 
 from ..engine.cache import KVCache
+from ..engine.compile import compile_step
 from ..engine.generator import Generator
 from ..engine.steps import GraphStep, StaticStep
 from ..metrics.identity import common_prefix
@@ -215,7 +216,7 @@ def main(argv=None):
         torch._dynamo.reset()
         step_fn = model.step
         if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles
-            model.step = torch.compile(step_fn, dynamic=False)
+            model.step = compile_step(step_fn)
         cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=dtype)
         ref, full_tokens = None, []
         for kind, n in heads:

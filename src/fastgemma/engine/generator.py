@@ -7,6 +7,7 @@ import torch
 
 from ..metrics.timing import StepClock
 from .cache import KVCache
+from .compile import compile_step
 from .steps import EagerStep, argmax_sampler, warm_on_side_stream
 
 
@@ -60,7 +61,7 @@ class Generator:
             raise GenerationError(f"prefill_bucket must be an integer >= 0 (0: no padding), got {bucket!r}")
         self.compile_prefill, self.prefill_bucket = bool(compile), bucket
         if compile and self._compiled_forward is None:
-            self._compiled_forward = torch.compile(self._forward, dynamic=True)
+            self._compiled_forward = compile_step(self._forward, dynamic=True)
         self._chunk_forward = self._compiled_forward if compile else self._forward
         self.capture_prefill = bucket > 0 and self.device.type == "cuda"
         self._prefill_graphs: dict[int, tuple] = {}  # padded length -> (graph, ids, pos, hidden)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics.timing import StepClock
+from .compile import compile_step
 from .generator import Generation, GenerationError, Generator
 from .steps import PREFILL_BUCKET, argmax_sampler, warm_on_side_stream
 
@@ -174,8 +175,8 @@ class SpecGenerator(Generator):
         self._verify_fn = self._verify_rows
         if compile:
             # dynamic=False: one specialisation per depth; the cache writes are traced like StaticStep's
-            self._draft_fn = torch.compile(self._draft_loop, dynamic=False)
-            self._verify_fn = torch.compile(self._verify_rows, dynamic=False)
+            self._draft_fn = compile_step(self._draft_loop)
+            self._verify_fn = compile_step(self._verify_rows)
 
     # ---- the three phases (graph-capturable: static buffers in, static buffers out) -------------
     def _draft_loop(self, tok, hid, pos):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.argmax import argmax_last
+from .compile import compile_step
 
 
 # prompts are padded to a multiple of this and replayed from one CUDA graph per padded length
@@ -70,7 +71,7 @@ class StaticStep:
         fwd = lambda ids, pos: sampler(model, model.step(ids, pos, cache))  # noqa: E731
         # torch.compile fuses the elementwise work between GEMVs (norms, RoPE, GeGLU, residuals);
         # the CUDA graph (GraphStep) then removes the launch gaps
-        self.forward = torch.compile(fwd, dynamic=False) if compile else fwd
+        self.forward = compile_step(fwd) if compile else fwd
         dev = cache.ring_pos.device
         b = cache.batch
         self.tok = torch.zeros(b, 1, dtype=torch.long, device=dev)   # static input
