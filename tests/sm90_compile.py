@@ -140,7 +140,8 @@ def main():
         wait, trig = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         loads = len(re.findall(r"ld[.]global|cp[.]async[.]c[ag]", ptx[:wait]))
         print(f"pdl\t{name}\t{regs}\t{spills}\t{ptx.count('griddepcontrol.wait')}\t"
-              f"{ptx.count('griddepcontrol.launch_dependents')}\t{loads}\t{ptx[:trig].count('mma.sync')}\t{regs0}\t{spills0}")
+              f"{ptx.count('griddepcontrol.launch_dependents')}\t{loads}\t{ptx[:trig].count('mma.sync')}\t{regs0}\t"
+              f"{spills0}")
 
     for name, epi, split in [("int4 per-group geglu split-4", 1, 4), ("int4 per-group split-2", 0, 2)]:
         ce = dict(K_SPLIT=2560 // split, SPLIT=split, FIXUP=True, GROUP=128, BLOCK_M=16, BLOCK_N=32, EVEN_N=True,

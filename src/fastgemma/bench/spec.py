@@ -169,7 +169,8 @@ def main(argv=None):
     ap.add_argument("--fuse", default="none", choices=("none", "layers"),
                     help="layers: the body's fused one-row step (fuse=layers fuse.pdl=true) for the AR rows")
     ap.add_argument("--drafter-steps", default="",
-                    help="fused (fuse=layers' drafter step), fused_head (+ kernels/draft_head.py for its head), "
+                    help="fused (fuse=layers' drafter step, with --variant's options), fused_base (without the q "
+                         "kernel and the attention's PDL), fused_head (+ kernels/draft_head.py for its head), "
                          "unfused; comma-separated, one row each; default: fused with --fuse layers")
     ap.add_argument("--split-fixup", default="on",
                     help="int4 split-K partials summed in the kernel (on) or by a second launch (off); on,off: both")
@@ -182,15 +183,15 @@ def main(argv=None):
     ap.add_argument("--verify-pdl", default="on",
                     help="with --fuse layers and epilogues on: the k+1-row pass's GEMMs and norm kernels launched "
                          "with programmatic dependent launch (on) or plainly (off); on,off: a row each")
-    ap.add_argument("--verify-qkv", default="off",
+    ap.add_argument("--verify-qkv", default="on",
                     help="with --fuse layers and epilogues on: the k+1-row pass's q/k/v norms, RoPE and cache writes "
                          "in one kernel per layer (on) or compiled torch (off); on,off: a row each")
-    ap.add_argument("--attn-pdl", default="off",
+    ap.add_argument("--attn-pdl", default="on",
                     help="with --fuse layers and epilogues on: the k+1-row pass's attention kernels launched with "
                          "programmatic dependent launch (on) or plainly (off); on,off: a row each")
-    ap.add_argument("--variant", default="base",
-                    help="with --fuse layers: the one-row AR step's options, as bench.stack --variants (base, "
-                         "attn_pdl, qkv, attn_pdl+qkv)")
+    ap.add_argument("--variant", default="attn_pdl+qkv",
+                    help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
+                         "--variants (base, attn_pdl, qkv, attn_pdl+qkv)")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--prefill", default="graph",
@@ -218,15 +219,18 @@ def main(argv=None):
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)
     steps = [x for x in (a.drafter_steps or ("fused" if a.fuse == "layers" else "unfused")).split(",") if x]
-    if set(steps) - {"fused", "fused_head", "unfused"} or (set(steps) - {"unfused"} and a.fuse != "layers"):
-        raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused, fused_head, unfused; the fused ones need "
-                         "--fuse layers")
+    fused_steps = {"fused", "fused_base", "fused_head"}
+    if set(steps) - fused_steps - {"unfused"} or (set(steps) & fused_steps and a.fuse != "layers"):
+        raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused, fused_base, fused_head, unfused; the fused "
+                         "ones need --fuse layers")
     drafters = {}
     for name in steps:  # the same seeded weights; fusing merges gate|up of its own copy
         d = synthetic_drafter(cfg, dev, dtype, seed=0)
         d.set_top_k(a.centroid_top_k or None)
         if name != "unfused":
-            d = model.fuse_drafter(d, head=model.draft_head if name == "fused_head" else None)
+            # fused_base: without the q kernel and the attention's PDL, whatever --variant says
+            extra = dict(attn_pdl=False, qkv_kernel=False) if name == "fused_base" else {}
+            d = model.fuse_drafter(d, head=model.draft_head if name == "fused_head" else None, **extra)
         drafters[name] = d
     drafter = next(iter(drafters.values()))
     fixups = _on_off("--split-fixup", a.split_fixup)

@@ -212,7 +212,8 @@ def main(argv=None):
             continue
         sync()
         nbody = body_bytes(model)
-        print(f"{body} {variant}: built in {time.perf_counter() - t0:.1f}s, body reads {nbody / 1e9:.3f} GB/token", flush=True)
+        print(f"{body} {variant}: built in {time.perf_counter() - t0:.1f}s, body reads {nbody / 1e9:.3f} GB/token",
+              flush=True)
         torch._dynamo.reset()
         step_fn = model.step
         if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles

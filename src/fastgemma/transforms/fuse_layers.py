@@ -223,13 +223,19 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     return out.reshape(*lead, -1)
 
 
-def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
+def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, attn_pdl: bool = False,
+                qkv_kernel: bool = False):
     """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
     -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
     previous layer's residual update with its layer scalar, then input_layernorm), o, gate|up (+ the
-    residual update, pre_feedforward_layernorm, GeGLU), down; q norm + RoPE and the attention over
-    the target's K/V as in the unfused step. The last update and the final norm run in torch."""
+    residual update, pre_feedforward_layernorm, GeGLU), down; q norm + RoPE (torch, or one launch of
+    kernels/qkv_finish.py with `qkv_kernel`) and the attention over the target's K/V as in the unfused
+    step (its kernels under PDL with `attn_pdl`). The last update and the final norm run in torch."""
+    from ..kernels.qkv_finish import qkv_finish_op
+
     body = d.config.body_config()
+    if attn_pdl:
+        attn = functools.partial(attn, pdl=True)
     call = _caller(gemv, gemv4, pdl, body.rms_eps, body.norm_offset)
     h, _ = call(x.reshape(1, -1), d.pre_projection)
     pend = None
@@ -240,7 +246,12 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
             q, _ = call(h, at.q_proj, pre=pre)
         else:
             q, h = call(pend[0], at.q_proj, pend[1], pend[2].weight, pend[3], pre)
-        q, _, _ = split_qkv(at, q.reshape(1, 1, -1), *rope[layer.spec.sliding])
+        cos, sin = rope[layer.spec.sliding]
+        if qkv_kernel:
+            qn = at.q_norm
+            q = qkv_finish_op(q.reshape(1, 1, -1), qn.weight, cos, sin, at.num_heads, qn.eps, qn.offset, pdl)
+        else:
+            q, _, _ = split_qkv(at, q.reshape(1, 1, -1), cos, sin)
         o, _ = call(d.attend_target(layer, q, q_pos, cache, attn).reshape(1, -1), at.o_proj)
         act, h = call(h, mlp.gate_up_proj, o, layer.post_attention_layernorm.weight, None,
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
@@ -252,7 +263,7 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False):
     return g.reshape(1, 1, -1), hp.reshape(1, 1, -1)
 
 
-def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None):
+def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
     `head` (None: torch's topk path, the default) replaces its centroid-masked head, e.g. with
     `model.draft_head`. Dense bias-free linears only (a quantized drafter keeps the unfused step)."""
@@ -263,7 +274,8 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None):
                 raise ValueError(f"fuse=layers fuses the drafter's bias-free nn.Linear layers; drafter "
                                  f"layers.{i}.{name} is {type(mod).__name__}")
     MergeProjections(qkv=False).apply(drafter.model)
-    drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl)
+    drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl, attn_pdl=attn_pdl,
+                                              qkv_kernel=qkv_kernel)
     drafter.head_fn = head
     return drafter
 
@@ -300,7 +312,7 @@ class FuseLayers:
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **step)
         model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", **step)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
-        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, pdl=self.pdl)
+        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, **step)
         model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
         return model
 
