@@ -26,7 +26,7 @@ from ..weights.synthetic import synthetic_model
 
 # variant -> (step class, attention, torch.compile, merged q|k|v and gate|up, int4 g128 body,
 # one-row dense linears through our Triton GEMV, fused one-row layer GEMVs: None / "layers" /
-# "layers_pdl"); merging and int4 are irreversible, so merged variants come after unmerged ones and
+# "layers_pdl" / "layers_all": + the attention kernels under PDL and the q/k/v kernel); merging and int4 are irreversible, so merged variants come after unmerged ones and
 # int4 last (the GEMV switch and the fused step are set per variant)
 VARIANTS = {
     "eager": (EagerStep, "torch", False, False, False, False, None),
@@ -40,12 +40,14 @@ VARIANTS = {
     "compiled_triton_merged_gemv": (GraphStep, "triton", True, True, False, True, None),
     "compiled_triton_fused": (GraphStep, "triton", True, True, False, False, "layers"),
     "compiled_triton_fused_pdl": (GraphStep, "triton", True, True, False, False, "layers_pdl"),
+    "compiled_triton_fused_all": (GraphStep, "triton", True, True, False, False, "layers_all"),
     "compiled_torch_merged": (GraphStep, "torch", True, True, False, False, None),
     "graph_triton_merged_int4": (GraphStep, "triton", False, True, True, False, None),
     "compiled_triton_merged_int4": (GraphStep, "triton", True, True, True, False, None),
     "compiled_triton_merged_int4_gemv": (GraphStep, "triton", True, True, True, True, None),
     "compiled_triton_fused_int4": (GraphStep, "triton", True, True, True, False, "layers"),
     "compiled_triton_fused_int4_pdl": (GraphStep, "triton", True, True, True, False, "layers_pdl"),
+    "compiled_triton_fused_int4_all": (GraphStep, "triton", True, True, True, False, "layers_all"),
 }
 
 
@@ -66,8 +68,9 @@ def apply_variant(model, name, state):
     if fused:
         from ..transforms.fuse_layers import FuseLayers
 
+        every = fused == "layers_all"  # + the attention kernels under PDL and the q/k/v kernel
         FuseLayers(backend="triton" if model.embed_tokens.weight.is_cuda else "torch",
-                   pdl=fused == "layers_pdl").apply(model)
+                   pdl=fused in ("layers_pdl", "layers_all"), attn_pdl=every, qkv_kernel=every).apply(model)
     if int4 and not state.get("int4"):
         from ..transforms.quant import Int4Quant
 
