@@ -110,7 +110,9 @@ def qkv_finish(qkv, q_w, k_w, cos, sin, k_cache=None, v_cache=None, idx=None, *,
         raise ValueError("k / v caches must share strides, contiguous along D")
     q2 = qkv.reshape(B * T, -1)
     q2 = q2 if q2.stride(1) == 1 else q2.contiguous()
-    cos2, sin2 = cos.reshape(B * T, D).contiguous(), sin.reshape(B * T, D).contiguous()
+    cos2, sin2 = cos.reshape(B * T, D), sin.reshape(B * T, D)  # views of a compiled step's shared rope
+    if cos2.stride() != sin2.stride() or cos2.stride(1) != 1:
+        cos2, sin2 = cos2.contiguous(), sin2.contiguous()
     q = torch.empty(B, T, heads, D, device=qkv.device, dtype=qkv.dtype)
     kc = k_cache if store else q
     _qkv_finish_kernel[(B * T, heads + 2 * hkv)](
@@ -144,7 +146,10 @@ def qkv_finish_ref(qkv, q_w, k_w, cos, sin, k_cache=None, v_cache=None, idx=None
     return q
 
 
-@torch.library.custom_op("fastgemma::qkv_finish", mutates_args=())
+# flexible_layout: inductor hands the ops its own views (the step's one cos / sin buffer, the qkv
+# GEMV's output) instead of a copy per layer in the strides traced (compiled with the default
+# constraint, 42 copy kernels of the rope per E4B step, run CL); the launcher handles any strides.
+@torch.library.custom_op("fastgemma::qkv_finish", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def qkv_finish_op(qkv: torch.Tensor, q_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float,
                   offset: float, pdl: bool) -> torch.Tensor:
     """A KV-shared layer's q (no cache writes)."""
@@ -156,7 +161,8 @@ def _(qkv, q_w, cos, sin, heads, eps, offset, pdl):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads, q_w.shape[0])
 
 
-@torch.library.custom_op("fastgemma::qkv_finish_store", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("fastgemma::qkv_finish_store", mutates_args=("k_cache", "v_cache"),
+                         tags=(torch.Tag.flexible_layout,))
 def qkv_finish_store_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor, heads: int, eps: float,
                         offset: float, v_norm: bool, pdl: bool) -> torch.Tensor:
