@@ -26,8 +26,9 @@ from ..weights.synthetic import synthetic_model
 
 # variant -> (step class, attention, torch.compile, merged q|k|v and gate|up, int4 g128 body,
 # one-row dense linears through our Triton GEMV, fused one-row layer GEMVs: None / "layers" /
-# "layers_pdl" / "layers_all": + the attention kernels under PDL and the q/k/v kernel); merging and int4 are irreversible, so merged variants come after unmerged ones and
-# int4 last (the GEMV switch and the fused step are set per variant)
+# "layers_pdl" / "layers_all": + the attention kernels under PDL and the q/k/v kernel); merging and
+# int4 are irreversible, so merged variants come after unmerged ones and int4 last (the GEMV switch
+# and the fused step are set per variant)
 VARIANTS = {
     "eager": (EagerStep, "torch", False, False, False, False, None),
     "static_torch": (StaticStep, "torch", False, False, False, False, None),
