@@ -14,7 +14,8 @@
 #   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
-#             STACK_ARGS, e.g. "--bodies int4"); nf4 needs bitsandbytes (a wheel in .whl)
+#             STACK_ARGS, e.g. "--bodies int4 --variants base,attn_pdl+qkv": the fused step's options per
+#             body); nf4 needs bitsandbytes (a wheel in .whl)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
 #   prefill   time to first token per prompt length and prompt path: eager, compiled, graph (padded,
 #             one CUDA graph per padded length), compiled_graph (bench.prefill; PREFILL_ARGS, e.g.
@@ -23,7 +24,8 @@
 #             the README: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
 #             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s); with
 #             --fuse layers, --verify-epilogues off,on compares the verify pass's GEMM epilogues in one run
-#             (--verify-norms on,off: its norm kernels; --verify-pdl on,off: its PDL launches)
+#             (--verify-norms on,off: its norm kernels; --verify-pdl on,off: its PDL launches; --attn-pdl,
+#             --verify-qkv: its attention's PDL and q/k/v kernel; --variant: the AR step's and drafter's)
 #   counters  Nsight Compute counters of the int4 kernels per E4B shape at 1 and 8 rows: time, DRAM, issue,
 #             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
 #             --shapes gate|up,down --separate")
