@@ -85,6 +85,11 @@ def test_ladder_fused_variants_on_the_cpu(tmp_path):
     state = {}
     apply_variant(model, "compiled_triton_fused_pdl", state)
     assert model.fused_decode is not None and model.fused_decode.keywords["pdl"] is True
+    assert model.fused_decode.keywords["attn_pdl"] is False
+    apply_variant(model, "compiled_triton_fused_all", state)  # + the attention's PDL (the q/k/v kernel: triton only)
+    kw = model.fused_decode.keywords
+    assert (kw["pdl"], kw["attn_pdl"], kw["qkv_kernel"]) == (True, True, False)
+    assert model.fused_verify.keywords["attn_pdl"] is True
     apply_variant(model, "compiled_triton_merged_gemv", state)
     assert model.fused_decode is None and model.fused_verify is None
     assert VARIANTS["compiled_triton_fused_int4"][4] and VARIANTS["compiled_triton_fused_int4"][6] == "layers"

@@ -231,8 +231,8 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
     residual update, pre_feedforward_layernorm, GeGLU), down; q norm + RoPE (torch, or one launch of
     kernels/qkv_finish.py with `qkv_kernel`) and the attention over the target's K/V as in the unfused
     step (its kernels under PDL with `attn_pdl`). The last update and the final norm run in torch."""
-    from ..kernels.qkv_finish import qkv_finish_op
-
+    if qkv_kernel:
+        from ..kernels.qkv_finish import qkv_finish_op
     body = d.config.body_config()
     if attn_pdl:
         attn = functools.partial(attn, pdl=True)
