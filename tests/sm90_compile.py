@@ -167,10 +167,14 @@ def main():
     split_sig.update(qpos_ptr="*i64", spos_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16")
     split_sig.update({n: "i32" for n in ("S", "T", "G", "Hkv", "R", "num_splits", "window")}, qk_scale="fp32")
     split_sig.update({f"s{t}_{d}": "i32" for t in "qkvo" for d in ("b", "t" if t in "qo" else "s", "h")})
-    split_sig.update(sqp_b="i32", sqp_t="i32", ssp_b="i32")
+    split_sig.update(sqp_b="i32", sqp_t="i32", ssp_b="i32", cnt_ptr="*i32")
     units = dict(sq_d=1, sk_d=1, sv_d=1, so_d=1, ssp_s=1)
-    for name, D, bn, slot in [("attention split sliding", 256, 64, True), ("attention split full", 512, 32, False)]:
-        ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=16, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False)
+    for name, D, bn, slot, merge in [("attention split sliding", 256, 64, True, False),
+                                     ("attention split full", 512, 32, False, False),
+                                     ("attention split sliding merged", 256, 64, True, True),
+                                     ("attention split full merged", 512, 32, False, True)]:
+        ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=16, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
+                  FIXUP=merge, BLOCK_S=16 if merge else 1)
         pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
     comb_sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "G": "i32", "Hkv": "i32", "R": "i32",
                 "num_splits": "i32", "so_b": "i32", "so_t": "i32", "so_h": "i32"}

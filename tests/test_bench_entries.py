@@ -131,17 +131,19 @@ def test_stack_bench_step_variants_on_the_cpu(tmp_path, capsys):
     from fastgemma.bench import stack
 
     out = tmp_path / "stack.jsonl"
-    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--variants", "base,attn_pdl+qkv",
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4",
+                "--variants", "base,attn_pdl+qkv+attn_merge",
                 "--heads", "full", "pruned:40", "--prompts", "1", "--prompt-len", "12", "--new", "6",
                 "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["variant"], r["head"]) for r in rows] == [
-        (v, h) for v in ("base", "attn_pdl+qkv") for h in ("full", "pruned:40")]
+        (v, h) for v in ("base", "attn_pdl+qkv+attn_merge") for h in ("full", "pruned:40")]
     fl = [r["stack"]["FuseLayers"] for r in rows]
-    assert [(f["attn_pdl"], f["qkv_kernel"]) for f in fl] == [(False, False)] * 2 + [(True, True)] * 2
+    assert [(f["attn_pdl"], f["qkv_kernel"], f["attn_merge"]) for f in fl] == [(False,) * 3] * 2 + [(True,) * 3] * 2
     assert [r["identity_vs_first"] for r in rows] == [1.0, None, 1.0, None]
     assert "identity vs first variant" in capsys.readouterr().out
     assert stack.parse_variant("attn_pdl+qkv") == {"attn_pdl": True, "qkv_kernel": True}
+    assert stack.parse_variant("attn_merge") == {"attn_merge": True}
     assert stack.parse_variant("base") == {}
     with pytest.raises(SystemExit, match="bad variant"):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base,fast"])

@@ -173,3 +173,24 @@ def test_pdl_is_a_launch_option():
                        da.decode_attention(q, k, v, q_pos, slot_pos, 32))
     assert torch.equal(da.decode_attention_ref(q, k, v, q_pos, slot_pos, 32, 1.0, True),
                        da.decode_attention_ref(q, k, v, q_pos, slot_pos, 32))
+
+
+MERGE_CASES = [c for c in CASES if c[10] != 1][:6]
+
+
+@pytest.mark.parametrize("case", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_merge_in_split_matches_combine(case):
+    """merge=True: the row tile's last split program merges the partials (no combine launch):
+    the twin's output within the dtype's tolerance, the combine kernel's to fp32 rounding, and the
+    arrival counters back at zero for the next launch."""
+    from fastgemma.kernels.counters import arrival_counters
+
+    name, B, T, Hkv, G, D, S, last, window, ring, ns, dtype, holes = case
+    q, k, v, q_pos, slot_pos = _make(B, T, Hkv, G, D, S, last, window, ring, dtype, holes=holes)
+    scale = 1.0 if D >= 64 else 1 / math.sqrt(D) * 4
+    combined = da.decode_attention(q, k, v, q_pos, slot_pos, window, scale, num_splits=ns)
+    merged = da.decode_attention(q, k, v, q_pos, slot_pos, window, scale, num_splits=ns, merge=True)
+    _report(name + "_merged", merged, da.decode_attention_ref(q, k, v, q_pos, slot_pos, window, scale), dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(merged.float(), combined.float(), rtol=tol, atol=tol)
+    assert int(arrival_counters(q.device, 1).count_nonzero()) == 0

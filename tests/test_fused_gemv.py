@@ -172,6 +172,15 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
         model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=True)
         tokens, logits = _decode(model, cfg, prompt, 6)
         assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+        # + the attention kernel itself, 3 splits whose partials the split kernel merges (attn_merge),
+        # and the attention's PDL option
+        import fastgemma.kernels.decode_attention as da
+
+        monkeypatch.setattr(da, "pick_num_splits", lambda *a: 3)
+        model.step_attention = da.decode_attention_op
+        model.fused_decode = functools.partial(model.fused_decode, attn_merge=True, attn_pdl=True)
+        tokens, logits = _decode(model, cfg, prompt, 6)
+        assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("int4", [False, True])

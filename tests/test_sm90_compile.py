@@ -24,7 +24,7 @@ def test_gpu_only_variants_compile_for_sm90():
     # the attention's at once, no register more than the plain launch
     assert set(pdl) == {"residual norm", "int4 per-group geglu split-4", "int4 per-group split-2", "skinny ple gate",
                         "qkv finish sliding", "qkv finish full", "attention split sliding", "attention split full",
-                        "attention combine"}
+                        "attention split sliding merged", "attention split full merged", "attention combine"}
     for name, (regs, spills, waits, triggers, loads, mma_before, regs_plain, spills_plain) in pdl.items():
         assert (waits, triggers, loads) == (1, 1, 0) and regs <= regs_plain, (name, pdl[name])
         # the attention's split kernel (K and V tiles of 64 x 256 or 32 x 512 at 2 stages) runs at 255

@@ -243,7 +243,7 @@ def test_fused_drafter_step_matches_the_drafter(model, drafter, backend):
     m = synthetic_model(TINY, dtype=torch.float32, seed=3)
     m.step_attention = decode_attention_ref
     qkv = backend == "triton+qkv"
-    FuseLayers(backend=backend.split("+")[0], attn_pdl=qkv, qkv_kernel=qkv).apply(m)
+    FuseLayers(backend=backend.split("+")[0], attn_pdl=qkv, qkv_kernel=qkv, attn_merge=qkv).apply(m)
     fused = m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0))
     assert fused.fused_forward is not None and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
     assert fused.fused_forward.keywords["qkv_kernel"] == qkv and fused.fused_forward.keywords["attn_pdl"] == qkv

@@ -61,7 +61,7 @@ def int4_group_size(cfg) -> int:
     return 128 if cfg.hidden_size % 128 == 0 else 32
 
 
-VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel"}
+VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge"}
 
 
 def parse_variant(v: str) -> dict:

@@ -11,7 +11,8 @@ K/V block is read once for all of them. Each program walks its share of the live
 slot_pos=None: [max(0, min qpos - window + 1) or 0, max qpos], read from q_pos on the device, so
 cost follows the context, not S; ring buffer: [0, S). The grid depends on shapes only
 (CUDA-graph safe). With num_splits > 1 partials (o normalised, log2-sum-exp) go to fp32 scratch
-and `_combine_kernel` merges them; with num_splits == 1 the split kernel writes the output.
+and `_combine_kernel` merges them (merge=True: the tile's last split program does, `_merge_tile`);
+with num_splits == 1 the split kernel writes the output.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .counters import arrival_counters
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 _LOG2E = 1.4426950408889634
@@ -39,6 +41,7 @@ def _split_kernel(
     so_b, so_t, so_h, so_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SLOT_POS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr,
 ):
     _pdl_wait(PDL)  # q and the cache rows come from the kernels before
     _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
@@ -122,9 +125,43 @@ def _split_kernel(
         tl.store(lse_ptr + row, lse, mask=row_ok)
         tl.store(o_ptr + row[:, None] * D + d[None, :], o,
                  mask=(row_ok & has)[:, None] & d_ok[None, :])
+        if FIXUP:  # the tile's last split to arrive merges the partials (no combine launch)
+            tl.debug_barrier()  # every thread's partial written before the arrival
+            tile = pid_bh * tl.num_programs(2) + pid_m
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                _merge_tile(o_ptr, lse_ptr, out_ptr, pid_bh, r, row_ok, t, g, kvh, G, b64, d, d_ok, num_splits, R,
+                            so_b, so_t, so_h, so_d, D, BLOCK_S)
+                tl.store(cnt_ptr + tile, 0)
     else:
         tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + (kvh * G + g)[:, None] * so_h + d[None, :] * so_d,
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_tile(o_ptr, lse_ptr, out_ptr, bh, r, row_ok, t, g, kvh, G, b64, d, d_ok, num_splits, R,
+                so_b, so_t, so_h, so_d, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """A row tile's num_splits partials (o normalised, lse log2) -> out, as `_combine_kernel` weighs
+    them: w_s = 2^(lse_s - max lse), out = sum w_s o_s / sum w_s; empty splits (lse -inf) skipped.
+    The partials are read from L2 (.cg), where the other programs wrote them."""
+    s = tl.arange(0, BLOCK_S)
+    rows = (bh * num_splits + s[:, None]) * R + r[None, :]  # [BLOCK_S, BLOCK_M]
+    lse = tl.load(lse_ptr + rows, mask=(s[:, None] < num_splits) & row_ok[None, :], other=float("-inf"),
+                  cache_modifier=".cg")
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w_sum = tl.sum(tl.exp2(lse - mx[None, :]), axis=0)
+    acc = tl.zeros([r.shape[0], d.shape[0]], dtype=tl.float32)
+    for sp in range(num_splits):
+        row = (bh * num_splits + sp) * R + r
+        lse_s = tl.load(lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        live = lse_s > float("-inf")
+        o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        acc += o * tl.exp2(lse_s - mx)[:, None]
+    res = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + (kvh * G + g)[:, None] * so_h + d[None, :] * so_d,
+             res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -186,11 +223,14 @@ def pick_num_splits(B: int, Hkv: int, row_tiles: int, S: int, block_n: int, num_
 
 
 def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
-                     num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
+                     num_splits: int | None = None, pdl: bool = False, merge: bool = False) -> torch.Tensor:
     """Split-KV Triton decode attention. Shapes as in the module docstring; returns [B, T, H, D]
     in q's dtype. q_pos: [B, T] int32/int64; slot_pos: [B, S] int32/int64 or None. No host sync.
     pdl (sm90+): both kernels launch with programmatic dependent launch, wait for the kernel before
-    them at their start and let the next one launch at once (gemv.pdl_args)."""
+    them at their start and let the next one launch at once (gemv.pdl_args). merge: the row tile's
+    last split program to arrive merges the partials (arrival counters of kernels/counters.py)
+    instead of a second launch; the counters need one eager call of the shape before a CUDA graph
+    captures it."""
     B, T, H, D = q.shape
     Bk, S, Hkv, Dk = k_cache.shape
     if (Bk, Dk) != (B, D) or v_cache.shape != k_cache.shape or H % Hkv:
@@ -216,6 +256,8 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
         o_part = lse_part = out  # unused
     spos = slot_pos if slot_pos is not None else q_pos  # dummy pointer when HAS_SLOT_POS is off
     launch = pdl_args(pdl, q.device)
+    merge = split and merge
+    cnt = arrival_counters(q.device, B * Hkv * row_tiles, "attention split-KV") if merge else out
     ssp = (slot_pos.stride(0), slot_pos.stride(1)) if slot_pos is not None else (0, 0)
     _split_kernel[(num_splits, B * Hkv, row_tiles)](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
@@ -225,9 +267,10 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
         *out.stride(),
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SLOT_POS=slot_pos is not None, SPLIT=split, IEEE=q.dtype == torch.float32,
+        FIXUP=merge, cnt_ptr=cnt, BLOCK_S=triton.next_power_of_2(num_splits) if merge else 1,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
-    if split:
+    if split and not merge:
         block_s = triton.next_power_of_2(num_splits)
         block_dc = min(triton.next_power_of_2(D), max(16, 4096 // block_s))  # <= 16 KiB fp32 tile
         _combine_kernel[(B * Hkv * R, triton.cdiv(D, block_dc))](
@@ -238,9 +281,9 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
 
 
 def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
-                         pdl: bool = False) -> torch.Tensor:
+                         pdl: bool = False, merge: bool = False) -> torch.Tensor:
     """Torch twin of `decode_attention`: fp32 scores over all S slots (no host sync, graph-safe;
-    `pdl` is the kernel's launch option and changes nothing here)."""
+    `pdl` and `merge` are the kernel's launch options and change nothing here)."""
     B, T, H, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -268,10 +311,10 @@ def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scal
 @torch.library.custom_op("fastgemma::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
                         slot_pos: torch.Tensor | None, window: int, scale: float = 1.0,
-                        pdl: bool = False) -> torch.Tensor:
-    return decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window, scale, pdl=pdl)
+                        pdl: bool = False, merge: bool = False) -> torch.Tensor:
+    return decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window, scale, pdl=pdl, merge=merge)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0, pdl=False):
+def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0, pdl=False, merge=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -243,12 +243,12 @@ class Gemma4Model(nn.Module):
             x = layer(x, ple[:, :, i] if ple is not None else None, attend)
         return self.norm(x)
 
-    def step_store_attend(self, ids, pos, cache, pdl: bool = False):
+    def step_store_attend(self, ids, pos, cache, pdl: bool = False, merge: bool = False):
         """Marks the step's ring slots and returns fn(layer, q, k, v) -> [B, T, H*D]: writes the
         layer's K/V for these rows (store layers), then attends through self.step_attention.
         fn.rope: {sliding: (cos, sin)} for these positions; fn.attend(layer, q): the attention alone;
-        fn.slots: {sliding: [B, T] cache rows of these positions}. pdl: the attention kernels launch
-        with programmatic dependent launch (the fused steps' `attn_pdl`; the twin ignores it)."""
+        fn.slots: {sliding: [B, T] cache rows of these positions}. pdl / merge: the attention kernel's
+        launch options (the fused steps' `attn_pdl` / `attn_merge`; the twin ignores them)."""
         c = self.config
         bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
         slots = pos % cache.ring
@@ -260,9 +260,9 @@ class Gemma4Model(nn.Module):
             s = layer.spec
             src = s.kv_source
             if s.sliding:
-                o = attn(q, cache.k[src], cache.v[src], pos, cache.ring_pos, window, c.attn_scale, pdl)
+                o = attn(q, cache.k[src], cache.v[src], pos, cache.ring_pos, window, c.attn_scale, pdl, merge)
             else:
-                o = attn(q, cache.k[src], cache.v[src], pos, None, 0, c.attn_scale, pdl)
+                o = attn(q, cache.k[src], cache.v[src], pos, None, 0, c.attn_scale, pdl, merge)
             return o.flatten(2)
 
         def store_attend(layer, q, k, v):

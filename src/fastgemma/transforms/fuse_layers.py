@@ -29,7 +29,8 @@ Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a
 as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+), and in wider
 steps the GEMMs, norm kernels and the q/k/v kernel; `attn_pdl=True` the attention's split and
-combine kernels as well (without it they launch plainly, and so does the kernel after them).
+combine kernels as well (without it they launch plainly, and so does the kernel after them);
+`attn_merge=True` drops the combine launch (the split tile's last program merges the partials).
 """
 from __future__ import annotations
 
@@ -96,13 +97,14 @@ def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
-                 attn_pdl: bool = False):
+                 attn_pdl: bool = False, attn_merge: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
-    with programmatic dependent launch too (kernels/decode_attention.py)."""
+    with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
+    combine launch (kernels/decode_attention.py)."""
     c = model.config
     x, ple = model.embed(ids)
-    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl)
+    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge)
     call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset)
     h = x.reshape(1, -1)
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
@@ -167,7 +169,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
-                 qkv_kernel: bool = False, attn_pdl: bool = False):
+                 qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -179,7 +181,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     pdl=True (fuse.pdl, sm90+): the GEMMs, norm kernels and q/k/v kernels launch with programmatic
     dependent launch: each waits for the kernel before it first, and lets the next one launch after
     its main loop (`bench.spec --verify-pdl`). attn_pdl: the attention kernels too (each waits first
-    and lets the next launch at once; `bench.spec --attn-pdl`)."""
+    and lets the next launch at once; `bench.spec --attn-pdl`); attn_merge: no combine launch."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     c = model.config
@@ -197,7 +199,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
 
     x, ple = model.embed(ids)
     lead = x.shape[:-1]
-    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl)
+    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge)
     h = x.reshape(-1, x.shape[-1])
     pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
@@ -224,18 +226,19 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
 
 
 def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, attn_pdl: bool = False,
-                qkv_kernel: bool = False):
+                qkv_kernel: bool = False, attn_merge: bool = False):
     """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
     -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
     previous layer's residual update with its layer scalar, then input_layernorm), o, gate|up (+ the
     residual update, pre_feedforward_layernorm, GeGLU), down; q norm + RoPE (torch, or one launch of
     kernels/qkv_finish.py with `qkv_kernel`) and the attention over the target's K/V as in the unfused
-    step (its kernels under PDL with `attn_pdl`). The last update and the final norm run in torch."""
+    step (its kernels under PDL with `attn_pdl`, no combine launch with `attn_merge`). The last
+    update and the final norm run in torch."""
     if qkv_kernel:
         from ..kernels.qkv_finish import qkv_finish_op
     body = d.config.body_config()
-    if attn_pdl:
-        attn = functools.partial(attn, pdl=True)
+    if attn_pdl or attn_merge:
+        attn = functools.partial(attn, pdl=attn_pdl, merge=attn_merge)
     call = _caller(gemv, gemv4, pdl, body.rms_eps, body.norm_offset)
     h, _ = call(x.reshape(1, -1), d.pre_projection)
     pend = None
@@ -263,7 +266,8 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
     return g.reshape(1, 1, -1), hp.reshape(1, 1, -1)
 
 
-def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False):
+def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False,
+                 attn_merge: bool = False):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
     `head` (None: torch's topk path, the default) replaces its centroid-masked head, e.g. with
     `model.draft_head`. Dense bias-free linears only (a quantized drafter keeps the unfused step)."""
@@ -275,7 +279,7 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: b
                                  f"layers.{i}.{name} is {type(mod).__name__}")
     MergeProjections(qkv=False).apply(drafter.model)
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl, attn_pdl=attn_pdl,
-                                              qkv_kernel=qkv_kernel)
+                                              qkv_kernel=qkv_kernel, attn_merge=attn_merge)
     drafter.head_fn = head
     return drafter
 
@@ -285,10 +289,12 @@ class FuseLayers:
     "triton": the Triton kernels (CUDA; TRITON_INTERPRET=1 on a CPU); "torch": their twins (the
     same step structure and rounding, any device: the CPU reference of the fused path)."""
 
-    def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False):
+    def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
+                 attn_merge: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
+        self.attn_merge = bool(attn_merge)
         self.merge = MergeProjections()
 
     def apply(self, model):
@@ -308,7 +314,8 @@ class FuseLayers:
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
         # the q/k/v kernel is Triton's: the torch backend keeps the twin's ops
-        step = dict(pdl=self.pdl, attn_pdl=self.attn_pdl, qkv_kernel=self.qkv_kernel and self.backend == "triton")
+        step = dict(pdl=self.pdl, attn_pdl=self.attn_pdl, qkv_kernel=self.qkv_kernel and self.backend == "triton",
+                    attn_merge=self.attn_merge)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **step)
         model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", **step)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
@@ -323,5 +330,5 @@ class FuseLayers:
 
     def describe(self) -> dict:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
-                "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel,
+                "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "verify_epilogues": True}
