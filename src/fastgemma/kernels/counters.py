@@ -1,7 +1,8 @@
 """Arrival counters for kernels whose last program to finish a tile does the tile's final step
-(the int4 split-K fixup, the drafter head's argmax): one int32 per tile, zero between launches (the
-last program resets its own), shared per device, so such launches must not run concurrently (one
-stream, no programmatic dependent launch)."""
+(the int4 split-K fixup, the drafter head's argmax, the attention's merge of its splits): one int32
+per tile, zero between launches (the last program resets its own), shared per device, so such
+launches must not run concurrently: one stream, and under programmatic dependent launch every
+kernel waits for the one before it (griddepcontrol.wait) before it touches a counter."""
 from __future__ import annotations
 
 import torch

@@ -259,7 +259,7 @@ def _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N
     sums the SPLIT partials in split order, stores out and zeroes the counter for the next launch:
     the sums of `_splitk_reduce_kernel`, bit for bit, without a second launch (FIXUP=False: the
     partial only, `_splitk_reduce_kernel` sums them after; EPI 0 only). Counters are shared per
-    device: split launches must not run concurrently (one stream, no PDL)."""
+    device: split launches must not run concurrently (one stream; a PDL launch waits first)."""
     mask = n_ok[:, None] & m_ok[None, :]
     pid_k = tl.program_id(1)
     tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
