@@ -115,6 +115,19 @@ def split_ms(gen, prompt, new) -> dict:
     return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in gen.last_split_s.items() if v}
 
 
+# the k+1-row pass's on / off switches (default on): what on and off mean
+VERIFY_SWITCHES = {
+    "--verify-norms": "residual updates + norms of the k+1-row pass in kernels/residual_norm.py (on) or compiled "
+                      "torch (off)",
+    "--verify-pdl": "the k+1-row pass's GEMMs and norm kernels launched with programmatic dependent launch (on) or "
+                    "plainly (off)",
+    "--verify-qkv": "the k+1-row pass's q/k/v norms, RoPE and cache writes in one kernel per layer (on) or compiled "
+                    "torch (off)",
+    "--attn-pdl": "the k+1-row pass's attention kernels launched with programmatic dependent launch (on) or plainly "
+                  "(off)",
+}
+
+
 def _on_off(flag: str, value: str) -> list[str]:
     """A comparison flag's rows: on, off, or both in the order given."""
     rows = [x for x in value.split(",") if x]
@@ -177,18 +190,8 @@ def main(argv=None):
     ap.add_argument("--verify-epilogues", default="on",
                     help="with --fuse layers: GeGLU and the PLE gate's gelu * input in the k+1-row pass's GEMM "
                          "stores (on) or in torch after them (off); on,off: a row each")
-    ap.add_argument("--verify-norms", default="on",
-                    help="with --fuse layers and epilogues on: residual updates + norms of the k+1-row pass in "
-                         "kernels/residual_norm.py (on) or compiled torch (off); on,off: a row each")
-    ap.add_argument("--verify-pdl", default="on",
-                    help="with --fuse layers and epilogues on: the k+1-row pass's GEMMs and norm kernels launched "
-                         "with programmatic dependent launch (on) or plainly (off); on,off: a row each")
-    ap.add_argument("--verify-qkv", default="on",
-                    help="with --fuse layers and epilogues on: the k+1-row pass's q/k/v norms, RoPE and cache writes "
-                         "in one kernel per layer (on) or compiled torch (off); on,off: a row each")
-    ap.add_argument("--attn-pdl", default="on",
-                    help="with --fuse layers and epilogues on: the k+1-row pass's attention kernels launched with "
-                         "programmatic dependent launch (on) or plainly (off); on,off: a row each")
+    for flag, what in VERIFY_SWITCHES.items():
+        ap.add_argument(flag, default="on", help=f"with --fuse layers and epilogues on: {what}; on,off: a row each")
     ap.add_argument("--variant", default="attn_pdl+qkv",
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
                          "--variants (base, attn_pdl, qkv, attn_pdl+qkv)")
