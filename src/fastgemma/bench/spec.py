@@ -36,6 +36,7 @@ from ..engine.steps import GraphStep, StaticStep
 from ..kernels import w4a16
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
+from .stack import VARIANT_OPTS
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base"):
@@ -194,7 +195,7 @@ def main(argv=None):
         ap.add_argument(flag, default="on", help=f"with --fuse layers and epilogues on: {what}; on,off: a row each")
     ap.add_argument("--variant", default="attn_pdl+qkv",
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
-                         "--variants (base, attn_pdl, qkv, attn_pdl+qkv)")
+                         f"--variants: base, or options joined by '+' ({', '.join(VARIANT_OPTS)})")
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
     ap.add_argument("--prefill", default="graph",

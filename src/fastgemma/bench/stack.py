@@ -66,7 +66,8 @@ VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn
 
 def parse_variant(v: str) -> dict:
     """A fused-step variant: 'base' (the GEMVs under PDL) or '+'-joined options from VARIANT_OPTS
-    ('attn_pdl': the attention kernels too; 'qkv': kernels/qkv_finish.py) -> FuseLayers options."""
+    ('attn_pdl': the attention kernels too; 'qkv': kernels/qkv_finish.py; 'attn_merge': no attention
+    combine launch) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
     bad = [o for o in opts if o not in VARIANT_OPTS]
     if bad:
@@ -279,8 +280,8 @@ def main(argv=None):
 
     print(f"\n{cfg.name} synthetic, merged + Triton attention + CUDA graphs{' + compile' if compiled else ''}, "
           f"fused argmax; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}, copy bw {bw / 1e12:.2f} TB/s")
-    print("| body | variant | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | prefix | "
-          "identity vs first variant |")
+    print("| body | variant | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | "
+          "prefix | identity vs first variant |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:

@@ -13,9 +13,9 @@ Per layer at one row, five GEMVs with their neighbours folded in, then the PLE p
     PLE proj <- the gated PLE input as is
 
 q/k/v norms, RoPE and the cache writes are the static step's own (compiled, they fuse among
-themselves), or with `qkv_kernel` one launch per layer (kernels/qkv_finish.py: off by default
-until it is timed on the GPU; `bench.spec --verify-qkv on`). Models without PLE carry the MLP's
-residual into the next q|k|v instead.
+themselves), or with `qkv_kernel` one launch per layer (kernels/qkv_finish.py, which rounds as
+eager torch does; `bench.spec --verify-qkv`, `bench.stack --variants`). Models without PLE carry
+the MLP's residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
 wider steps (the verify pass, batches) `fused_verify`: the layer's GEMMs with GeGLU in the int4
 gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or the dense
@@ -75,24 +75,34 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float):
     return call
 
 
+def _finish_q(at, q, cos, sin, kernel: bool, pdl: bool = False):
+    """A query-only projection q [B, T, H*D] -> q_norm + RoPE [B, T, H, D]: one launch of
+    kernels/qkv_finish.py (kernel) or `split_qkv` (the twin)."""
+    if not kernel:
+        return split_qkv(at, q, cos, sin)[0]
+    from ..kernels.qkv_finish import qkv_finish_op
+
+    qn = at.q_norm
+    return qkv_finish_op(q, qn.weight, cos, sin, at.num_heads, qn.eps, qn.offset, pdl)
+
+
 def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False):
     """The attention output [B, T, H*D] from the merged projection's qkv [B, T, N]. kernel: q/k/v
     norms, RoPE and the cache writes in one launch (kernels/qkv_finish.py), then the attention
     alone; else `split_qkv` and the static step's own writes (the twin)."""
-    from ..kernels.qkv_finish import qkv_finish_op, qkv_finish_store_op
-    from ..model.layers import RMSNorm
-
     at, s = layer.self_attn, layer.spec
     cos, sin = store_attend.rope[s.sliding]
+    if not s.stores_kv:  # a KV-shared layer: q only
+        return store_attend.attend(layer, _finish_q(at, qkv, cos, sin, kernel, pdl))
     if not kernel:
         return store_attend(layer, *split_qkv(at, qkv, cos, sin))
+    from ..kernels.qkv_finish import qkv_finish_store_op
+    from ..model.layers import RMSNorm
+
     qn = at.q_norm
-    if not s.stores_kv:
-        q = qkv_finish_op(qkv, qn.weight, cos, sin, at.num_heads, qn.eps, qn.offset, pdl)
-    else:
-        q = qkv_finish_store_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index], cache.v[s.index],
-                                store_attend.slots[s.sliding], at.num_heads, qn.eps, qn.offset,
-                                isinstance(at.v_norm, RMSNorm), pdl)
+    q = qkv_finish_store_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index], cache.v[s.index],
+                            store_attend.slots[s.sliding], at.num_heads, qn.eps, qn.offset,
+                            isinstance(at.v_norm, RMSNorm), pdl)
     return store_attend.attend(layer, q)
 
 
@@ -234,8 +244,6 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
     kernels/qkv_finish.py with `qkv_kernel`) and the attention over the target's K/V as in the unfused
     step (its kernels under PDL with `attn_pdl`, no combine launch with `attn_merge`). The last
     update and the final norm run in torch."""
-    if qkv_kernel:
-        from ..kernels.qkv_finish import qkv_finish_op
     body = d.config.body_config()
     if attn_pdl or attn_merge:
         attn = functools.partial(attn, pdl=attn_pdl, merge=attn_merge)
@@ -249,12 +257,7 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
             q, _ = call(h, at.q_proj, pre=pre)
         else:
             q, h = call(pend[0], at.q_proj, pend[1], pend[2].weight, pend[3], pre)
-        cos, sin = rope[layer.spec.sliding]
-        if qkv_kernel:
-            qn = at.q_norm
-            q = qkv_finish_op(q.reshape(1, 1, -1), qn.weight, cos, sin, at.num_heads, qn.eps, qn.offset, pdl)
-        else:
-            q, _, _ = split_qkv(at, q.reshape(1, 1, -1), cos, sin)
+        q = _finish_q(at, q.reshape(1, 1, -1), *rope[layer.spec.sliding], qkv_kernel, pdl)
         o, _ = call(d.attend_target(layer, q, q_pos, cache, attn).reshape(1, -1), at.o_proj)
         act, h = call(h, mlp.gate_up_proj, o, layer.post_attention_layernorm.weight, None,
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
