@@ -11,6 +11,8 @@
 #             sweeps the verify pass's row count instead of one row (INT4_MS=1,8: both), INT4_SHAPES=qkv,o
 #             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates, INT4_PACKED=0 the
 #             per-group kernel on separate scales / zeros (default: the packed words, as the engine runs it)
+#   mma       the int4 GEMV on the tensor cores (kernels/mma_w4a16.py) vs the current kernels, 1 and 8 rows,
+#             every E4B shape (mma_w4a16.bench_mma); MMA_CASES=name,..., MMA_MS=1,8
 #   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
@@ -83,6 +85,10 @@ bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh 
     int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles, E4B_CASES as C
 cs = '${INT4FUSED_CASES:-}'
 bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
+    mma) run mma python3 -c "from fastgemma.kernels.mma_w4a16 import bench_mma
+from fastgemma.kernels.fused_w4a16 import E4B_CASES as C
+cs = '${MMA_CASES:-}'
+bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')))" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
@@ -92,7 +98,7 @@ bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, stack, head, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
@@ -104,6 +110,7 @@ for p in "${parts[@]}"; do
     int4) grep -E "best|per-group|WRONG|^ +[a-z/|_]+ +[0-9]+ +[0-9]+ +[0-9]+ \|" "$out/int4.log" | head -60
           grep -A40 '^# CONFIGS' "$out/int4.log" ;;
     int4fused) grep -E "WRONG|skip" "$out/int4fused.log" | head; grep -A20 '^# TILES' "$out/int4fused.log" ;;
+    mma) grep -E ' \| ' "$out/mma.log" | head -120 ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
   tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true

@@ -1,0 +1,415 @@
+"""W4A16 GEMV / skinny GEMM for 1..8 rows on the tensor cores: int4 codes in the mma fragment order.
+
+The one-row int4 GEMVs on CUDA cores (kernels/w4a16.py, kernels/fused_w4a16.py) spend 5.7-18
+instructions per weight (Nsight Compute, run CE) and reach 10-33% of the H200's bandwidth. Here a
+warp feeds 16 weight rows x 16 k to one `mma.sync.m16n8k16` (bf16, fp32 accumulate) as the A
+operand and up to 8 activation rows as B: per 8 weights a lane does 3 shifts and 4 LOP3 (each LOP3
+makes two bf16 values 128 + q from two nibbles: `(w >> 4j) & 0x000F000F | 0x43004300`) and one
+mma, about one instruction per weight. The activation rows are the B columns, so the same kernel
+serves the AR step (1 row) and the verify pass (k + 1 <= 8 rows).
+
+Codes are stored in the fragment order (`pack_mma`): the int32 word of lane l for a 16 x 16 tile
+holds its 8 A values, nibble m = p*4 + kh*2 + h for row l//4 + 8h and k = kh*8 + (l%4)*2 + p, and
+a lane's four words for four consecutive k steps are adjacent (one 16-byte load; a warp reads 512
+contiguous bytes). Per group of G k (64 or 128): P = sum (128 + q) x by the tile's mmas, sum x by
+one more mma per k step with A = 1 (shared by the program's T tiles), then out += s P + (z - 128 s)
+sum x, the factored form of sum (q s + z) x, in fp32.
+
+A program holds T tiles of 16 rows; its W warps split K (each K / W, a multiple of G) and their
+partials are summed at the end. Every weight, scale and zero load of a warp is issued before the
+PDL wait. Epilogues: none, or GeGLU (T = 2: a gate tile and its up tile; gelu_tanh(gate) * up,
+rounded as the eager layer rounds).
+
+Under TRITON_INTERPRET=1 the two mma blocks run as Triton tensor code with the same fragment maps
+(`_mma_emulated`), so the kernel's indexing is tested on the CPU; tests/ptx_lite.py runs the PTX
+text itself, warp-wide. `mma_w4a16` launches, `mma_w4a16_op` is the opaque op, `mma_w4a16_ref` the
+twin (dequantize to the activation dtype, F.linear, the epilogue).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .fused_gemv import _gelu_tanh, _rnd
+from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
+from .w4a16 import dequantize_int4, pack_scale_zero
+
+MAX_ROWS = 8  # activation rows: the B operand's 8 columns
+MMA_GROUPS = (64, 128)  # a group spans whole 64-k word blocks
+EPILOGUES = {"none": 0, "geglu": 1}
+
+_MAGIC = "0x43004300"  # two bf16 128.0s; a nibble in the low 4 mantissa bits makes 128 + q
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def _tile_asm() -> str:
+    """Four k steps of one tile: words $4..$7, B registers $8..$11 (k 0-7 of each step) and
+    $12..$15 (k 8-15), accumulator in $16..$19, out $0..$3."""
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, t;"]
+    for j in range(4):
+        w, c = f"${4 + j}", ("{$16, $17, $18, $19}" if j == 0 else "{$0, $1, $2, $3}")
+        lines.append(f"lop3.b32 a0, {w}, 0x000F000F, {_MAGIC}, 0xEA;")
+        for r in (1, 2, 3):
+            lines.append(f"shr.b32 t, {w}, {4 * r};")
+            lines.append(f"lop3.b32 a{r}, t, 0x000F000F, {_MAGIC}, 0xEA;")
+        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{${8 + j}, ${12 + j}}}, {c};")
+    return "\n".join(lines + ["}"])
+
+
+def _ones_asm() -> str:
+    """Four k steps of sum x: A = 1.0 everywhere; B $4..$7 / $8..$11, accumulator $12..$15."""
+    lines = ["{", ".reg .b32 one;", "mov.b32 one, 0x3F803F80;"]
+    for j in range(4):
+        c = "{$12, $13, $14, $15}" if j == 0 else "{$0, $1, $2, $3}"
+        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{${4 + j}, ${8 + j}}}, {c};")
+    return "\n".join(lines + ["}"])
+
+
+TILE_ASM = tl.constexpr(_tile_asm())
+ONES_ASM = tl.constexpr(_ones_asm())
+
+
+# ---------------------------------------------------------------------------------------------
+# packing (torch)
+
+
+def check_mma_shape(N: int, K: int, group_size: int) -> None:
+    if group_size not in MMA_GROUPS:
+        raise ValueError(f"mma_w4a16 needs group_size in {MMA_GROUPS}, got {group_size}")
+    if N % 16 or K % group_size:
+        raise ValueError(f"mma_w4a16 needs N % 16 == 0 and K % group_size == 0, got N={N}, K={K}, "
+                         f"group_size={group_size}")
+
+
+def pack_mma(q: torch.Tensor) -> torch.Tensor:
+    """Codes q [N, K] (0..15) -> int32 words [N/16, K/64, 32, 4] in the mma fragment order."""
+    N, K = q.shape
+    if N % 16 or K % 64:
+        raise ValueError(f"pack_mma needs N % 16 == 0 and K % 64 == 0, got {tuple(q.shape)}")
+    # row = tile*16 + h*8 + g, k = step*16 + kh*8 + tq*2 + p; lane = g*4 + tq; nibble m = p*4 + kh*2 + h
+    v = q.to(torch.int32).reshape(N // 16, 2, 8, K // 16, 2, 4, 2)  # tile, h, g, step, kh, tq, p
+    v = v.permute(0, 3, 2, 5, 6, 4, 1).reshape(N // 16, K // 16, 32, 8)  # tile, step, lane, m
+    words = (v << (4 * torch.arange(8, dtype=torch.int32, device=q.device))).sum(-1, dtype=torch.int32)
+    return words.reshape(N // 16, K // 64, 4, 32).transpose(2, 3).contiguous()
+
+
+def unpack_mma(words: torch.Tensor) -> torch.Tensor:
+    """pack_mma's inverse: words [N/16, K/64, 32, 4] -> codes [N, K] uint8."""
+    NT, KB = words.shape[:2]
+    w = words.transpose(2, 3).reshape(NT, KB * 4, 32, 1)
+    v = (w >> (4 * torch.arange(8, dtype=torch.int32, device=words.device))) & 0xF  # tile, step, lane, m
+    v = v.reshape(NT, KB * 4, 8, 4, 2, 2, 2).permute(0, 6, 2, 1, 5, 3, 4)  # tile, h, g, step, kh, tq, p
+    return v.reshape(NT * 16, KB * 64).to(torch.uint8)
+
+
+@dataclass
+class MmaWeight:
+    """One int4 linear in the fragment order: words, packed scale / zero words [K/G, N] (bf16 pairs)."""
+    words: torch.Tensor
+    sz: torch.Tensor
+    N: int
+    K: int
+    group_size: int
+
+    @classmethod
+    def from_codes(cls, q, scales, zeros, group_size: int) -> "MmaWeight":
+        N, K = q.shape
+        check_mma_shape(N, K, group_size)
+        if scales.dtype != torch.bfloat16:
+            raise ValueError(f"mma_w4a16 reads bf16 scales / zeros, got {scales.dtype}")
+        return cls(pack_mma(q), pack_scale_zero(scales, zeros), N, K, group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel
+
+
+@triton.jit
+def _bf16_pairs(v):
+    """int32 words -> (low half, high half) as fp32 values of the two bf16s."""
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma_emulated(w, b01, b23, c, ONES: tl.constexpr):
+    """The interpreter's twin of TILE_ASM / ONES_ASM over whole [R, 4] tensors (row r = warp slot
+    r // 32, lane r % 32): lanes are an axis, so the warp-wide fragment maps become reshapes
+    (A[g + 8h, kh*8 + tq*2 + p] is nibble p*4 + kh*2 + h of lane g*4 + tq's word; B[kh*8 + tq*2 + p,
+    g] is half p of lane g*4 + tq's b01 (kh = 0) or b23 (kh = 1))."""
+    S: tl.constexpr = w.shape[0] // 32
+    x01_lo, x01_hi = _bf16_pairs(b01)
+    x23_lo, x23_hi = _bf16_pairs(b23)
+    xb = tl.join(tl.join(x01_lo, x01_hi), tl.join(x23_lo, x23_hi))  # [R, 4 j, 2 p, 2 kh]
+    xb = tl.permute(tl.reshape(xb, (S, 8, 4, 4, 2, 2)), (0, 3, 5, 2, 4, 1))  # S, j, kh, tq, p, g
+    B = tl.reshape(xb, (S, 4, 1, 16, 8))  # [S, j, 1 (row), k, n]
+    if ONES:
+        A = tl.full((S, 4, 16, 16, 1), 1.0, tl.float32)
+    else:
+        nib = tl.join(tl.join(tl.join(w & 15, (w >> 4) & 15), tl.join((w >> 8) & 15, (w >> 12) & 15)),
+                      tl.join(tl.join((w >> 16) & 15, (w >> 20) & 15), tl.join((w >> 24) & 15, (w >> 28) & 15)))
+        # join nests the new axis innermost: nibble m = 4 m2 + 2 m1 + m0 sits at [.., m0, m1, m2]
+        nib = tl.reshape(nib, (S, 8, 4, 4, 2, 2, 2))  # S, g, tq, j, m0=h, m1=kh, m2=p
+        A = tl.permute(nib, (0, 3, 4, 1, 5, 2, 6))  # S, j, h, g, kh, tq, p
+        A = tl.reshape(A, (S, 4, 16, 16, 1)).to(tl.float32) + 128.0  # [S, j, row, k, 1]
+    D = tl.sum(tl.sum(A * B, axis=3), axis=1)  # [S, 16 rows, 8 cols]
+    D = tl.permute(tl.reshape(D, (S, 2, 8, 4, 2)), (0, 2, 3, 1, 4))  # S, g, tq, h, p2
+    return c + tl.reshape(D, (S * 32, 4))  # lane g*4 + tq, element h*2 + p2
+
+
+@triton.jit
+def _tile_mma(w, b01, b23, c, EMU: tl.constexpr):
+    if EMU:
+        return _mma_emulated(w, b01, b23, c, False)
+    return tl.inline_asm_elementwise(TILE_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f",
+                                     [w, b01, b23, c], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _ones_mma(b01, b23, c, EMU: tl.constexpr):
+    if EMU:
+        return _mma_emulated(b01, b01, b23, c, True)
+    return tl.inline_asm_elementwise(ONES_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+                                     [b01, b23, c], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _gather32(ptrs, EMU: tl.constexpr):
+    """32-bit loads that leave the tensor's layout to the words' load: a tl.load of these addresses
+    (contiguous across lanes, not within one) would get a layout that splits a lane's 4 values over
+    4 threads, and the mma blocks would then take it (offline TTGIR, triton 3.6). Not pure: they
+    must stay after the PDL wait."""
+    if EMU:
+        return tl.load(ptrs)
+    return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om,
+                      K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
+                      PDL: tl.constexpr, EMU: tl.constexpr):
+    _pdl_trigger(PDL)
+    pid = tl.program_id(0)
+    KB: tl.constexpr = K // 64  # 64-k word blocks per row tile
+    KW: tl.constexpr = K // W  # k per warp slice
+    BG: tl.constexpr = GROUP // 64  # word blocks per group
+    NG: tl.constexpr = KW // GROUP  # groups per warp slice
+    R: tl.constexpr = W * T * 32
+    # [R, 4] tensors: row r is lane r % 32 of (K slice, tile) (r // 32) // T, (r // 32) % T; a lane's
+    # 4 words are one 16-byte load, so the words' layout puts lanes on rows and the 4 in one thread
+    r = tl.arange(0, R)[:, None]
+    oj = tl.arange(0, 4)[None, :]  # a lane's word j; as an accumulator index, element c
+    lane = r % 32
+    ow = (r // 32) // T
+    ot = (r // 32) % T
+    if EPI == 1:  # the gate tile and its up tile
+        tile = pid + ot * (HALF // 16)
+    else:
+        tile = pid * T + ot
+    w_ptrs = w_ptr + ((tile * KB + ow * (KW // 64)) * 32 + lane) * 4 + oj
+    row = tile * 16 + lane // 4 + 8 * (oj // 2)  # the output row of accumulator element c = oj
+    sz_ptrs = sz_ptr + (ow * NG) * N + row
+    words = ()  # words[g][i]: word block i of group g (the interpreter cannot index by a sum)
+    for g in tl.static_range(NG):
+        grp = ()
+        for i in tl.static_range(BG):
+            grp = grp + (tl.load(w_ptrs + (g * BG + i) * 128),)
+        words = words + (grp,)
+    _pdl_wait(PDL)
+    szs = ()
+    for g in tl.static_range(NG):
+        szs = szs + (_gather32(sz_ptrs + g * N, EMU),)
+    # B operand: lane g*4 + tq holds x[row g, k + tq*2 + {0, 1}] (b01) and k + 8 + ... (b23); rows past
+    # M read row M - 1 (their columns are not stored)
+    x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
+              + ow * (KW // 2) + lane % 4 + oj * 8)  # k step j of a word block at + 8 j words
+    acc = tl.zeros((R, 4), dtype=tl.float32)
+    for g in tl.static_range(NG):
+        p = tl.zeros((R, 4), dtype=tl.float32)
+        xs = tl.zeros((R, 4), dtype=tl.float32)
+        for i in tl.static_range(BG):
+            b01 = _gather32(x_ptrs + (g * BG + i) * 32, EMU)
+            b23 = _gather32(x_ptrs + (g * BG + i) * 32 + 4, EMU)
+            xs = _ones_mma(b01, b23, xs, EMU)
+            p = _tile_mma(words[g][i], b01, b23, p, EMU)
+        s, z = _bf16_pairs(szs[g])
+        acc += s * p + (z - 128.0 * s) * xs
+    y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)  # the K slices summed: [T*32, 4]
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    if EPI == 1:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, 32, 4)), (1, 2, 0)))  # [32, 4] each
+        l2 = tl.arange(0, 32)[:, None]
+        c2 = tl.arange(0, 4)[None, :]
+        m = (l2 % 4) * 2 + c2 % 2  # the B column = the x row
+        rows = pid * 16 + l2 // 4 + 8 * (c2 // 2)
+        out = _rnd(_gelu_tanh(_rnd(gate, DT)), DT) * _rnd(up, DT)
+        tl.store(out_ptr + m * stride_om + rows, out.to(DT), mask=m < M)
+    else:
+        rt = tl.arange(0, T * 32)[:, None]
+        c2 = tl.arange(0, 4)[None, :]
+        m = (rt % 32 % 4) * 2 + c2 % 2
+        rows = (pid * T + rt // 32) * 16 + rt % 32 // 4 + 8 * (c2 // 2)
+        tl.store(out_ptr + m * stride_om + rows, y.to(DT), mask=m < M)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch, twin, op
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """tiles: 16-row tiles per program (2 for GeGLU: gate and up); warps: the split of K (each warp
+    K / warps, a multiple of the group size)."""
+    tiles: int = 1
+    warps: int = 4
+
+
+# (N, K) -> config on the H200 (E4B shapes); else `default_mma_config`
+MMA_CONFIGS: dict[tuple[int, int], MmaConfig] = {}
+
+
+def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") -> MmaConfig:
+    """At most 2,560 k per warp (40 words per lane in flight), at least 4 warps where K allows."""
+    tiles = 2 if epilogue == "geglu" else 1
+    warps = 1
+    while warps < 8 and (K // warps > 1280 or warps < 4) and K % (2 * warps * group_size) == 0:
+        warps *= 2
+    return MmaConfig(tiles, warps)
+
+
+def _check_x(x: torch.Tensor, K: int) -> None:
+    if x.dim() != 2 or x.shape[1] != K or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"mma_w4a16 takes x [M, K={K}] with 1 <= M <= {MAX_ROWS}, got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        raise ValueError("mma_w4a16 needs a bf16 x, contiguous along K, rows 4-byte aligned")
+
+
+def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config: MmaConfig | None = None,
+              pdl: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 (M <= 8) @ W^T -> [M, N] (geglu: [M, N/2]) bf16."""
+    N, K, G = weight.N, weight.K, weight.group_size
+    _check_x(x, K)
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"mma_w4a16 epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError("mma_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use mma_w4a16_ref")
+    cfg = config or MMA_CONFIGS.get((N, K)) or default_mma_config(N, K, G, epilogue)
+    epi = EPILOGUES[epilogue]
+    if K % (cfg.warps * G):
+        raise ValueError(f"mma_w4a16: K={K} does not split into {cfg.warps} warps of whole groups of {G}")
+    if epi == 1 and (cfg.tiles != 2 or (N // 2) % 16):
+        raise ValueError(f"mma_w4a16 geglu needs tiles=2 and N/2 a multiple of 16, got {cfg}, N={N}")
+    if not epi and (N // 16) % cfg.tiles:
+        raise ValueError(f"mma_w4a16: {N // 16} row tiles do not split into programs of {cfg.tiles}")
+    M = x.shape[0]
+    out = torch.empty(M, N // 2 if epi else N, device=x.device, dtype=x.dtype)
+    grid = ((N // 2) // 16,) if epi else (N // 16 // cfg.tiles,)
+    _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0),
+                            K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, EMU=_INTERPRET,
+                            num_warps=cfg.warps, **pdl_args(pdl, x.device))
+    return out
+
+
+def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "none") -> torch.Tensor:
+    """Twin from the standard packing: W dequantized to x's dtype, F.linear, the epilogue rounded as
+    the kernel rounds (gate and up to x's dtype, gelu, then the product)."""
+    y = F.linear(x, dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype))
+    if epilogue == "geglu":
+        gate, up = y.float().chunk(2, dim=-1)
+        return (F.gelu(gate, approximate="tanh").to(x.dtype).float() * up).to(x.dtype)
+    return y
+
+
+@torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
+def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
+                 tiles: int, warps: int, pdl: bool) -> torch.Tensor:
+    weight = MmaWeight(words, sz, N, x.shape[1], group_size)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps), pdl)
+
+
+@mma_w4a16_op.register_fake
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, pdl):
+    return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmark (CUDA)
+
+
+def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
+    tiles = (2,) if epilogue == "geglu" else (1, 2)
+    return [MmaConfig(t, w) for t in tiles for w in (1, 2, 4, 8) if K % (w * group_size) == 0
+            and K // w <= 2560]
+
+
+def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer=None, device: str = "cuda",
+              pdl: bool = True) -> list[dict]:
+    """Every E4B shape (kernels/fused_w4a16.E4B_CASES; gate|up with GeGLU) at each row count in ms:
+    this kernel over `mma_candidates` against what the engine launches now (one row: the fused int4
+    GEMV with the case's prologue, and without it; 8 rows: the per-group tl.dot kernel), weights
+    rotated out of L2, PDL launches, each output checked against the twin first. Prints a table;
+    returns one dict per (case, rows, kernel)."""
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating
+    from .fused_w4a16 import E4B_CASES, case_inputs, fused_w4a16
+    from .w4a16 import pack_int4, quantize_int4, w4a16_matmul
+
+    dev = torch.device(device)
+    if timer is None:
+        from .bench_util import timer as make_timer
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("bench_mma needs a CUDA device (or a timer)")
+        timer = make_timer(True, 10)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}  int4 GEMV on the tensor cores vs "
+          f"the current kernels, group {group_size} (us; weights rotated out of L2; {'PDL' if pdl else 'plain'})")
+    print(f"{'case':>16} {'N':>6} {'K':>6} {'M':>2} | {'kernel':<34} | {'us':>8} | {'GB/s':>6} | check")
+    for name, (N, K, mode) in (cases or E4B_CASES).items():
+        epi = "geglu" if mode == "geglu" else "none"
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+        q, sc, zr = quantize_int4(w, group_size)
+        qw = pack_int4(q)
+        mw = MmaWeight.from_codes(q, sc, zr, group_size)
+        nbytes = qw.numel() + 2 * sc.numel() * sc.element_size()
+        n_copies = copies_past_l2(nbytes, dev)
+        std = [(qw.clone(), sc.clone(), zr.clone()) for _ in range(n_copies)]
+        mma = [(MmaWeight(mw.words.clone(), mw.sz.clone(), N, K, group_size),) for _ in range(n_copies)]
+        vec = lambda n: torch.randn(1, n, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+        for M in ms:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
+            ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
+            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps", mma, lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
+                    for c in mma_candidates(K, group_size, epi)]
+            if M == 1:
+                kw = dict(eps=1e-6, pdl=pdl, epilogue=epi)
+                runs.append(("fused int4 GEMV, plain", std,
+                             lambda q_, s_, z_: fused_w4a16(x, q_, s_, z_, group_size, **kw)[0]))
+                if mode != "plain":
+                    kw_case = dict(eps=1e-6, pdl=pdl, **case_inputs(mode, K, vec))
+                    runs.append((f"fused int4 GEMV, {mode} prologue (timed only)", std,
+                                 lambda q_, s_, z_: fused_w4a16(x, q_, s_, z_, group_size, **kw_case)[0]))
+            else:
+                sz = pack_scale_zero(sc, zr)
+                runs.append(("per-group tl.dot (w4a16_matmul)", std,
+                             lambda q_, s_, z_: w4a16_matmul(x, q_, s_, z_, group_size, epilogue=epi, sz=sz)))
+            for label, bufs, call in runs:
+                try:
+                    got = call(*bufs[0])
+                    us = timer(rotating(bufs, call))
+                except Exception as e:  # out of resources for a candidate: report, go on
+                    print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<34} | skipped: {type(e).__name__}: {e}"[:160])
+                    continue
+                timed_only = "timed only" in label
+                err = float("nan") if timed_only else max_rel_err(got, ref)
+                ok = timed_only or err < WRONG_REL_ERR
+                gbs = nbytes / us / 1e3
+                rows.append(dict(case=name, N=N, K=K, M=M, kernel=label, us=us, gbps=gbs, max_rel_err=err, ok=ok))
+                check = "-" if timed_only else f"{'ok' if ok else 'WRONG'} {err:.1e}"
+                print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<34} | {us:8.2f} | {gbs:6.0f} | {check}")
+        del std, mma
+    return rows
