@@ -8,17 +8,18 @@ makes two bf16 values 128 + q from two nibbles: `(w >> 4j) & 0x000F000F | 0x4300
 mma, about one instruction per weight. The activation rows are the B columns, so the same kernel
 serves the AR step (1 row) and the verify pass (k + 1 <= 8 rows).
 
-Codes are stored in the fragment order (`pack_mma`): the int32 word of lane l for a 16 x 16 tile
-holds its 8 A values, nibble m = p*4 + kh*2 + h for row l//4 + 8h and k = kh*8 + (l%4)*2 + p, and
-a lane's four words for four consecutive k steps are adjacent (one 16-byte load; a warp reads 512
-contiguous bytes). Per group of G k (64 or 128): P = sum (128 + q) x by the tile's mmas, sum x by
-one more mma per k step with A = 1 (shared by the program's T tiles), then out += s P + (z - 128 s)
-sum x, the factored form of sum (q s + z) x, in fp32.
+The mma's k slots need not be consecutive k: any order shared by A and B gives the same sum. Per
+64-k block, lane l = g*4 + tq takes k = tq*16 + j*4 + kh*2 + p into slot kh*8 + tq*2 + p of k step
+j, so its B registers for the block's 4 steps are 16 consecutive x (two 16-byte loads of the row
+g) and its A values for them are one 16-byte load of 4 words (`pack_mma`; nibble m = p*4 + kh*2 +
+h of word j holds row g + 8h; a warp reads 512 contiguous bytes). Per group of G k (64 or 128):
+P = sum (128 + q) x by the tile's mmas, sum x by one more mma per k step with A = 1, then
+out += s P + (z - 128 s) sum x, the factored form of sum (q s + z) x, in fp32.
 
 A program holds T tiles of 16 rows; its W warps split K (each K / W, a multiple of G) and their
-partials are summed at the end. Every weight, scale and zero load of a warp is issued before the
-PDL wait. Epilogues: none, or GeGLU (T = 2: a gate tile and its up tile; gelu_tanh(gate) * up,
-rounded as the eager layer rounds).
+partials are summed at the end. The first `depth` groups of weight words are loaded before the PDL
+wait, each later one `depth` groups ahead of its use. Epilogues: none, or GeGLU (T = 2: a gate tile
+and its up tile; gelu_tanh(gate) * up, rounded as the eager layer rounds).
 
 Under TRITON_INTERPRET=1 the two mma blocks run as Triton tensor code with the same fragment maps
 (`_mma_emulated`), so the kernel's indexing is tested on the CPU; tests/ptx_lite.py runs the PTX
@@ -47,8 +48,8 @@ _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
 def _tile_asm() -> str:
-    """Four k steps of one tile: words $4..$7, B registers $8..$11 (k 0-7 of each step) and
-    $12..$15 (k 8-15), accumulator in $16..$19, out $0..$3."""
+    """Four k steps of one tile: words $4..$7, B registers $8..$15 (two per step, as a lane loads
+    them), accumulator in $16..$19, out $0..$3."""
     lines = ["{", ".reg .b32 a0, a1, a2, a3, t;"]
     for j in range(4):
         w, c = f"${4 + j}", ("{$16, $17, $18, $19}" if j == 0 else "{$0, $1, $2, $3}")
@@ -56,16 +57,16 @@ def _tile_asm() -> str:
         for r in (1, 2, 3):
             lines.append(f"shr.b32 t, {w}, {4 * r};")
             lines.append(f"lop3.b32 a{r}, t, 0x000F000F, {_MAGIC}, 0xEA;")
-        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{${8 + j}, ${12 + j}}}, {c};")
+        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{${8 + 2 * j}, ${9 + 2 * j}}}, {c};")
     return "\n".join(lines + ["}"])
 
 
 def _ones_asm() -> str:
-    """Four k steps of sum x: A = 1.0 everywhere; B $4..$7 / $8..$11, accumulator $12..$15."""
+    """Four k steps of sum x: A = 1.0 everywhere; B $4..$11 (two per step), accumulator $12..$15."""
     lines = ["{", ".reg .b32 one;", "mov.b32 one, 0x3F803F80;"]
     for j in range(4):
         c = "{$12, $13, $14, $15}" if j == 0 else "{$0, $1, $2, $3}"
-        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{${4 + j}, ${8 + j}}}, {c};")
+        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{${4 + 2 * j}, ${5 + 2 * j}}}, {c};")
     return "\n".join(lines + ["}"])
 
 
@@ -90,25 +91,31 @@ def pack_mma(q: torch.Tensor) -> torch.Tensor:
     N, K = q.shape
     if N % 16 or K % 64:
         raise ValueError(f"pack_mma needs N % 16 == 0 and K % 64 == 0, got {tuple(q.shape)}")
-    # row = tile*16 + h*8 + g, k = step*16 + kh*8 + tq*2 + p; lane = g*4 + tq; nibble m = p*4 + kh*2 + h
-    v = q.to(torch.int32).reshape(N // 16, 2, 8, K // 16, 2, 4, 2)  # tile, h, g, step, kh, tq, p
-    v = v.permute(0, 3, 2, 5, 6, 4, 1).reshape(N // 16, K // 16, 32, 8)  # tile, step, lane, m
-    words = (v << (4 * torch.arange(8, dtype=torch.int32, device=q.device))).sum(-1, dtype=torch.int32)
-    return words.reshape(N // 16, K // 64, 4, 32).transpose(2, 3).contiguous()
+    # row = tile*16 + h*8 + g; k = block*64 + tq*16 + j*4 + kh*2 + p; lane = g*4 + tq; nibble p*4 + kh*2 + h
+    v = q.to(torch.int32).reshape(N // 16, 2, 8, K // 64, 4, 4, 2, 2)  # tile, h, g, block, tq, j, kh, p
+    v = v.permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(N // 16, K // 64, 32, 4, 8)  # tile, block, lane, j, m
+    return (v << (4 * torch.arange(8, dtype=torch.int32, device=q.device))).sum(-1, dtype=torch.int32)
 
 
 def unpack_mma(words: torch.Tensor) -> torch.Tensor:
     """pack_mma's inverse: words [N/16, K/64, 32, 4] -> codes [N, K] uint8."""
     NT, KB = words.shape[:2]
-    w = words.transpose(2, 3).reshape(NT, KB * 4, 32, 1)
-    v = (w >> (4 * torch.arange(8, dtype=torch.int32, device=words.device))) & 0xF  # tile, step, lane, m
-    v = v.reshape(NT, KB * 4, 8, 4, 2, 2, 2).permute(0, 6, 2, 1, 5, 3, 4)  # tile, h, g, step, kh, tq, p
+    v = (words[..., None] >> (4 * torch.arange(8, dtype=torch.int32, device=words.device))) & 0xF
+    v = v.reshape(NT, KB, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 3, 4, 6, 5)  # tile, h, g, block, tq, j, kh, p
     return v.reshape(NT * 16, KB * 64).to(torch.uint8)
+
+
+def pack_mma_sz(sz: torch.Tensor) -> torch.Tensor:
+    """Packed scale / zero words [K/G, N] (w4a16.pack_scale_zero) -> [N/16, K/G, 8, 2]: a lane g*4 + tq
+    reads the words of its two rows g and g + 8 with one 8-byte load."""
+    NG, N = sz.shape
+    return sz.reshape(NG, N // 16, 2, 8).permute(1, 0, 3, 2).contiguous()
 
 
 @dataclass
 class MmaWeight:
-    """One int4 linear in the fragment order: words, packed scale / zero words [K/G, N] (bf16 pairs)."""
+    """One int4 linear in the fragment order: words [N/16, K/64, 32, 4] and scale / zero words
+    [N/16, K/G, 8, 2] (bf16 pairs, `pack_mma_sz`)."""
     words: torch.Tensor
     sz: torch.Tensor
     N: int
@@ -121,7 +128,7 @@ class MmaWeight:
         check_mma_shape(N, K, group_size)
         if scales.dtype != torch.bfloat16:
             raise ValueError(f"mma_w4a16 reads bf16 scales / zeros, got {scales.dtype}")
-        return cls(pack_mma(q), pack_scale_zero(scales, zeros), N, K, group_size)
+        return cls(pack_mma(q), pack_mma_sz(pack_scale_zero(scales, zeros)), N, K, group_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,17 +142,16 @@ def _bf16_pairs(v):
 
 
 @triton.jit
-def _mma_emulated(w, b01, b23, c, ONES: tl.constexpr):
+def _mma_emulated(w, xa, xb, c, ONES: tl.constexpr):
     """The interpreter's twin of TILE_ASM / ONES_ASM over whole [R, 4] tensors (row r = warp slot
     r // 32, lane r % 32): lanes are an axis, so the warp-wide fragment maps become reshapes
-    (A[g + 8h, kh*8 + tq*2 + p] is nibble p*4 + kh*2 + h of lane g*4 + tq's word; B[kh*8 + tq*2 + p,
-    g] is half p of lane g*4 + tq's b01 (kh = 0) or b23 (kh = 1))."""
+    (A[g + 8h, kh*8 + tq*2 + p] of step j is nibble p*4 + kh*2 + h of lane g*4 + tq's word j;
+    B[kh*8 + tq*2 + p, g] of step j is half p of the lane's x word 2j + kh: xa holds words 0-3, xb 4-7)."""
     S: tl.constexpr = w.shape[0] // 32
-    x01_lo, x01_hi = _bf16_pairs(b01)
-    x23_lo, x23_hi = _bf16_pairs(b23)
-    xb = tl.join(tl.join(x01_lo, x01_hi), tl.join(x23_lo, x23_hi))  # [R, 4 j, 2 p, 2 kh]
-    xb = tl.permute(tl.reshape(xb, (S, 8, 4, 4, 2, 2)), (0, 3, 5, 2, 4, 1))  # S, j, kh, tq, p, g
-    B = tl.reshape(xb, (S, 4, 1, 16, 8))  # [S, j, 1 (row), k, n]
+    xw = tl.join(xa, xb)  # [R, 4 (i: jl*2 + kh), 2 (j // 2)]
+    lo, hi = _bf16_pairs(xw)
+    xv = tl.reshape(tl.join(lo, hi), (S, 8, 4, 2, 2, 2, 2))  # S, g, tq, jl, kh, jh, p
+    B = tl.reshape(tl.permute(xv, (0, 5, 3, 4, 2, 6, 1)), (S, 4, 1, 16, 8))  # [S, j, 1 (row), k, n]
     if ONES:
         A = tl.full((S, 4, 16, 16, 1), 1.0, tl.float32)
     else:
@@ -161,37 +167,25 @@ def _mma_emulated(w, b01, b23, c, ONES: tl.constexpr):
 
 
 @triton.jit
-def _tile_mma(w, b01, b23, c, EMU: tl.constexpr):
+def _tile_mma(w, xa, xb, c, EMU: tl.constexpr):
     if EMU:
-        return _mma_emulated(w, b01, b23, c, False)
+        return _mma_emulated(w, xa, xb, c, False)
     return tl.inline_asm_elementwise(TILE_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f",
-                                     [w, b01, b23, c], dtype=tl.float32, is_pure=True, pack=4)
+                                     [w, xa, xb, c], dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit
-def _ones_mma(b01, b23, c, EMU: tl.constexpr):
+def _ones_mma(xa, xb, c, EMU: tl.constexpr):
     if EMU:
-        return _mma_emulated(b01, b01, b23, c, True)
+        return _mma_emulated(xa, xa, xb, c, True)
     return tl.inline_asm_elementwise(ONES_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
-                                     [b01, b23, c], dtype=tl.float32, is_pure=True, pack=4)
-
-
-@triton.jit
-def _gather32(ptrs, EMU: tl.constexpr):
-    """32-bit loads that leave the tensor's layout to the words' load: a tl.load of these addresses
-    (contiguous across lanes, not within one) would get a layout that splits a lane's 4 values over
-    4 threads, and the mma blocks would then take it (offline TTGIR, triton 3.6). Not pure: they
-    must stay after the PDL wait."""
-    if EMU:
-        return tl.load(ptrs)
-    return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+                                     [xa, xb, c], dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit
 def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                      PDL: tl.constexpr, EMU: tl.constexpr):
+                      DEPTH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     KB: tl.constexpr = K // 64  # 64-k word blocks per row tile
@@ -211,31 +205,44 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stri
     else:
         tile = pid * T + ot
     w_ptrs = w_ptr + ((tile * KB + ow * (KW // 64)) * 32 + lane) * 4 + oj
-    row = tile * 16 + lane // 4 + 8 * (oj // 2)  # the output row of accumulator element c = oj
-    sz_ptrs = sz_ptr + (ow * NG) * N + row
+    # a lane's scale / zero words for rows g and g + 8: [R, 2], spread to its 4 accumulator elements
+    sz_ptrs = sz_ptr + ((tile * (K // GROUP) + ow * NG) * 8 + lane // 4) * 2 + tl.arange(0, 2)[None, :]
     words = ()  # words[g][i]: word block i of group g (the interpreter cannot index by a sum)
     for g in tl.static_range(NG):
         grp = ()
-        for i in tl.static_range(BG):
-            grp = grp + (tl.load(w_ptrs + (g * BG + i) * 128),)
+        if g < DEPTH:
+            for i in tl.static_range(BG):
+                grp = grp + (tl.load(w_ptrs + (g * BG + i) * 128),)
         words = words + (grp,)
-    _pdl_wait(PDL)
     szs = ()
     for g in tl.static_range(NG):
-        szs = szs + (_gather32(sz_ptrs + g * N, EMU),)
-    # B operand: lane g*4 + tq holds x[row g, k + tq*2 + {0, 1}] (b01) and k + 8 + ... (b23); rows past
-    # M read row M - 1 (their columns are not stored)
+        v = tl.load(sz_ptrs + g * 16)
+        szs = szs + (tl.reshape(tl.join(v, v), (R, 4)),)  # element c: row g + 8 (c // 2)
+    _pdl_wait(PDL)
+    # B operand: lane g*4 + tq takes 16 consecutive x of row g per block (rows past M read row M - 1;
+    # their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)
     x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
-              + ow * (KW // 2) + lane % 4 + oj * 8)  # k step j of a word block at + 8 j words
+              + ow * (KW // 2) + (lane % 4) * 8 + oj)
     acc = tl.zeros((R, 4), dtype=tl.float32)
     for g in tl.static_range(NG):
+        if g + DEPTH < NG:  # the words DEPTH groups ahead
+            grp = ()
+            for i in tl.static_range(BG):
+                grp = grp + (tl.load(w_ptrs + ((g + DEPTH) * BG + i) * 128),)
+            ahead = ()
+            for k in tl.static_range(NG):
+                if k == g + DEPTH:
+                    ahead = ahead + (grp,)
+                else:
+                    ahead = ahead + (words[k],)
+            words = ahead
         p = tl.zeros((R, 4), dtype=tl.float32)
         xs = tl.zeros((R, 4), dtype=tl.float32)
         for i in tl.static_range(BG):
-            b01 = _gather32(x_ptrs + (g * BG + i) * 32, EMU)
-            b23 = _gather32(x_ptrs + (g * BG + i) * 32 + 4, EMU)
-            xs = _ones_mma(b01, b23, xs, EMU)
-            p = _tile_mma(words[g][i], b01, b23, p, EMU)
+            xa = tl.load(x_ptrs + (g * BG + i) * 32)
+            xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
+            xs = _ones_mma(xa, xb, xs, EMU)
+            p = _tile_mma(words[g][i], xa, xb, p, EMU)
         s, z = _bf16_pairs(szs[g])
         acc += s * p + (z - 128.0 * s) * xs
     y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)  # the K slices summed: [T*32, 4]
@@ -263,9 +270,11 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stri
 @dataclass(frozen=True)
 class MmaConfig:
     """tiles: 16-row tiles per program (2 for GeGLU: gate and up); warps: the split of K (each warp
-    K / warps, a multiple of the group size)."""
+    K / warps, a multiple of the group size); depth: groups of weight words in flight per warp (all
+    of its K slice when that is fewer)."""
     tiles: int = 1
     warps: int = 4
+    depth: int = 64
 
 
 # (N, K) -> config on the H200 (E4B shapes); else `default_mma_config`
@@ -309,7 +318,7 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     out = torch.empty(M, N // 2 if epi else N, device=x.device, dtype=x.dtype)
     grid = ((N // 2) // 16,) if epi else (N // 16 // cfg.tiles,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0),
-                            K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, EMU=_INTERPRET,
+                            K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth, EMU=_INTERPRET,
                             num_warps=cfg.warps, **pdl_args(pdl, x.device))
     return out
 
@@ -341,9 +350,17 @@ def _(x, words, sz, N, group_size, epilogue, tiles, warps, pdl):
 
 
 def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
-    tiles = (2,) if epilogue == "geglu" else (1, 2)
-    return [MmaConfig(t, w) for t in tiles for w in (1, 2, 4, 8) if K % (w * group_size) == 0
-            and K // w <= 2560]
+    """Tiles x warps where each warp's K slice is whole groups of at most 2,560 k; depth 2 and all."""
+    tiles = (2,) if epilogue == "geglu" else (1, 2, 4)
+    out = []
+    for t in tiles:
+        for w in (1, 2, 4, 8):
+            if K % (w * group_size) or K // w > 2560:
+                continue
+            out.append(MmaConfig(t, w))
+            if K // (w * group_size) > 2:
+                out.append(MmaConfig(t, w, 2))
+    return out
 
 
 def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer=None, device: str = "cuda",
