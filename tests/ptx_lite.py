@@ -1,6 +1,7 @@
 """A tiny interpreter for the straight-line b32 PTX blocks our kernels pass to
-tl.inline_asm_elementwise (mov, shr, lop3, prmt, fma.rn.bf16x2), so CPU tests can run the asm text
-itself: Triton's interpreter cannot execute inline PTX. Values are Python ints (32-bit registers)."""
+tl.inline_asm_elementwise (mov, shr, lop3, prmt, fma.rn.bf16x2; warp-wide: mma.sync m16n8k16 bf16
+with fp32 accumulators), so CPU tests can run the asm text itself: Triton's interpreter cannot
+execute inline PTX. Values are Python ints (32-bit registers; fp32 ones as their bits)."""
 import re
 import struct
 
@@ -66,3 +67,85 @@ def run(asm: str, args: list[int], n_out: int) -> list[int]:
         else:
             raise NotImplementedError(f"ptx_lite: {op}")
     return [regs[f"${i}"] for i in range(n_out)]
+
+
+_MMA_OP = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _mma_warp(a_regs, b_regs, c_regs):
+    """mma.m16n8k16 (row-major A 16x16 bf16, col-major B 16x8 bf16, fp32 C / D) from the 32 lanes'
+    fragments, as the PTX ISA lays them out: lane l = g*4 + t holds A[g + 8 (i%2), t*2 + 8 (i//2) + h]
+    in half h of register i, B[t*2 + 8 i + h, g] in half h of register i, C[g + 8 (i//2), t*2 + i%2]
+    in register i. -> the lanes' 4 D registers. Products and sums in float64, rounded to fp32 once."""
+    A = [[0.0] * 16 for _ in range(16)]
+    B = [[0.0] * 8 for _ in range(16)]
+    C = [[0.0] * 8 for _ in range(16)]
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(4):
+            for h in range(2):
+                A[g + 8 * (i % 2)][t * 2 + 8 * (i // 2) + h] = _bf16(a_regs[lane][i] >> (16 * h))
+                C[g + 8 * (i // 2)][t * 2 + i % 2] = _f32(c_regs[lane][i])
+        for i in range(2):
+            for h in range(2):
+                B[t * 2 + 8 * i + h][g] = _bf16(b_regs[lane][i] >> (16 * h))
+    out = []
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        d = []
+        for i in range(4):
+            r, n = g + 8 * (i // 2), t * 2 + i % 2
+            d.append(_f32_bits(C[r][n] + sum(A[r][k] * B[k][n] for k in range(16))))
+        out.append(d)
+    return out
+
+
+def run_warp(asm: str, lane_args: list[list[int]], n_out: int) -> list[list[int]]:
+    """Execute `asm` on 32 lanes in lock step ($0..$(n_out-1) outputs, $n_out.. bound to each lane's
+    args); mma.sync reads every lane's fragments at once. -> each lane's outputs."""
+    regs = [{f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(args)} for args in lane_args]
+    assert len(regs) == 32, "a warp is 32 lanes"
+
+    def val(lane, tok):
+        tok = tok.strip()
+        if tok.startswith("0x"):
+            return int(tok, 16)
+        return int(tok) if tok.isdigit() else regs[lane][tok]
+
+    def group(text):  # "{$0, $1}" -> ["$0", "$1"]
+        return [t.strip() for t in text.strip().strip("{}").split(",")]
+
+    for line in asm.split(";"):
+        line = line.strip()
+        line = line[1:].strip() if line.startswith("{") else line  # the block's braces, not the operand groups
+        if not line or line == "}" or line.startswith(".reg"):
+            continue
+        op, _, rest = line.partition(" ")
+        if op == _MMA_OP:
+            d, a, b, c = (group(x) for x in re.findall(r"\{[^}]*\}", rest))
+            res = _mma_warp([[val(ln, x) for x in a] for ln in range(32)], [[val(ln, x) for x in b] for ln in range(32)],
+                            [[val(ln, x) for x in c] for ln in range(32)])
+            for ln in range(32):
+                for reg, v in zip(d, res[ln]):
+                    regs[ln][reg] = v
+            continue
+        ops = [t.strip() for t in rest.split(",")]
+        dst, src = ops[0], ops[1:]
+        for ln in range(32):
+            if op == "mov.b32":
+                regs[ln][dst] = val(ln, src[0])
+            elif op == "shr.b32":
+                regs[ln][dst] = val(ln, src[0]) >> val(ln, src[1])
+            elif op == "lop3.b32":
+                regs[ln][dst] = _lop3(val(ln, src[0]), val(ln, src[1]), val(ln, src[2]), int(src[3], 16))
+            else:
+                raise NotImplementedError(f"ptx_lite: {op}")
+    return [[regs[ln][f"${i}"] for i in range(n_out)] for ln in range(32)]

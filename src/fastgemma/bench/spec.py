@@ -193,6 +193,10 @@ def main(argv=None):
                          "stores (on) or in torch after them (off); on,off: a row each")
     for flag, what in VERIFY_SWITCHES.items():
         ap.add_argument(flag, default="on", help=f"with --fuse layers and epilogues on: {what}; on,off: a row each")
+    ap.add_argument("--verify-mma", default="",
+                    help="with --fuse layers and epilogues on and 'mma' in --variant: the k+1-row pass's int4 GEMMs on "
+                         "kernels/mma_w4a16.py where its table has the shape (on) or the per-group kernel (off); "
+                         "on,off: a row each (default: as --variant says)")
     ap.add_argument("--variant", default="attn_pdl+qkv",
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
                          f"--variants: base, or options joined by '+' ({', '.join(VARIANT_OPTS)})")
@@ -243,14 +247,19 @@ def main(argv=None):
     pdls = _on_off("--verify-pdl", a.verify_pdl)
     qkvs = _on_off("--verify-qkv", a.verify_qkv)
     attn_pdls = _on_off("--attn-pdl", a.attn_pdl)
+    variant_mma = a.fuse == "layers" and "mma" in a.variant.split("+")
+    mmas = _on_off("--verify-mma", a.verify_mma or ("on" if variant_mma else "off"))
+    if "on" in mmas and not variant_mma:
+        raise SystemExit("--verify-mma on needs 'mma' in --variant (it gives the int4 linears the kernel's copy)")
     fused_verify = model.fused_verify  # None without --fuse layers
 
-    def verify_variant(nrm: str, pdl: str, qkv: str, apdl: str):
+    def verify_variant(nrm: str, pdl: str, qkv: str, apdl: str, mma: str):
         """fused_verify with the norm kernels (nrm on) or compiled torch, PDL launches (pdl on), the
-        q/k/v kernel (qkv on) or compiled torch, PDL launches of the attention kernels (apdl on)."""
+        q/k/v kernel (qkv on) or compiled torch, PDL launches of the attention kernels (apdl on), the
+        tensor-core int4 kernel (mma on)."""
         return functools.partial(fused_verify.func, *fused_verify.args,
                                  **{**fused_verify.keywords, "norm_kernels": nrm == "on", "pdl": pdl == "on",
-                                    "qkv_kernel": qkv == "on", "attn_pdl": apdl == "on"})
+                                    "qkv_kernel": qkv == "on", "attn_pdl": apdl == "on", "int4_mma": mma == "on"})
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -294,16 +303,17 @@ def main(argv=None):
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
         fv = fused_verify is not None
-        plan = [(tiles, dname, fix, epi, nrm, pdl, qkv, apdl, kind, k) for tiles in a.verify_tiles.split(",")
+        plan = [(tiles, dname, fix, epi, nrm, pdl, qkv, apdl, mma, kind, k) for tiles in a.verify_tiles.split(",")
                 for dname in drafters for fix in fixups for epi in epilogues
                 for nrm in (norms if epi == "on" else ["off"]) for pdl in (pdls if fv and epi == "on" else [None])
                 for qkv in (qkvs if fv and epi == "on" else [None])
-                for apdl in (attn_pdls if fv and epi == "on" else [None]) for kind, k in plan]
-        for tiles, dname, fix, epi, nrm, pdl, qkv, apdl, kind, k in plan:
+                for apdl in (attn_pdls if fv and epi == "on" else [None])
+                for mma in (mmas if fv and epi == "on" else [None]) for kind, k in plan]
+        for tiles, dname, fix, epi, nrm, pdl, qkv, apdl, mma, kind, k in plan:
             use_verify_tiles(tiles)
             w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
             # read when the verify step is traced
-            model.fused_verify = verify_variant(nrm, pdl, qkv, apdl) if fv and epi == "on" else None
+            model.fused_verify = verify_variant(nrm, pdl, qkv, apdl, mma) if fv and epi == "on" else None
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
@@ -336,7 +346,7 @@ def main(argv=None):
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None,
                            verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, verify_qkv=qkv,
-                           attn_pdl=apdl,
+                           attn_pdl=apdl, verify_mma=mma,
                            prefill=pname,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
@@ -366,18 +376,18 @@ def main(argv=None):
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | prefill | "
+    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | prefill | "
           "profile | k | "
           "tok/s | x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
           "top1 vs AR | top1 conf | accept_by_pos |")
-    print("|" + "---|" * 28)
+    print("|" + "---|" * 29)
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
               f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('attn_pdl') or ''} | "
-              f"{r.get('prefill', '')} | "
+              f"{r.get('verify_mma') or ''} | {r.get('prefill', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "

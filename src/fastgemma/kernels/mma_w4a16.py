@@ -183,6 +183,17 @@ def _ones_mma(xa, xb, c, EMU: tl.constexpr):
 
 
 @triton.jit
+def _group_loads(w_ptrs, sz_ptrs, g, BG: tl.constexpr, R: tl.constexpr):
+    """Group g's BG word blocks [R, 4], then its scale / zero words spread to [R, 4] (element c:
+    row g + 8 (c // 2) of the lane's pair)."""
+    grp = ()
+    for i in tl.static_range(BG):
+        grp = grp + (tl.load(w_ptrs + (g * BG + i) * 128),)
+    v = tl.load(sz_ptrs + g * 16)
+    return grp + (tl.reshape(tl.join(v, v), (R, 4)),)
+
+
+@triton.jit
 def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                       DEPTH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
@@ -207,17 +218,12 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stri
     w_ptrs = w_ptr + ((tile * KB + ow * (KW // 64)) * 32 + lane) * 4 + oj
     # a lane's scale / zero words for rows g and g + 8: [R, 2], spread to its 4 accumulator elements
     sz_ptrs = sz_ptr + ((tile * (K // GROUP) + ow * NG) * 8 + lane // 4) * 2 + tl.arange(0, 2)[None, :]
-    words = ()  # words[g][i]: word block i of group g (the interpreter cannot index by a sum)
+    words = ()  # words[g]: group g's word blocks and scale / zero words (the interpreter cannot index by a sum)
     for g in tl.static_range(NG):
         grp = ()
         if g < DEPTH:
-            for i in tl.static_range(BG):
-                grp = grp + (tl.load(w_ptrs + (g * BG + i) * 128),)
+            grp = _group_loads(w_ptrs, sz_ptrs, g, BG, R)
         words = words + (grp,)
-    szs = ()
-    for g in tl.static_range(NG):
-        v = tl.load(sz_ptrs + g * 16)
-        szs = szs + (tl.reshape(tl.join(v, v), (R, 4)),)  # element c: row g + 8 (c // 2)
     _pdl_wait(PDL)
     # B operand: lane g*4 + tq takes 16 consecutive x of row g per block (rows past M read row M - 1;
     # their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)
@@ -225,10 +231,8 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stri
               + ow * (KW // 2) + (lane % 4) * 8 + oj)
     acc = tl.zeros((R, 4), dtype=tl.float32)
     for g in tl.static_range(NG):
-        if g + DEPTH < NG:  # the words DEPTH groups ahead
-            grp = ()
-            for i in tl.static_range(BG):
-                grp = grp + (tl.load(w_ptrs + ((g + DEPTH) * BG + i) * 128),)
+        if g + DEPTH < NG:  # the loads DEPTH groups ahead
+            grp = _group_loads(w_ptrs, sz_ptrs, g + DEPTH, BG, R)
             ahead = ()
             for k in tl.static_range(NG):
                 if k == g + DEPTH:
@@ -243,7 +247,7 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stri
             xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
             xs = _ones_mma(xa, xb, xs, EMU)
             p = _tile_mma(words[g][i], xa, xb, p, EMU)
-        s, z = _bf16_pairs(szs[g])
+        s, z = _bf16_pairs(words[g][BG])
         acc += s * p + (z - 128.0 * s) * xs
     y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)  # the K slices summed: [T*32, 4]
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -277,8 +281,28 @@ class MmaConfig:
     depth: int = 64
 
 
-# (N, K) -> config on the H200 (E4B shapes); else `default_mma_config`
-MMA_CONFIGS: dict[tuple[int, int], MmaConfig] = {}
+# (N, K, rows > 1) -> the fastest config on the H200, for the E4B shapes where this kernel beats the one
+# the engine launches otherwise (`bench_mma`, run DB, us: this / that; one row: the fused int4 GEMV without
+# a prologue; 8 rows: the per-group tl.dot kernel). `mma_config` is None elsewhere.
+MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
+    (2560, 2048, False): MmaConfig(2, 8),  # o: 3.70 / 4.17
+    (2560, 4096, False): MmaConfig(2, 8),  # o full: 4.02 / 5.06
+    (2560, 10240, False): MmaConfig(1, 4),  # down: 10.33 / 10.99
+    (2560, 256, False): MmaConfig(1, 1),  # PLE projection: 1.16 / 1.34
+    (3072, 2560, True): MmaConfig(2, 4),  # q|k|v: 4.48 / 5.73
+    (6144, 2560, True): MmaConfig(1, 4),  # q|k|v full: 5.00 / 7.20
+    (2048, 2560, True): MmaConfig(2, 4),  # q: 4.30 / 5.47
+    (2560, 2048, True): MmaConfig(2, 4),  # o: 3.38 / 5.33
+    (2560, 4096, True): MmaConfig(2, 8),  # o full: 4.42 / 6.87
+    (2560, 256, True): MmaConfig(1, 1),  # PLE projection: 1.29 / 2.47
+}
+
+
+def mma_config(N: int, K: int, M: int, epilogue: str = "none") -> MmaConfig | None:
+    """The table's config for M rows of x [M, K] @ W [N, K]^T, or None (this kernel is not the faster
+    one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair)."""
+    cfg = MMA_CONFIGS.get((N, K, M > 1)) if 1 <= M <= MAX_ROWS else None
+    return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
 
 
 def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") -> MmaConfig:
@@ -306,7 +330,7 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         raise ValueError(f"mma_w4a16 epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("mma_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use mma_w4a16_ref")
-    cfg = config or MMA_CONFIGS.get((N, K)) or default_mma_config(N, K, G, epilogue)
+    cfg = config or mma_config(N, K, x.shape[0], epilogue) or default_mma_config(N, K, G, epilogue)
     epi = EPILOGUES[epilogue]
     if K % (cfg.warps * G):
         raise ValueError(f"mma_w4a16: K={K} does not split into {cfg.warps} warps of whole groups of {G}")
@@ -335,13 +359,13 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
-                 tiles: int, warps: int, pdl: bool) -> torch.Tensor:
+                 tiles: int, warps: int, depth: int, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth), pdl)
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -350,7 +374,7 @@ def _(x, words, sz, N, group_size, epilogue, tiles, warps, pdl):
 
 
 def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
-    """Tiles x warps where each warp's K slice is whole groups of at most 2,560 k; depth 2 and all."""
+    """Tiles x warps where each warp's K slice is whole groups of at most 2,560 k; depth 2, 4, 8, all."""
     tiles = (2,) if epilogue == "geglu" else (1, 2, 4)
     out = []
     for t in tiles:
@@ -358,8 +382,7 @@ def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
             if K % (w * group_size) or K // w > 2560:
                 continue
             out.append(MmaConfig(t, w))
-            if K // (w * group_size) > 2:
-                out.append(MmaConfig(t, w, 2))
+            out += [MmaConfig(t, w, d) for d in (2, 4, 8) if K // (w * group_size) > d]
     return out
 
 
@@ -400,7 +423,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
-            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps", mma, lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
+            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, depth {c.depth}", mma, lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
                     for c in mma_candidates(K, group_size, epi)]
             if M == 1:
                 kw = dict(eps=1e-6, pdl=pdl, epilogue=epi)

@@ -62,11 +62,31 @@ def _layer_linears(i: int, layer) -> dict:
     return {role: mod for role, (_, mod) in named.items()}
 
 
-def _caller(gemv, gemv4, pdl: bool, eps: float, off: float):
-    """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op."""
+def _mma_call(mod, x, epilogue: str, pdl: bool):
+    """x [M, K] through kernels/mma_w4a16.py where `mod` is an Int4Linear holding its fragment-order
+    copy (int4_mma) and the kernel's table has a config for its shape and M; else None."""
+    from ..kernels.mma_w4a16 import EPILOGUES, mma_config, mma_w4a16_op
+    from .quant import Int4Linear
+
+    if not (isinstance(mod, Int4Linear) and mod.mma and epilogue in EPILOGUES and x.dtype == torch.bfloat16):
+        return None
+    cfg = mma_config(mod.out_features, mod.in_features, x.shape[0], epilogue)
+    if cfg is None:
+        return None
+    return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, cfg.tiles,
+                        cfg.warps, cfg.depth, pdl)
+
+
+def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False):
+    """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op;
+    mma: a GEMV without prologue through kernels/mma_w4a16.py where `_mma_call` takes it."""
     from .quant import Int4Linear
 
     def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
+        if mma and y is None and pre is None and aux is None:
+            out = _mma_call(mod, a.reshape(1, -1), epilogue, pdl)
+            if out is not None:
+                return out, None
         if isinstance(mod, Int4Linear):
             return gemv4(a, mod.qweight, mod.scales, mod.zeros, mod.group_size, y, post, scale, pre, aux, eps, off,
                          epilogue, pdl)
@@ -107,15 +127,16 @@ def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
-                 attn_pdl: bool = False, attn_merge: bool = False):
+                 attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
-    combine launch (kernels/decode_attention.py)."""
+    combine launch (kernels/decode_attention.py); int4_mma: int4 GEMVs without a prologue (o, down,
+    PLE projection) on the tensor-core kernel where its table has their shape (kernels/mma_w4a16.py)."""
     c = model.config
     x, ple = model.embed(ids)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge)
-    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset)
+    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma)
     h = x.reshape(1, -1)
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
     pend = None
@@ -147,27 +168,38 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
 SKINNY_MAX_BYTES = 4 << 20
 
 
-def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False):
+def _int4_epilogue(mod, x2, epilogue: str, a2, triton: bool, pdl: bool):
+    """An Int4Linear's x2 [M, K] through the per-group kernel's store epilogue (or its twin)."""
+    from ..kernels.w4a16 import w4a16_epilogue_op, w4a16_matmul, w4a16_torch
+
+    w = (mod.qweight, mod.scales, mod.zeros, mod.group_size)
+    if not triton:
+        return w4a16_torch(x2, *w, epilogue=epilogue, aux=a2)
+    if mod.config is not None:  # the module's tile override, honoured as Int4Linear.forward does
+        return w4a16_matmul(x2, *w, mod.config, epilogue, a2, mod.sz, pdl)
+    return w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz, pdl)
+
+
+def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False,
+                   int4_mma: bool = False):
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
     rows); otherwise the GEMM, then torch's epilogue. No epilogue: a dense linear is mod(x) itself;
     an Int4Linear's tile override (`config`) holds, as in its forward.
-    `pdl`: the Triton GEMMs launch with programmatic dependent launch."""
+    `pdl`: the Triton GEMMs launch with programmatic dependent launch. `int4_mma`: an Int4Linear goes
+    to the tensor-core kernel where `_mma_call` takes it (<= 8 rows, a shape in its table)."""
     from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
-    from ..kernels.w4a16 import apply_epilogue, w4a16_epilogue_op, w4a16_matmul, w4a16_torch
+    from ..kernels.w4a16 import apply_epilogue
     from .quant import Int4Linear
 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
     if isinstance(mod, Int4Linear):
-        w = (mod.qweight, mod.scales, mod.zeros, mod.group_size)
-        if not (triton_ops and mod.backend == "triton"):
-            y = w4a16_torch(x2, *w, epilogue=epilogue, aux=a2)
-        elif mod.config is not None:  # the module's tile override, honoured as Int4Linear.forward does
-            y = w4a16_matmul(x2, *w, mod.config, epilogue, a2, mod.sz, pdl)
-        else:
-            y = w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz, pdl)
+        triton = triton_ops and mod.backend == "triton"
+        y = _mma_call(mod, x2, epilogue, pdl) if int4_mma and triton else None
+        if y is None:
+            y = _int4_epilogue(mod, x2, epilogue, a2, triton, pdl)
     elif epilogue == "none":
         return mod(x)
     elif fits(*x2.shape) and mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES:
@@ -179,7 +211,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
-                 qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False):
+                 qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -187,7 +219,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     instead of compiled reductions; q/k/v norms, RoPE and the cache writes in one launch per layer
     with `qkv_kernel` (kernels/qkv_finish.py; False, the default: the static step's own ops).
     norm_kernels=False: the same updates as torch code (the twin), which torch.compile turns into
-    its own reductions (the baseline of `bench.spec --verify-norms`).
+    its own reductions (the baseline of `bench.spec --verify-norms`). int4_mma: int4 GEMMs of <= 8 rows
+    on the tensor-core kernel where its table has their shape (kernels/mma_w4a16.py).
     pdl=True (fuse.pdl, sm90+): the GEMMs, norm kernels and q/k/v kernels launch with programmatic
     dependent launch: each waits for the kernel before it first, and lets the next one launch after
     its main loop (`bench.spec --verify-pdl`). attn_pdl: the attention kernels too (each waits first
@@ -205,7 +238,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         return (h if y is not None else a), x
 
     def gemm(mod, x, epilogue="none", aux=None):
-        return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl)
+        return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl, int4_mma=int4_mma)
 
     x, ple = model.embed(ids)
     lead = x.shape[:-1]
@@ -293,11 +326,12 @@ class FuseLayers:
     same step structure and rounding, any device: the CPU reference of the fused path)."""
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
-                 attn_merge: bool = False):
+                 attn_merge: bool = False, int4_mma: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
+        self.int4_mma = bool(int4_mma)
         self.merge = MergeProjections()
 
     def apply(self, model):
@@ -319,19 +353,36 @@ class FuseLayers:
         # the q/k/v kernel is Triton's: the torch backend keeps the twin's ops
         step = dict(pdl=self.pdl, attn_pdl=self.attn_pdl, qkv_kernel=self.qkv_kernel and self.backend == "triton",
                     attn_merge=self.attn_merge)
-        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **step)
-        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", **step)
+        # the tensor-core int4 kernel is Triton's (its copy of the weights is made once quant ran: here
+        # when it ran before, else in validate)
+        body = dict(step, int4_mma=self.int4_mma and self.backend == "triton")
+        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **body)
+        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", **body)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, **step)
+        self._enable_mma(model)
         model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
         return model
 
     def validate(self, model) -> None:
-        """Every linear the fused step reads is dense or int4 (after quant and the other groups ran)."""
+        """Every linear the fused step reads is dense or int4 (after quant and the other groups ran);
+        with int4_mma, the int4 ones get the tensor-core kernel's copy of their weights."""
         for i, layer in enumerate(model.layers):
             _layer_linears(i, layer)
+        self._enable_mma(model)
+
+    def _enable_mma(self, model) -> None:
+        from .quant import Int4Linear
+
+        if not (self.int4_mma and self.backend == "triton"):
+            return
+        for i, layer in enumerate(model.layers):
+            for mod in _layer_linears(i, layer).values():
+                if isinstance(mod, Int4Linear) and not mod.mma:
+                    mod.enable_mma()
 
     def describe(self) -> dict:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
+                "int4_mma": self.int4_mma,
                 "verify_epilogues": True}

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from fastgemma.kernels.w4a16 import (
-    GROUP_SIZES, W4A16Config, check_group_size, pack_int4, pack_scale_zero, quantize_int4, w4a16_matmul,
-    w4a16_matmul_op, w4a16_torch,
+    GROUP_SIZES, W4A16Config, check_group_size, pack_int4, pack_scale_zero, quantize_int4, unpack_int4,
+    w4a16_matmul, w4a16_matmul_op, w4a16_torch,
 )
 
 
@@ -46,7 +46,7 @@ class Int4Linear(nn.Module):
     casts (`_apply`): change scales only through those. It adds N * K / G * 4 bytes of memory (~124 MB
     for the E4B body at g128), not bytes per token (a launch reads one copy or the other)."""
 
-    derived_buffers = ("sz",)  # copies of other buffers: not counted as bytes a step reads
+    derived_buffers = ("sz", "mma_words", "mma_sz")  # copies of other buffers: not bytes a step reads
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: bool = False,
                  backend: str = "triton", dtype: torch.dtype = torch.bfloat16, device=None):
@@ -62,6 +62,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", torch.zeros(in_features // group_size, out_features, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.register_buffer("sz", None, persistent=False)  # packed once scales are set (set_scales, loads, moves)
+        # the tensor-core kernel's copy (kernels/mma_w4a16.py), after enable_mma(); rebuilt as sz is
+        self.register_buffer("mma_words", None, persistent=False)
+        self.register_buffer("mma_sz", None, persistent=False)
+        self.mma = False
         self.config: W4A16Config | None = None  # tile override; None -> the kernel's dispatch table
         self._matmul = _BACKENDS[backend]
 
@@ -69,6 +73,37 @@ class Int4Linear(nn.Module):
         s, z = self.scales, self.zeros
         packable = s.dtype in (torch.bfloat16, torch.float16) and z.dtype == s.dtype and s.shape == z.shape
         self.sz = pack_scale_zero(s, z) if packable else None
+        if self.mma:
+            self._pack_mma()
+
+    def mma_supported(self) -> bool:
+        from fastgemma.kernels.mma_w4a16 import MMA_GROUPS
+
+        return (self.group_size in MMA_GROUPS and self.out_features % 16 == 0 and self.bias is None
+                and self.scales.dtype == torch.bfloat16)
+
+    def enable_mma(self) -> bool:
+        """Also hold the weights in kernels/mma_w4a16.py's fragment order (a second copy: N * K / 2 +
+        N * K / G * 4 bytes of memory) for its 1..8-row launches. -> False (nothing held) where its
+        format does not apply (group size, N % 16, bias, non-bf16 scales)."""
+        self.mma = self.mma_supported()
+        self._pack_mma()
+        return self.mma
+
+    def _pack_mma(self) -> None:
+        from fastgemma.kernels.mma_w4a16 import MmaWeight
+
+        if not (self.mma and self.mma_supported()):
+            self.mma, self.mma_words, self.mma_sz = False, None, None
+            return
+        w = MmaWeight.from_codes(unpack_int4(self.qweight), self.scales, self.zeros, self.group_size)
+        self.mma_words, self.mma_sz = w.words, w.sz
+
+    def mma_weight(self):
+        """The fragment-order copy as a kernels.mma_w4a16.MmaWeight (after enable_mma)."""
+        from fastgemma.kernels.mma_w4a16 import MmaWeight
+
+        return MmaWeight(self.mma_words, self.mma_sz, self.out_features, self.in_features, self.group_size)
 
     def set_scales(self, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """Replace scales and zeros ([K/G, N] each) and rebuild `sz`."""

@@ -1,0 +1,229 @@
+"""kernels/mma_w4a16.py: the fragment-order packing, the PTX text run warp-wide (tests/ptx_lite.py),
+the kernel under the interpreter (its mma blocks emulated) against exact sums on odd shapes, the
+fused step with int4_mma against the step without it, bad input, and the sm_90a build: its mma
+operands laid out one lane per row with a lane's 4 words in its registers, no spills."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastgemma.kernels.mma_w4a16 import (
+    ONES_ASM, TILE_ASM, MmaConfig, MmaWeight, mma_config, mma_w4a16, mma_w4a16_ref, pack_mma, pack_mma_sz, unpack_mma,
+)
+from fastgemma.kernels.w4a16 import dequantize_int4, pack_int4, quantize_int4
+
+INTERPRET = bool(os.environ.get("TRITON_INTERPRET"))
+
+
+def _weights(N, K, G, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    q, s, z = quantize_int4(w, G)
+    return q, s, z
+
+
+def test_pack_round_trip_and_the_fragment_order():
+    q = torch.randint(0, 16, (48, 192), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    words = pack_mma(q)
+    assert words.shape == (3, 3, 32, 4) and words.dtype == torch.int32
+    assert torch.equal(unpack_mma(words), q)
+    # lane l = g*4 + tq, word j of block b: nibble p*4 + kh*2 + h is row g + 8h, k = b*64 + tq*16 + j*4 + kh*2 + p
+    for tile, b, lane, j in ((0, 0, 0, 0), (2, 1, 13, 3), (1, 2, 31, 2)):
+        g, tq = divmod(lane, 4)
+        w = int(words[tile, b, lane, j]) & 0xFFFFFFFF
+        for m in range(8):
+            p, kh, h = m // 4, (m // 2) % 2, m % 2
+            assert (w >> 4 * m) & 15 == q[tile * 16 + g + 8 * h, b * 64 + tq * 16 + j * 4 + kh * 2 + p]
+    sz = torch.arange(3 * 48, dtype=torch.int32).reshape(3, 48)  # [K/G, N]
+    frag = pack_mma_sz(sz)
+    assert frag.shape == (3, 3, 8, 2) and frag[2, 1, 5, 1] == sz[1, 2 * 16 + 8 + 5]
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 64 == 0"):
+        pack_mma(q[:40])
+
+
+def _x_words(x_row):
+    """bf16 x [K] -> int32 words of consecutive pairs (what the kernel's 16-byte loads read)."""
+    return x_row.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("ones", [False, True])
+def test_the_ptx_blocks_warp_wide(ones):
+    """TILE_ASM / ONES_ASM, instruction by instruction on 32 lanes (tests/ptx_lite.py's mma follows the
+    PTX ISA's fragment maps): one 16-row tile over a 64-k block of 8 x rows gives sum (128 + q) x
+    (or sum x) for each row and x row, in the lanes' accumulator order."""
+    from ptx_lite import _f32, _f32_bits, run_warp
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (16, 64), dtype=torch.uint8, generator=gen)
+    x = (torch.randn(8, 64, generator=gen)).bfloat16()
+    words = pack_mma(q)[0, 0]  # [32, 4]
+    c0 = [0.25 * i for i in range(4)]
+    lanes = []
+    for lane in range(32):
+        g, tq = divmod(lane, 4)
+        xw = _x_words(x[g])[tq * 8: tq * 8 + 8].tolist()  # x row g, k tq*16 .. tq*16 + 15
+        acc = [_f32_bits(v) for v in c0]
+        lanes.append((xw + acc) if ones else ([int(w) for w in words[lane].tolist()] + xw + acc))
+    out = run_warp((ONES_ASM if ones else TILE_ASM).value, lanes, 4)
+    A = torch.ones(16, 64, dtype=torch.float64) if ones else q.double() + 128
+    want = A @ x.double().t()  # [16 rows, 8 x rows]
+    for lane in range(32):
+        g, tq = divmod(lane, 4)
+        for c in range(4):
+            r, n = g + 8 * (c // 2), tq * 2 + c % 2
+            assert abs(_f32(out[lane][c]) - (want[r, n].item() + c0[c])) <= 1e-5 * max(1.0, abs(want[r, n].item()))
+
+
+def _exact(x, q, s, z, G, epilogue):
+    W = dequantize_int4(pack_int4(q), s, z, G, torch.float64)
+    y = x.double() @ W.t()
+    if epilogue == "geglu":
+        gate, up = y.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    return y
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
+@pytest.mark.parametrize("N,K,G,M,epilogue,cfg", [
+    (32, 256, 128, 1, "none", MmaConfig(1, 2)),  # two warps split K
+    (48, 384, 64, 3, "none", MmaConfig(1, 2, 1)),  # group 64, one group in flight ahead
+    (32, 1024, 128, 2, "none", MmaConfig(2, 1, 2)),  # two tiles per program, depth 2 of 8 groups
+    (64, 512, 64, 8, "geglu", MmaConfig(2, 2, 3)),  # GeGLU over 8 x rows
+    (32, 512, 128, 5, "none", MmaConfig(2, 4)),  # four warps, all groups up front
+])
+def test_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
+    q, s, z = _weights(N, K, G, seed=N + K + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+    got = mma_w4a16(x, MmaWeight.from_codes(q, s, z, G), epilogue, cfg).double()
+    want = _exact(x, q, s, z, G, epilogue)
+    assert got.shape == want.shape
+    # bf16 output rounding (and, for GeGLU, the gate / up / gelu roundings the eager layer makes)
+    tol = (2 ** -7 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
+    assert (got - want).abs().max().item() <= tol
+    twin = mma_w4a16_ref(x, pack_int4(q), s, z, G, epilogue).double()
+    assert (twin - want).abs().max().item() <= tol
+
+
+def test_bad_input():
+    q, s, z = _weights(32, 256, 128)
+    w = MmaWeight.from_codes(q, s, z, 128)
+    with pytest.raises(ValueError, match="group_size in"):
+        MmaWeight.from_codes(q, *_weights(32, 256, 32)[1:], 32)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        MmaWeight.from_codes(q[:24], s[:, :24], z[:, :24], 128)
+    with pytest.raises(ValueError, match="bf16 scales"):
+        MmaWeight.from_codes(q, s.float(), z.float(), 128)
+    with pytest.raises(ValueError, match="1 <= M <= 8"):
+        mma_w4a16(torch.zeros(9, 256, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="bf16 x"):
+        mma_w4a16(torch.zeros(1, 256), w)
+    with pytest.raises(ValueError, match="epilogue must be one of"):
+        mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "gelu_mul")
+    if INTERPRET:
+        with pytest.raises(ValueError, match="does not split into 4 warps"):
+            mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 4))
+        with pytest.raises(ValueError, match="geglu needs tiles=2"):
+            mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
+    assert mma_config(2560, 10240, 1) is not None and mma_config(2560, 10240, 9) is None
+    assert mma_config(20480, 2560, 8) is None  # gate|up at 8 rows: the per-group kernel stays
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
+def test_fused_steps_with_int4_mma(monkeypatch):
+    """bf16 tiny model, int4 g64: fuse=layers' one-row step and its 5-row verify pass with int4_mma
+    (the table pointed at the tiny shapes: o and down in the one-row step, every int4 GEMM in the
+    verify pass) give the hidden states of the same steps without it (the verify pass: its torch
+    twins; the per-group tl.dot kernel is not right on bf16 under the interpreter), to bf16
+    rounding; the int4 modules hold the fragment-order copy and the byte count leaves it out."""
+    import fastgemma.kernels.mma_w4a16 as mma_mod
+    import fastgemma.kernels.w4a16 as w4a16_mod
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.kernels.decode_attention import decode_attention_ref
+    from fastgemma.metrics.memory import weight_bytes_per_step
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.fuse_layers import FuseLayers, _layer_linears
+    from fastgemma.transforms.quant import Int4Linear, Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    import fastgemma.kernels.skinny_gemm as skinny_mod
+
+    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(w4a16_mod, "w4a16_epilogue_op", lambda x, qw, s, z, g, epi, aux, sz, pdl: w4a16_mod.w4a16_torch(
+        x, qw, s, z, g, epilogue=epi, aux=aux))
+    monkeypatch.setattr(skinny_mod, "skinny_matmul_op", lambda x, w, epi, aux, pdl: skinny_mod.skinny_matmul_ref(
+        x, w, epilogue=epi, aux=aux))
+    model = synthetic_model(GEMMA4_TINY, "cpu", torch.bfloat16, seed=2)
+    model.step_attention = decode_attention_ref
+    FuseLayers(backend="triton").apply(model)
+    Int4Quant(group_size=64, skip=("per_layer_projection", "per_layer_input_gate"), backend="triton").apply(model)
+    before = weight_bytes_per_step(model)
+    lin = _layer_linears(0, model.layers[0])
+    for name, m in lin.items():
+        for multi in (False, True):
+            if isinstance(m, Int4Linear):  # gate|up (GeGLU) takes its gate and up tiles together
+                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, multi),
+                                    MmaConfig(2 if name == "gate_up" else 1, 1))
+    t = FuseLayers(backend="triton", int4_mma=True)
+    plain_decode, plain_verify = model.fused_decode, model.fused_verify
+    t.apply(model)
+    t.validate(model)
+    assert t.describe()["int4_mma"] and all(m.mma for m in lin.values() if isinstance(m, Int4Linear))
+    assert weight_bytes_per_step(model) == before
+    calls = []
+    real = mma_mod.mma_w4a16
+    monkeypatch.setattr(mma_mod, "mma_w4a16", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    mma_steps = model.fused_decode, model.fused_verify
+    for ids, pos in ((torch.tensor([[7]]), torch.tensor([[0]])),
+                     (torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None])):
+        outs = []
+        for dec, ver in (mma_steps, (plain_decode, plain_verify)):
+            model.fused_decode, model.fused_verify = dec, ver
+            cache = KVCache(GEMMA4_TINY, 1, 64, window=4, device="cpu", dtype=torch.bfloat16)
+            outs.append(model.step(ids, pos, cache).float())
+        got, want = outs
+        assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+    assert 1 in calls and 5 in calls  # the one-row step and the verify pass both launched it
+
+
+_SM90 = r'''
+import re, sys
+sys.path.insert(0, "tests")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sm90_compile import build
+from fastgemma.kernels.mma_w4a16 import _mma_w4a16_kernel
+sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "HALF": "i32",
+       "stride_xm": "i32", "stride_om": "i32"}
+for name, K, T, W, EPI, D in [("down", 10240, 1, 4, 0, 64), ("down depth 8", 10240, 1, 4, 0, 8),
+                              ("gate|up geglu", 2560, 2, 4, 1, 64), ("o", 2048, 2, 8, 0, 64)]:
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, PDL=True, EMU=False)
+    ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, (0, 1, 2, 3, 7, 8), W)
+    src = ASTSource(_mma_w4a16_kernel, dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)})
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": W}).asm["ttgir"]
+    pat = r"(#blocked\d*) = #ttg.blocked<\{sizePerThread = (\[[^]]*\]), threadsPerWarp = (\[[^]]*\])"
+    layouts = {m[0]: m[1] + m[2] for m in re.findall(pat, ttgir)}
+    mma_layouts = set()
+    for m in re.finditer(r'tt\.elementwise_inline_asm "((?:[^"\\]|\\.)*)"[^\n]*', ttgir):
+        if "mma.sync" in m.group(1):
+            mma_layouts |= {layouts[x] for x in re.findall(r"tensor<[0-9x]+x[a-z0-9]+, (#blocked\d*)>", m.group(0))}
+    print(f"mma\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('griddepcontrol.wait')}\t{sorted(mma_layouts)}")
+'''
+
+
+def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SM90], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "mma"}
+    assert len(rows) == 4, r.stdout
+    for name, (regs, spills, mmas, waits, layouts) in rows.items():
+        # every mma operand: one lane per row (threadsPerWarp [32, 1]), a lane's 4 values in its registers
+        assert layouts == "['[1, 4][32, 1]']", (name, layouts)
+        assert int(spills) == 0 and int(mmas) > 0 and int(waits) == 1, (name, regs, spills, mmas)
