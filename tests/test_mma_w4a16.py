@@ -128,7 +128,8 @@ def test_bad_input():
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 4))
         with pytest.raises(ValueError, match="geglu needs tiles=2"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
-    assert mma_config(2560, 2048, 8) is not None and mma_config(2560, 2048, 9) is None
+    assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
+    assert mma_config(2560, 10240, 1) is None  # down at one row: the fused int4 GEMV stays (run DC)
     assert mma_config(20480, 2560, 8) is None  # gate|up at 8 rows: the per-group kernel stays
 
 

@@ -282,11 +282,14 @@ class MmaConfig:
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
-# engine launches otherwise, timed inside the step (`bench_mma` for the config, run DB, us: this / that at
-# 8 rows, the per-group tl.dot kernel). `mma_config` is None elsewhere. No one-row entries: alone, o, o full,
-# down and the PLE projection ran faster here than on the fused int4 GEMV (3.70 / 4.17, 4.02 / 5.06,
-# 10.33 / 10.99, 1.16 / 1.34), but the one-row step with them took longer (run DC: 2.210 -> 2.321 ms).
+# engine launches otherwise (`bench_mma`, run DB, us: this / that; one row: the fused int4 GEMV without a
+# prologue; 8 rows: the per-group tl.dot kernel). `mma_config` is None elsewhere. Down at one row ran faster
+# alone (10.33 / 10.99) but the one-row step with it took longer (run DC: 2.210 -> 2.321 ms with o, down and
+# the PLE projection; run DF: 2.250 -> 2.168 ms with o and the PLE projection, down left out).
 MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
+    (2560, 2048, False): MmaConfig(2, 8),  # o: 3.70 / 4.17
+    (2560, 4096, False): MmaConfig(2, 8),  # o full: 4.02 / 5.06
+    (2560, 256, False): MmaConfig(1, 1),  # PLE projection: 1.16 / 1.34
     (3072, 2560, True): MmaConfig(2, 4),  # q|k|v: 4.48 / 5.73
     (6144, 2560, True): MmaConfig(1, 4),  # q|k|v full: 5.00 / 7.20
     (2048, 2560, True): MmaConfig(2, 4),  # q: 4.30 / 5.47
