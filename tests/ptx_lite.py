@@ -131,8 +131,7 @@ def run_warp(asm: str, lane_args: list[list[int]], n_out: int) -> list[list[int]
         op, _, rest = line.partition(" ")
         if op == _MMA_OP:
             d, a, b, c = (group(x) for x in re.findall(r"\{[^}]*\}", rest))
-            res = _mma_warp([[val(ln, x) for x in a] for ln in range(32)], [[val(ln, x) for x in b] for ln in range(32)],
-                            [[val(ln, x) for x in c] for ln in range(32)])
+            res = _mma_warp(*([[val(ln, x) for x in grp] for ln in range(32)] for grp in (a, b, c)))
             for ln in range(32):
                 for reg, v in zip(d, res[ln]):
                     regs[ln][reg] = v

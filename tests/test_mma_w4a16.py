@@ -213,7 +213,8 @@ for name, K, T, W, EPI, D in [("down", 10240, 1, 4, 0, 64), ("down depth 8", 102
     for m in re.finditer(r'tt\.elementwise_inline_asm "((?:[^"\\]|\\.)*)"[^\n]*', ttgir):
         if "mma.sync" in m.group(1):
             mma_layouts |= {layouts[x] for x in re.findall(r"tensor<[0-9x]+x[a-z0-9]+, (#blocked\d*)>", m.group(0))}
-    print(f"mma\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('griddepcontrol.wait')}\t{sorted(mma_layouts)}")
+    print(f"mma\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('griddepcontrol.wait')}\t"
+          f"{sorted(mma_layouts)}")
 '''
 
 
@@ -228,3 +229,24 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
         # every mma operand: one lane per row (threadsPerWarp [32, 1]), a lane's 4 values in its registers
         assert layouts == "['[1, 4][32, 1]']", (name, layouts)
         assert int(spills) == 0 and int(mmas) > 0 and int(waits) == 1, (name, regs, spills, mmas)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
+def test_bench_mma_checks_every_row_against_the_twin(capsys):
+    """bench_mma on tiny cases with a stub timer: every candidate of this kernel and the fused int4
+    GEMV it is compared with at one row (plain, and timed-only with the case's prologue) runs and
+    matches the twin; without a GPU and without a timer it says what it needs."""
+    from fastgemma.kernels.mma_w4a16 import bench_mma, mma_candidates
+
+    cases = {"r": (64, 256, "residual"), "g": (64, 256, "geglu"), "p": (64, 256, "plain")}
+    rows = bench_mma(cases, ms=(1,), device="cpu", timer=lambda fn: (fn(), 2.0)[1])
+    by_case = {c: [r for r in rows if r["case"] == c] for c in cases}
+    for c, (N, K, mode) in cases.items():
+        mma_rows = [r for r in by_case[c] if r["kernel"].startswith("mma")]
+        assert len(mma_rows) == len(mma_candidates(K, 128, "geglu" if mode == "geglu" else "none"))
+        assert all(r["ok"] and r["us"] == 2.0 for r in by_case[c]), by_case[c]
+        assert len(by_case[c]) == len(mma_rows) + (1 if mode == "plain" else 2)
+    assert "int4 GEMV on the tensor cores" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="bench_mma needs a CUDA device"):
+            bench_mma(cases, ms=(1,), device="cpu")

@@ -376,7 +376,8 @@ def main(argv=None):
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | prefill | "
+    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | "
+          "prefill | "
           "profile | k | "
           "tok/s | x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "

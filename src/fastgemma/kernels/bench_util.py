@@ -17,6 +17,16 @@ def timer(graph: bool = True, rep_ms: int = 20):
     return timed_us
 
 
+def timer_or_graphs(given, who: str):
+    """A benchmark's `timer` argument (`given`), else CUDA-graph timing (10 ms of replays per call);
+    without a CUDA device and without a timer, a clear error naming the benchmark."""
+    if given is not None:
+        return given
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{who} needs a CUDA device (or a timer)")
+    return timer(True, 10)
+
+
 def rotating(bufs, call):
     """A no-argument fn that calls call(*bufs[i]) with i advancing per call: each launch reads
     weights that are not in L2 when len(bufs) copies span more than the L2."""

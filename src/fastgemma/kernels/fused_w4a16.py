@@ -161,16 +161,11 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
     """Time every candidate tile of the fused int4 GEMV on each case, weights rotated out of L2, each
     output checked against the twin first. Prints a table and TILES lines for the fastest; returns
     one dict per (case, config). `timer(fn) -> us` defaults to CUDA graphs (tests pass their own)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
     from .w4a16 import pack_int4, quantize_int4
 
     dev = torch.device(device)
-    if timer is None:
-        from .bench_util import timer as make_timer
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("bench_tiles needs a CUDA device (or a timer)")
-        timer = make_timer(True, 10)
+    timer = timer_or_graphs(timer, "bench_tiles")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows, lines = [], []
     print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}  fused int4 GEMV, group {group_size}, "

@@ -394,17 +394,12 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
     GEMV with the case's prologue, and without it; 8 rows: the per-group tl.dot kernel), weights
     rotated out of L2, PDL launches, each output checked against the twin first. Prints a table;
     returns one dict per (case, rows, kernel)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
     from .fused_w4a16 import E4B_CASES, case_inputs, fused_w4a16
     from .w4a16 import pack_int4, quantize_int4, w4a16_matmul
 
     dev = torch.device(device)
-    if timer is None:
-        from .bench_util import timer as make_timer
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("bench_mma needs a CUDA device (or a timer)")
-        timer = make_timer(True, 10)
+    timer = timer_or_graphs(timer, "bench_mma")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}  int4 GEMV on the tensor cores vs "
@@ -424,7 +419,8 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
-            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, depth {c.depth}", mma, lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
+            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, depth {c.depth}", mma,
+                     lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
                     for c in mma_candidates(K, group_size, epi)]
             if M == 1:
                 kw = dict(eps=1e-6, pdl=pdl, epilogue=epi)

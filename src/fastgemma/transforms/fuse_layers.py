@@ -372,13 +372,17 @@ class FuseLayers:
         self._enable_mma(model)
 
     def _enable_mma(self, model) -> None:
+        """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
+        more rows): the others would never read it."""
+        from ..kernels.mma_w4a16 import MMA_CONFIGS
         from .quant import Int4Linear
 
         if not (self.int4_mma and self.backend == "triton"):
             return
         for i, layer in enumerate(model.layers):
             for mod in _layer_linears(i, layer).values():
-                if isinstance(mod, Int4Linear) and not mod.mma:
+                shape = (mod.out_features, mod.in_features) if isinstance(mod, Int4Linear) else None
+                if shape and not mod.mma and any((*shape, m) in MMA_CONFIGS for m in (False, True)):
                     mod.enable_mma()
 
     def describe(self) -> dict:
