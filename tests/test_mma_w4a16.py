@@ -250,3 +250,17 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="bench_mma needs a CUDA device"):
             bench_mma(cases, ms=(1,), device="cpu")
+
+
+def test_table_from_text():
+    """bench.stack --mma-table: entries by E4B case name, rows, tiles x warps and depth; 'none' empties
+    the table; anything else is refused with the form it expects."""
+    from fastgemma.kernels.mma_w4a16 import parse_table
+
+    assert parse_table("o@1=2x8, down@1=1x4d8,q|k|v@8=2x4") == {
+        (2560, 2048, False): MmaConfig(2, 8), (2560, 10240, False): MmaConfig(1, 4, 8),
+        (3072, 2560, True): MmaConfig(2, 4)}
+    assert parse_table("none") == {}
+    for bad in ("foo@1=1x1", "o@0=1x1", "o@1=2", "o=1x1"):
+        with pytest.raises(ValueError, match="CASE@ROWS=TxW"):
+            parse_table(bad)

@@ -173,6 +173,10 @@ def main(argv=None):
     ap.add_argument("--variants", default="base",
                     help="fused-step variants per body, comma-separated: base, or options joined by '+' "
                          f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
+    ap.add_argument("--mma-table", default="",
+                    help="variants with 'mma': the tensor-core int4 kernel's table for this run instead of its own: "
+                         "entries CASE@ROWS=TxW[dD] joined by ',' (e.g. 'o@1=2x8,down@1=1x4d8'), or 'none'; the "
+                         "one-row step takes them for its GEMVs without a prologue (o, o full, down, PLE projection)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
@@ -182,6 +186,15 @@ def main(argv=None):
         raise SystemExit("--variants: at least one (base)")
     for v in variants:
         parse_variant(v)
+    if a.mma_table:
+        from ..kernels import mma_w4a16
+
+        try:
+            table = mma_w4a16.parse_table(a.mma_table)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
+        mma_w4a16.MMA_CONFIGS.clear()
+        mma_w4a16.MMA_CONFIGS.update(table)
     # the full head first: the reference of identity, and the pruned keepsets' first ids
     heads = [("full", None)] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads) if h != ("full", None)]
     dev = a.device

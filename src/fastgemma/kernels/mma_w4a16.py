@@ -299,6 +299,28 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
 }
 
 
+def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
+    """A table written as entries CASE@ROWS=TxW[dD] joined by ',' (CASE a name of
+    fused_w4a16.E4B_CASES, ROWS 1 or more, T tiles, W warps, D depth; e.g. 'down@1=1x4d8,o@8=2x4'),
+    or 'none' (an empty table) -> MMA_CONFIGS' form. Clear errors for anything else."""
+    import re
+
+    from .fused_w4a16 import E4B_CASES
+
+    table: dict[tuple[int, int, bool], MmaConfig] = {}
+    for item in [x.strip() for x in spec.split(",") if x.strip()]:
+        if item == "none":
+            continue
+        m = re.fullmatch(r"(.+)@(\d+)=(\d+)x(\d+)(?:d(\d+))?", item)
+        if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD] with CASE one of {sorted(E4B_CASES)}, "
+                             "e.g. 'down@1=1x4d8'")
+        N, K, _ = E4B_CASES[m.group(1)]
+        depth = int(m.group(5)) if m.group(5) else MmaConfig.depth
+        table[(N, K, int(m.group(2)) > 1)] = MmaConfig(int(m.group(3)), int(m.group(4)), depth)
+    return table
+
+
 def mma_config(N: int, K: int, M: int, epilogue: str = "none") -> MmaConfig | None:
     """The table's config for M rows of x [M, K] @ W [N, K]^T, or None (this kernel is not the faster
     one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair)."""
