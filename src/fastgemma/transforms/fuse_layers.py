@@ -62,15 +62,22 @@ def _layer_linears(i: int, layer) -> dict:
     return {role: mod for role, (_, mod) in named.items()}
 
 
-def _mma_call(mod, x, epilogue: str, pdl: bool):
-    """x [M, K] through kernels/mma_w4a16.py where `mod` is an Int4Linear holding its fragment-order
-    copy (int4_mma) and the kernel's table has a config for its shape and M; else None."""
-    from ..kernels.mma_w4a16 import EPILOGUES, mma_config, mma_w4a16_op
+def _mma_cfg(mod, M: int, epilogue: str, dtype):
+    """The tensor-core kernel's config for M rows through `mod`, or None: it takes an Int4Linear that
+    holds its fragment-order copy (int4_mma), bf16 rows, an epilogue it has, a shape in its table."""
+    from ..kernels.mma_w4a16 import EPILOGUES, mma_config
     from .quant import Int4Linear
 
-    if not (isinstance(mod, Int4Linear) and mod.mma and epilogue in EPILOGUES and x.dtype == torch.bfloat16):
+    if not (isinstance(mod, Int4Linear) and mod.mma and epilogue in EPILOGUES and dtype == torch.bfloat16):
         return None
-    cfg = mma_config(mod.out_features, mod.in_features, x.shape[0], epilogue)
+    return mma_config(mod.out_features, mod.in_features, M, epilogue)
+
+
+def _mma_call(mod, x, epilogue: str, pdl: bool):
+    """x [M, K] through kernels/mma_w4a16.py where `_mma_cfg` has a config; else None."""
+    from ..kernels.mma_w4a16 import mma_w4a16_op
+
+    cfg = _mma_cfg(mod, x.shape[0], epilogue, x.dtype)
     if cfg is None:
         return None
     return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, cfg.tiles,
@@ -79,14 +86,21 @@ def _mma_call(mod, x, epilogue: str, pdl: bool):
 
 def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False):
     """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op;
-    mma: a GEMV without prologue through kernels/mma_w4a16.py where `_mma_call` takes it."""
+    mma: through kernels/mma_w4a16.py where `_mma_cfg` takes the linear at one row, a GEMV with a
+    prologue (residual update and / or norm) after that prologue as its own launch
+    (kernels/residual_norm.py, the verify pass's kernel: the same rounding)."""
+    from ..kernels.residual_norm import residual_norm_op
     from .quant import Int4Linear
 
     def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
-        if mma and y is None and pre is None and aux is None:
-            out = _mma_call(mod, a.reshape(1, -1), epilogue, pdl)
-            if out is not None:
-                return out, None
+        if mma and aux is None and _mma_cfg(mod, 1, epilogue, a.dtype) is not None:
+            a2, h = a.reshape(1, -1), None
+            if y is not None or pre is not None:
+                h, x = residual_norm_op(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
+                                        pdl)
+                a2 = x if pre is not None else h
+                h = h if y is not None else None
+            return _mma_call(mod, a2, epilogue, pdl), h
         if isinstance(mod, Int4Linear):
             return gemv4(a, mod.qweight, mod.scales, mod.zeros, mod.group_size, y, post, scale, pre, aux, eps, off,
                          epilogue, pdl)
