@@ -213,9 +213,9 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
 
 
 def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
-    """bench.spec --verify-pdl on,off --verify-qkv on,off --attn-pdl on,off: a row each for the fused
-    verify pass (none where the epilogues are off, so fused_verify is not used), the AR step built as
-    --variant says; all decode AR's tokens; a bad value is refused in one line."""
+    """bench.spec --verify-pdl on,off --verify-qkv on,off --attn-pdl on,off (and --verify-mma): a row
+    each for the fused verify pass (none where the epilogues are off, so fused_verify is not used),
+    the AR step built as --variant says; all decode AR's tokens; a bad value is refused in one line."""
     import json
 
     from fastgemma.bench import spec
@@ -240,6 +240,17 @@ def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
             spec.main(["--model", "gemma4_tiny", "--device", "cpu", flag, "yes"])
     with pytest.raises(SystemExit, match="bad variant"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--variant", "qkv+fast"])
+    # --verify-mma: a row each with 'mma' in --variant (on the CPU the twins run: same tokens); without it, refused
+    out = tmp_path / "mma.jsonl"
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
+               "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
+               "--fuse", "layers", "--variant", "attn_pdl+qkv+mma", "--verify-mma", "on,off", "--head", "pruned:50",
+               "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [(r["spec"], r.get("verify_mma")) for r in rows] == [("none", None), ("replay", "on"), ("replay", "off")]
+    assert all(r["identity_rate"] == 1.0 for r in rows[1:])
+    with pytest.raises(SystemExit, match="--verify-mma on needs 'mma' in --variant"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--verify-mma", "on"])
 
 
 def test_prefill_bench_on_the_cpu(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import tempfile
@@ -127,6 +128,16 @@ VERIFY_SWITCHES = {
     "--attn-pdl": "the k+1-row pass's attention kernels launched with programmatic dependent launch (on) or plainly "
                   "(off)",
 }
+
+
+# record key -> fused_verify's keyword for each switch of the fused k+1-row pass
+VERIFY_KWARGS = {"verify_norms": "norm_kernels", "verify_pdl": "pdl", "verify_qkv": "qkv_kernel",
+                 "attn_pdl": "attn_pdl", "verify_mma": "int4_mma"}
+
+
+def _switch_key(flag: str) -> str:
+    """A VERIFY_SWITCHES flag -> its record key ('--verify-pdl' -> 'verify_pdl')."""
+    return flag[2:].replace("-", "_")
 
 
 def _on_off(flag: str, value: str) -> list[str]:
@@ -243,23 +254,20 @@ def main(argv=None):
     drafter = next(iter(drafters.values()))
     fixups = _on_off("--split-fixup", a.split_fixup)
     epilogues = _on_off("--verify-epilogues", a.verify_epilogues)
-    norms = _on_off("--verify-norms", a.verify_norms)
-    pdls = _on_off("--verify-pdl", a.verify_pdl)
-    qkvs = _on_off("--verify-qkv", a.verify_qkv)
-    attn_pdls = _on_off("--attn-pdl", a.attn_pdl)
+    # the fused k+1-row pass's switches: record key -> its rows (on / off)
+    switch_rows = {_switch_key(flag): _on_off(flag, getattr(a, _switch_key(flag))) for flag in VERIFY_SWITCHES}
     variant_mma = a.fuse == "layers" and "mma" in a.variant.split("+")
-    mmas = _on_off("--verify-mma", a.verify_mma or ("on" if variant_mma else "off"))
-    if "on" in mmas and not variant_mma:
+    switch_rows["verify_mma"] = _on_off("--verify-mma", a.verify_mma or ("on" if variant_mma else "off"))
+    if "on" in switch_rows["verify_mma"] and not variant_mma:
         raise SystemExit("--verify-mma on needs 'mma' in --variant (it gives the int4 linears the kernel's copy)")
+    switch_sets = [dict(zip(switch_rows, rows)) for rows in itertools.product(*switch_rows.values())]
     fused_verify = model.fused_verify  # None without --fuse layers
 
-    def verify_variant(nrm: str, pdl: str, qkv: str, apdl: str, mma: str):
-        """fused_verify with the norm kernels (nrm on) or compiled torch, PDL launches (pdl on), the
-        q/k/v kernel (qkv on) or compiled torch, PDL launches of the attention kernels (apdl on), the
-        tensor-core int4 kernel (mma on)."""
-        return functools.partial(fused_verify.func, *fused_verify.args,
-                                 **{**fused_verify.keywords, "norm_kernels": nrm == "on", "pdl": pdl == "on",
-                                    "qkv_kernel": qkv == "on", "attn_pdl": apdl == "on", "int4_mma": mma == "on"})
+    def verify_variant(switches: dict):
+        """fused_verify with each switch on or off (VERIFY_KWARGS: the norm kernels or compiled torch,
+        PDL launches, the q/k/v kernel or compiled torch, the attention's PDL, the tensor-core int4 kernel)."""
+        keywords = {VERIFY_KWARGS[n]: v == "on" for n, v in switches.items()}
+        return functools.partial(fused_verify.func, *fused_verify.args, **{**fused_verify.keywords, **keywords})
     sync()
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
@@ -303,17 +311,14 @@ def main(argv=None):
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
         fv = fused_verify is not None
-        plan = [(tiles, dname, fix, epi, nrm, pdl, qkv, apdl, mma, kind, k) for tiles in a.verify_tiles.split(",")
+        plan = [(tiles, dname, fix, epi, sw, kind, k) for tiles in a.verify_tiles.split(",")
                 for dname in drafters for fix in fixups for epi in epilogues
-                for nrm in (norms if epi == "on" else ["off"]) for pdl in (pdls if fv and epi == "on" else [None])
-                for qkv in (qkvs if fv and epi == "on" else [None])
-                for apdl in (attn_pdls if fv and epi == "on" else [None])
-                for mma in (mmas if fv and epi == "on" else [None]) for kind, k in plan]
-        for tiles, dname, fix, epi, nrm, pdl, qkv, apdl, mma, kind, k in plan:
+                for sw in (switch_sets if fv and epi == "on" else [dict.fromkeys(switch_rows)]) for kind, k in plan]
+        for tiles, dname, fix, epi, sw, kind, k in plan:
             use_verify_tiles(tiles)
             w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
             # read when the verify step is traced
-            model.fused_verify = verify_variant(nrm, pdl, qkv, apdl, mma) if fv and epi == "on" else None
+            model.fused_verify = verify_variant(sw) if fv and epi == "on" else None
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
@@ -344,10 +349,7 @@ def main(argv=None):
                 row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
-                           verify_epilogues=epi if fused_verify is not None else None,
-                           verify_norms=nrm if fv and epi == "on" else None, verify_pdl=pdl, verify_qkv=qkv,
-                           attn_pdl=apdl, verify_mma=mma,
-                           prefill=pname,
+                           verify_epilogues=epi if fused_verify is not None else None, **sw, prefill=pname,
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
