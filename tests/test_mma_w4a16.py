@@ -94,6 +94,8 @@ def _exact(x, q, s, z, G, epilogue):
     (32, 1024, 128, 2, "none", MmaConfig(2, 1, 2)),  # two tiles per program, depth 2 of 8 groups
     (64, 512, 64, 8, "geglu", MmaConfig(2, 2, 3)),  # GeGLU over 8 x rows
     (32, 512, 128, 5, "none", MmaConfig(2, 4)),  # four warps, all groups up front
+    (64, 256, 128, 3, "none", MmaConfig(1, 2, iters=3)),  # 3 tiles per program: 2 programs, the last tile masked
+    (96, 256, 64, 2, "geglu", MmaConfig(2, 2, iters=2)),  # 3 gate / up pairs over 2 programs
 ])
 def test_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     q, s, z = _weights(N, K, G, seed=N + K + M)
@@ -126,6 +128,8 @@ def test_bad_input():
     if INTERPRET:
         with pytest.raises(ValueError, match="does not split into 4 warps"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 4))
+        with pytest.raises(ValueError, match="iters must be >= 1, and > 1 only with every group in flight"):
+            mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 1, depth=1, iters=2))
         with pytest.raises(ValueError, match="geglu needs tiles=2"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
@@ -202,10 +206,11 @@ from triton.compiler import ASTSource
 from sm90_compile import build
 from fastgemma.kernels.mma_w4a16 import _mma_w4a16_kernel
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "HALF": "i32",
-       "stride_xm": "i32", "stride_om": "i32"}
-for name, K, T, W, EPI, D in [("down", 10240, 1, 4, 0, 64), ("down depth 8", 10240, 1, 4, 0, 8),
-                              ("gate|up geglu", 2560, 2, 4, 1, 64), ("o", 2048, 2, 8, 0, 64)]:
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, PDL=True, EMU=False)
+       "stride_xm": "i32", "stride_om": "i32", "NPT": "i32"}
+for name, K, T, W, EPI, D, I in [("down", 10240, 1, 4, 0, 64, 1), ("down depth 8", 10240, 1, 4, 0, 8, 1),
+                                 ("gate|up geglu", 2560, 2, 4, 1, 64, 1), ("o", 2048, 2, 8, 0, 64, 1),
+                                 ("q|k|v 2 tiles per program", 2560, 1, 4, 0, 64, 2)]:
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, PDL=True, EMU=False)
     ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, (0, 1, 2, 3, 7, 8), W)
     src = ASTSource(_mma_w4a16_kernel, dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce,
                     attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)})
@@ -227,7 +232,7 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
                        cwd=Path(__file__).parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "mma"}
-    assert len(rows) == 4, r.stdout
+    assert len(rows) == 5, r.stdout
     for name, (regs, spills, mmas, waits, layouts) in rows.items():
         # every mma operand: one lane per row (threadsPerWarp [32, 1]), a lane's 4 values in its registers
         assert layouts == "['[1, 4][32, 1]']", (name, layouts)

@@ -183,56 +183,57 @@ def _ones_mma(xa, xb, c, EMU: tl.constexpr):
 
 
 @triton.jit
-def _group_loads(w_ptrs, sz_ptrs, g, BG: tl.constexpr, R: tl.constexpr):
+def _group_loads(w_ptrs, sz_ptrs, g, ok, BG: tl.constexpr, R: tl.constexpr):
     """Group g's BG word blocks [R, 4], then its scale / zero words spread to [R, 4] (element c:
-    row g + 8 (c // 2) of the lane's pair)."""
+    row g + 8 (c // 2) of the lane's pair); nothing read where not ok (a tile past the last)."""
     grp = ()
     for i in tl.static_range(BG):
-        grp = grp + (tl.load(w_ptrs + (g * BG + i) * 128),)
-    v = tl.load(sz_ptrs + g * 16)
+        grp = grp + (tl.load(w_ptrs + (g * BG + i) * 128, mask=ok, other=0),)
+    v = tl.load(sz_ptrs + g * 16, mask=ok, other=0)
     return grp + (tl.reshape(tl.join(v, v), (R, 4)),)
 
 
 @triton.jit
-def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om,
-                      K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                      DEPTH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
-    _pdl_trigger(PDL)
-    pid = tl.program_id(0)
-    KB: tl.constexpr = K // 64  # 64-k word blocks per row tile
-    KW: tl.constexpr = K // W  # k per warp slice
-    BG: tl.constexpr = GROUP // 64  # word blocks per group
-    NG: tl.constexpr = KW // GROUP  # groups per warp slice
-    R: tl.constexpr = W * T * 32
-    # [R, 4] tensors: row r is lane r % 32 of (K slice, tile) (r // 32) // T, (r // 32) % T; a lane's
-    # 4 words are one 16-byte load, so the words' layout puts lanes on rows and the 4 in one thread
-    r = tl.arange(0, R)[:, None]
-    oj = tl.arange(0, 4)[None, :]  # a lane's word j; as an accumulator index, element c
+def _tile_ptrs(it, w_ptr, sz_ptr, HALF, r, oj, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
+               W: tl.constexpr, EPI: tl.constexpr):
+    """Program tile `it`'s word and scale / zero pointers. [R, 4] tensors: row r is lane r % 32 of (K
+    slice, tile) (r // 32) // T, (r // 32) % T; a lane's 4 words are one 16-byte load, so the words'
+    layout puts lanes on rows and the 4 in one thread."""
     lane = r % 32
     ow = (r // 32) // T
     ot = (r // 32) % T
     if EPI == 1:  # the gate tile and its up tile
-        tile = pid + ot * (HALF // 16)
+        tile = it + ot * (HALF // 16)
     else:
-        tile = pid * T + ot
-    w_ptrs = w_ptr + ((tile * KB + ow * (KW // 64)) * 32 + lane) * 4 + oj
+        tile = it * T + ot
+    w_ptrs = w_ptr + ((tile * (K // 64) + ow * (K // W // 64)) * 32 + lane) * 4 + oj
     # a lane's scale / zero words for rows g and g + 8: [R, 2], spread to its 4 accumulator elements
+    NG: tl.constexpr = K // W // GROUP
     sz_ptrs = sz_ptr + ((tile * (K // GROUP) + ow * NG) * 8 + lane // 4) * 2 + tl.arange(0, 2)[None, :]
+    return w_ptrs, sz_ptrs
+
+
+@triton.jit
+def _first_loads(w_ptrs, sz_ptrs, ok, NG: tl.constexpr, DEPTH: tl.constexpr, BG: tl.constexpr, R: tl.constexpr):
+    """words[g] for the first DEPTH groups (the others empty, loaded in `_tile_y`)."""
     words = ()  # words[g]: group g's word blocks and scale / zero words (the interpreter cannot index by a sum)
     for g in tl.static_range(NG):
         grp = ()
         if g < DEPTH:
-            grp = _group_loads(w_ptrs, sz_ptrs, g, BG, R)
+            grp = _group_loads(w_ptrs, sz_ptrs, g, ok, BG, R)
         words = words + (grp,)
-    _pdl_wait(PDL)
-    # B operand: lane g*4 + tq takes 16 consecutive x of row g per block (rows past M read row M - 1;
-    # their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)
-    x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
-              + ow * (KW // 2) + (lane % 4) * 8 + oj)
+    return words
+
+
+@triton.jit
+def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexpr, BG: tl.constexpr,
+            R: tl.constexpr, W: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
+    """One program tile's sums [T*32, 4] (the warps' K slices added), loading each group's words
+    DEPTH groups ahead of its use."""
     acc = tl.zeros((R, 4), dtype=tl.float32)
     for g in tl.static_range(NG):
         if g + DEPTH < NG:  # the loads DEPTH groups ahead
-            grp = _group_loads(w_ptrs, sz_ptrs, g + DEPTH, BG, R)
+            grp = _group_loads(w_ptrs, sz_ptrs, g + DEPTH, True, BG, R)
             ahead = ()
             for k in tl.static_range(NG):
                 if k == g + DEPTH:
@@ -249,22 +250,60 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stri
             p = _tile_mma(words[g][i], xa, xb, p, EMU)
         s, z = _bf16_pairs(words[g][BG])
         acc += s * p + (z - 128.0 * s) * xs
-    y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)  # the K slices summed: [T*32, 4]
+    return tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
+
+
+@triton.jit
+def _tile_store(y, it, ok, out_ptr, M, stride_om, T: tl.constexpr, EPI: tl.constexpr):
+    """Program tile `it`'s outputs (GeGLU: gelu_tanh(gate) * up, rounded as the eager layer rounds)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     if EPI == 1:
         gate, up = tl.split(tl.permute(tl.reshape(y, (2, 32, 4)), (1, 2, 0)))  # [32, 4] each
         l2 = tl.arange(0, 32)[:, None]
         c2 = tl.arange(0, 4)[None, :]
         m = (l2 % 4) * 2 + c2 % 2  # the B column = the x row
-        rows = pid * 16 + l2 // 4 + 8 * (c2 // 2)
+        rows = it * 16 + l2 // 4 + 8 * (c2 // 2)
         out = _rnd(_gelu_tanh(_rnd(gate, DT)), DT) * _rnd(up, DT)
-        tl.store(out_ptr + m * stride_om + rows, out.to(DT), mask=m < M)
+        tl.store(out_ptr + m * stride_om + rows, out.to(DT), mask=(m < M) & ok)
     else:
         rt = tl.arange(0, T * 32)[:, None]
         c2 = tl.arange(0, 4)[None, :]
         m = (rt % 32 % 4) * 2 + c2 % 2
-        rows = (pid * T + rt // 32) * 16 + rt % 32 // 4 + 8 * (c2 // 2)
-        tl.store(out_ptr + m * stride_om + rows, y.to(DT), mask=m < M)
+        rows = (it * T + rt // 32) * 16 + rt % 32 // 4 + 8 * (c2 // 2)
+        tl.store(out_ptr + m * stride_om + rows, y.to(DT), mask=(m < M) & ok)
+
+
+@triton.jit
+def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT,
+                      K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
+                      DEPTH: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
+    """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
+    next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles)."""
+    _pdl_trigger(PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    BG: tl.constexpr = GROUP // 64  # word blocks per group
+    NG: tl.constexpr = K // W // GROUP  # groups per warp slice
+    R: tl.constexpr = W * T * 32
+    r = tl.arange(0, R)[:, None]
+    oj = tl.arange(0, 4)[None, :]  # a lane's word j; as an accumulator index, element c
+    lane = r % 32
+    w_ptrs, sz_ptrs = _tile_ptrs(pid, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, EPI)
+    words = _first_loads(w_ptrs, sz_ptrs, True, NG, DEPTH, BG, R)
+    _pdl_wait(PDL)
+    # B operand: lane g*4 + tq takes 16 consecutive x of row g per block (rows past M read row M - 1;
+    # their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)
+    x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
+              + ((r // 32) // T) * (K // W // 2) + (lane % 4) * 8 + oj)
+    for j in tl.static_range(ITERS):
+        it = pid + j * nprog
+        if j + 1 < ITERS:  # the next tile's words, in flight while this one is summed
+            nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, EPI)
+            nxt = _first_loads(nw_ptrs, nsz_ptrs, it + nprog < NPT, NG, NG, BG, R)
+        y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU)
+        _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
+        if j + 1 < ITERS:
+            words, w_ptrs, sz_ptrs = nxt, nw_ptrs, nsz_ptrs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,10 +314,13 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stri
 class MmaConfig:
     """tiles: 16-row tiles per program (2 for GeGLU: gate and up); warps: the split of K (each warp
     K / warps, a multiple of the group size); depth: groups of weight words in flight per warp (all
-    of its K slice when that is fewer)."""
+    of its K slice when that is fewer); iters: program tiles per program, each next one's words
+    loaded while the current one is summed (iters > 1 needs every group in flight: depth >= the
+    groups of a warp's slice)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
+    iters: int = 1
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
@@ -361,11 +403,16 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         raise ValueError(f"mma_w4a16 geglu needs tiles=2 and N/2 a multiple of 16, got {cfg}, N={N}")
     if not epi and (N // 16) % cfg.tiles:
         raise ValueError(f"mma_w4a16: {N // 16} row tiles do not split into programs of {cfg.tiles}")
+    if cfg.iters < 1 or (cfg.iters > 1 and cfg.depth < K // cfg.warps // G):
+        raise ValueError(f"mma_w4a16: iters must be >= 1, and > 1 only with every group in flight (depth >= "
+                         f"{K // cfg.warps // G}), got {cfg}")
     M = x.shape[0]
     out = torch.empty(M, N // 2 if epi else N, device=x.device, dtype=x.dtype)
-    grid = ((N // 2) // 16,) if epi else (N // 16 // cfg.tiles,)
-    _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0),
-                            K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth, EMU=_INTERPRET,
+    n_tiles = (N // 2) // 16 if epi else N // 16 // cfg.tiles  # program tiles
+    grid = (triton.cdiv(n_tiles, cfg.iters),)
+    _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
+                            K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth, ITERS=cfg.iters,
+                            EMU=_INTERPRET,
                             num_warps=cfg.warps, **pdl_args(pdl, x.device))
     return out
 
@@ -382,13 +429,13 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
-                 tiles: int, warps: int, depth: int, pdl: bool) -> torch.Tensor:
+                 tiles: int, warps: int, depth: int, iters: int, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters), pdl)
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -397,7 +444,8 @@ def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, pdl):
 
 
 def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
-    """Tiles x warps where each warp's K slice is whole groups of at most 2,560 k; depth 2, 4, 8, all."""
+    """Tiles x warps where each warp's K slice is whole groups of at most 2,560 k; depth 2, 4, 8, all;
+    with every group in flight, also 2 and 4 program tiles per program."""
     tiles = (2,) if epilogue == "geglu" else (1, 2, 4)
     out = []
     for t in tiles:
@@ -406,6 +454,7 @@ def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
                 continue
             out.append(MmaConfig(t, w))
             out += [MmaConfig(t, w, d) for d in (2, 4, 8) if K // (w * group_size) > d]
+            out += [MmaConfig(t, w, iters=i) for i in (2, 4)]
     return out
 
 
@@ -426,7 +475,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
     rows = []
     print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}  int4 GEMV on the tensor cores vs "
           f"the current kernels, group {group_size} (us; weights rotated out of L2; {'PDL' if pdl else 'plain'})")
-    print(f"{'case':>16} {'N':>6} {'K':>6} {'M':>2} | {'kernel':<34} | {'us':>8} | {'GB/s':>6} | check")
+    print(f"{'case':>16} {'N':>6} {'K':>6} {'M':>2} | {'kernel':<44} | {'us':>8} | {'GB/s':>6} | check")
     for name, (N, K, mode) in (cases or E4B_CASES).items():
         epi = "geglu" if mode == "geglu" else "none"
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
@@ -441,7 +490,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
-            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, depth {c.depth}", mma,
+            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, depth {c.depth}, iters {c.iters}", mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
                     for c in mma_candidates(K, group_size, epi)]
             if M == 1:
@@ -461,7 +510,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                     got = call(*bufs[0])
                     us = timer(rotating(bufs, call))
                 except Exception as e:  # out of resources for a candidate: report, go on
-                    print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<34} | skipped: {type(e).__name__}: {e}"[:160])
+                    print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<44} | skipped: {type(e).__name__}: {e}"[:160])
                     continue
                 timed_only = "timed only" in label
                 err = float("nan") if timed_only else max_rel_err(got, ref)
@@ -469,6 +518,6 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                 gbs = nbytes / us / 1e3
                 rows.append(dict(case=name, N=N, K=K, M=M, kernel=label, us=us, gbps=gbs, max_rel_err=err, ok=ok))
                 check = "-" if timed_only else f"{'ok' if ok else 'WRONG'} {err:.1e}"
-                print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<34} | {us:8.2f} | {gbs:6.0f} | {check}")
+                print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<44} | {us:8.2f} | {gbs:6.0f} | {check}")
         del std, mma
     return rows
