@@ -37,37 +37,49 @@ def _fma_bf16x2(a, b, c):
     return halves[0] | halves[1] << 16
 
 
+def _val(regs: dict, tok: str) -> int:
+    tok = tok.strip()
+    if tok.startswith("0x"):
+        return int(tok, 16)
+    return int(tok) if tok.isdigit() else regs[tok]
+
+
+def _instructions(asm: str):
+    """(op, operand text) per instruction: the block's braces and .reg lines dropped, operand groups
+    ({$0, $1}) kept."""
+    for line in asm.split(";"):
+        line = line.strip()
+        line = line[1:].strip() if line.startswith("{") else line
+        if line and line != "}" and not line.startswith(".reg"):
+            op, _, rest = line.partition(" ")
+            yield op, rest
+
+
+def _step(regs: dict, op: str, rest: str) -> None:
+    """One b32 instruction on one lane's registers (immediates, the LOP3 table and the PRMT selector
+    included, read as operands)."""
+    d, *src = [t.strip() for t in rest.split(",")]
+    v = [_val(regs, t) for t in src]
+    if op == "mov.b32":
+        regs[d] = v[0]
+    elif op == "shr.b32":
+        regs[d] = v[0] >> v[1]
+    elif op == "lop3.b32":
+        regs[d] = _lop3(v[0], v[1], v[2], v[3])
+    elif op == "prmt.b32":
+        regs[d] = _prmt(v[0], v[1], v[2])
+    elif op == "fma.rn.bf16x2":
+        regs[d] = _fma_bf16x2(v[0], v[1], v[2])
+    else:
+        raise NotImplementedError(f"ptx_lite: {op}")
+
+
 def run(asm: str, args: list[int], n_out: int) -> list[int]:
     """Execute `asm` with $0..$(n_out-1) as outputs and $n_out.. bound to `args`; -> outputs."""
     regs = {f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(args)}
-
-    def val(tok):
-        tok = tok.strip()
-        if tok.startswith("0x"):
-            return int(tok, 16)
-        return int(tok) if tok.isdigit() else regs[tok]
-
-    for line in asm.split(";"):
-        line = line.strip().strip("{}").strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, _, rest = line.partition(" ")
-        ops = [t.strip() for t in rest.split(",")]
-        d, src = ops[0], ops[1:]
-        if op == "mov.b32":
-            regs[d] = val(src[0])
-        elif op == "shr.b32":
-            regs[d] = val(src[0]) >> val(src[1]) if not re.fullmatch(r"\d+", src[1]) else val(src[0]) >> int(src[1])
-        elif op == "lop3.b32":
-            regs[d] = _lop3(val(src[0]), val(src[1]), val(src[2]), int(src[3], 16))
-        elif op == "prmt.b32":
-            regs[d] = _prmt(val(src[0]), val(src[1]), int(src[2], 16))
-        elif op == "fma.rn.bf16x2":
-            regs[d] = _fma_bf16x2(val(src[0]), val(src[1]), val(src[2]))
-        else:
-            raise NotImplementedError(f"ptx_lite: {op}")
+    for op, rest in _instructions(asm):
+        _step(regs, op, rest)
     return [regs[f"${i}"] for i in range(n_out)]
-
 
 _MMA_OP = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -114,37 +126,17 @@ def run_warp(asm: str, lane_args: list[list[int]], n_out: int) -> list[list[int]
     regs = [{f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(args)} for args in lane_args]
     assert len(regs) == 32, "a warp is 32 lanes"
 
-    def val(lane, tok):
-        tok = tok.strip()
-        if tok.startswith("0x"):
-            return int(tok, 16)
-        return int(tok) if tok.isdigit() else regs[lane][tok]
-
     def group(text):  # "{$0, $1}" -> ["$0", "$1"]
         return [t.strip() for t in text.strip().strip("{}").split(",")]
 
-    for line in asm.split(";"):
-        line = line.strip()
-        line = line[1:].strip() if line.startswith("{") else line  # the block's braces, not the operand groups
-        if not line or line == "}" or line.startswith(".reg"):
+    for op, rest in _instructions(asm):
+        if op != _MMA_OP:
+            for lane_regs in regs:
+                _step(lane_regs, op, rest)
             continue
-        op, _, rest = line.partition(" ")
-        if op == _MMA_OP:
-            d, a, b, c = (group(x) for x in re.findall(r"\{[^}]*\}", rest))
-            res = _mma_warp(*([[val(ln, x) for x in grp] for ln in range(32)] for grp in (a, b, c)))
-            for ln in range(32):
-                for reg, v in zip(d, res[ln]):
-                    regs[ln][reg] = v
-            continue
-        ops = [t.strip() for t in rest.split(",")]
-        dst, src = ops[0], ops[1:]
+        d, a, b, c = (group(x) for x in re.findall(r"\{[^}]*\}", rest))
+        res = _mma_warp(*([[_val(regs[ln], x) for x in grp] for ln in range(32)] for grp in (a, b, c)))
         for ln in range(32):
-            if op == "mov.b32":
-                regs[ln][dst] = val(ln, src[0])
-            elif op == "shr.b32":
-                regs[ln][dst] = val(ln, src[0]) >> val(ln, src[1])
-            elif op == "lop3.b32":
-                regs[ln][dst] = _lop3(val(ln, src[0]), val(ln, src[1]), val(ln, src[2]), int(src[3], 16))
-            else:
-                raise NotImplementedError(f"ptx_lite: {op}")
+            for reg, v in zip(d, res[ln]):
+                regs[ln][reg] = v
     return [[regs[ln][f"${i}"] for i in range(n_out)] for ln in range(32)]

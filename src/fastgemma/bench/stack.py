@@ -175,8 +175,8 @@ def main(argv=None):
                          f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--mma-table", default="",
                     help="variants with 'mma': the tensor-core int4 kernel's table for this run instead of its own: "
-                         "entries CASE@ROWS=TxW[dD] joined by ',' (e.g. 'o@1=2x8,down@1=1x4d8'), or 'none'; the "
-                         "one-row step takes them for its GEMVs without a prologue (o, o full, down, PLE projection)")
+                         "entries CASE@ROWS=TxW[dD] joined by ',' (e.g. 'o@1=2x8,down@1=1x4d8'), or 'none'; a "
+                         "one-row GEMV with a prologue (q|k|v, gate|up) runs it in kernels/residual_norm.py first")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")

@@ -73,11 +73,11 @@ def _mma_cfg(mod, M: int, epilogue: str, dtype):
     return mma_config(mod.out_features, mod.in_features, M, epilogue)
 
 
-def _mma_call(mod, x, epilogue: str, pdl: bool):
-    """x [M, K] through kernels/mma_w4a16.py where `_mma_cfg` has a config; else None."""
+def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None):
+    """x [M, K] through kernels/mma_w4a16.py with `cfg` (None: `_mma_cfg`'s); None where it has none."""
     from ..kernels.mma_w4a16 import mma_w4a16_op
 
-    cfg = _mma_cfg(mod, x.shape[0], epilogue, x.dtype)
+    cfg = cfg or _mma_cfg(mod, x.shape[0], epilogue, x.dtype)
     if cfg is None:
         return None
     return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, cfg.tiles,
@@ -93,14 +93,15 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False):
     from .quant import Int4Linear
 
     def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
-        if mma and aux is None and _mma_cfg(mod, 1, epilogue, a.dtype) is not None:
+        cfg = _mma_cfg(mod, 1, epilogue, a.dtype) if mma and aux is None else None
+        if cfg is not None:
             a2, h = a.reshape(1, -1), None
             if y is not None or pre is not None:
                 h, x = residual_norm_op(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
                                         pdl)
                 a2 = x if pre is not None else h
                 h = h if y is not None else None
-            return _mma_call(mod, a2, epilogue, pdl), h
+            return _mma_call(mod, a2, epilogue, pdl, cfg), h
         if isinstance(mod, Int4Linear):
             return gemv4(a, mod.qweight, mod.scales, mod.zeros, mod.group_size, y, post, scale, pre, aux, eps, off,
                          epilogue, pdl)
@@ -145,8 +146,9 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
-    combine launch (kernels/decode_attention.py); int4_mma: int4 GEMVs without a prologue (o, down,
-    PLE projection) on the tensor-core kernel where its table has their shape (kernels/mma_w4a16.py)."""
+    combine launch (kernels/decode_attention.py); int4_mma: int4 GEMVs on the tensor-core kernel where
+    its table has their shape at one row (kernels/mma_w4a16.py; a prologue then runs on its own in
+    kernels/residual_norm.py)."""
     c = model.config
     x, ple = model.embed(ids)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge)

@@ -80,30 +80,24 @@ class Int4Linear(nn.Module):
         from fastgemma.kernels.mma_w4a16 import MMA_GROUPS
 
         return (self.group_size in MMA_GROUPS and self.out_features % 16 == 0 and self.bias is None
-                and self.scales.dtype == torch.bfloat16)
+                and self.scales.dtype == torch.bfloat16 and self.sz is not None)
 
     def enable_mma(self) -> bool:
         """Also hold the weights in kernels/mma_w4a16.py's fragment order (a second copy: N * K / 2 +
         N * K / G * 4 bytes of memory) for its 1..8-row launches. -> False (nothing held) where its
-        format does not apply (group size, N % 16, bias, non-bf16 scales)."""
+        format does not apply (group size, N % 16, bias, scales / zeros not both bf16)."""
         self.mma = self.mma_supported()
         self._pack_mma()
         return self.mma
 
     def _pack_mma(self) -> None:
-        from fastgemma.kernels.mma_w4a16 import MmaWeight
+        from fastgemma.kernels.mma_w4a16 import pack_mma, pack_mma_sz
 
         if not (self.mma and self.mma_supported()):
             self.mma, self.mma_words, self.mma_sz = False, None, None
             return
-        w = MmaWeight.from_codes(unpack_int4(self.qweight), self.scales, self.zeros, self.group_size)
-        self.mma_words, self.mma_sz = w.words, w.sz
-
-    def mma_weight(self):
-        """The fragment-order copy as a kernels.mma_w4a16.MmaWeight (after enable_mma)."""
-        from fastgemma.kernels.mma_w4a16 import MmaWeight
-
-        return MmaWeight(self.mma_words, self.mma_sz, self.out_features, self.in_features, self.group_size)
+        # bf16 scales: `sz` holds their packed words already (_pack_sz runs first)
+        self.mma_words, self.mma_sz = pack_mma(unpack_int4(self.qweight)), pack_mma_sz(self.sz)
 
     def set_scales(self, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """Replace scales and zeros ([K/G, N] each) and rebuild `sz`."""
