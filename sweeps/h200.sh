@@ -12,7 +12,8 @@
 #             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates, INT4_PACKED=0 the
 #             per-group kernel on separate scales / zeros (default: the packed words, as the engine runs it)
 #   mma       the int4 GEMV on the tensor cores (kernels/mma_w4a16.py) vs the current kernels, 1 and 8 rows,
-#             every E4B shape (mma_w4a16.bench_mma); MMA_CASES=name,..., MMA_MS=1,8
+#             every E4B shape (mma_w4a16.bench_mma); MMA_CASES=name,..., MMA_MS=1,8, MMA_TRY=1x4s4,2x4d2,...
+#             (those configs instead of every candidate: TxW[dD][iI][sS])
 #   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
@@ -87,8 +88,10 @@ cs = '${INT4FUSED_CASES:-}'
 bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
     mma) run mma python3 -c "from fastgemma.kernels.mma_w4a16 import bench_mma
 from fastgemma.kernels.fused_w4a16 import E4B_CASES as C
-cs = '${MMA_CASES:-}'
-bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')))" ;;
+from fastgemma.kernels.mma_w4a16 import parse_config
+cs, try_ = '${MMA_CASES:-}', '${MMA_TRY:-}'
+bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')),
+          configs=[parse_config(c) for c in try_.split(',')] if try_ else None)" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;

@@ -149,6 +149,26 @@ def test_stack_bench_step_variants_on_the_cpu(tmp_path, capsys):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base,fast"])
 
 
+def test_stack_bench_one_row_set_per_mma_table(tmp_path):
+    """bench.stack --mma-table, repeated: variants with 'mma' built once per table in one process (rows
+    labelled by the table's text, 'default' unlabelled), the others once; the shipped table restored
+    after; a bad entry refused."""
+    from fastgemma.bench import stack
+    from fastgemma.kernels import mma_w4a16
+
+    shipped = dict(mma_w4a16.MMA_CONFIGS)
+    out = tmp_path / "stack.jsonl"
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--variants", "base,mma",
+                "--mma-table", "default", "--mma-table", "down@1=1x4s4", "--heads", "full", "--prompts", "1",
+                "--prompt-len", "12", "--new", "4", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["base", "mma", "mma [down@1=1x4s4]"]
+    assert [r["stack"]["FuseLayers"]["int4_mma"] for r in rows] == [False, True, True]
+    assert mma_w4a16.MMA_CONFIGS == shipped
+    with pytest.raises(SystemExit, match="CASE@ROWS=TxW"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "mma", "--mma-table", "down@1=4"])
+
+
 def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     """bench.spec's CPU smoke run with a pruned head: the AR row, then replay rows for each verify
     tile table, identical tokens to AR (no divergence, teacher-forced top-1 agreement 1), and the

@@ -96,6 +96,9 @@ def _exact(x, q, s, z, G, epilogue):
     (32, 512, 128, 5, "none", MmaConfig(2, 4)),  # four warps, all groups up front
     (64, 256, 128, 3, "none", MmaConfig(1, 2, iters=3)),  # 3 tiles per program: 2 programs, the last tile masked
     (96, 256, 64, 2, "geglu", MmaConfig(2, 2, iters=2)),  # 3 gate / up pairs over 2 programs
+    (32, 1024, 128, 1, "none", MmaConfig(1, 2, splits=4)),  # K over 4 programs per tile, one group per warp
+    (64, 512, 128, 8, "none", MmaConfig(2, 2, splits=2)),  # 2 tiles per program, K over 2 programs
+    (64, 512, 64, 3, "geglu", MmaConfig(2, 1, splits=2)),  # GeGLU after the partials are added
 ])
 def test_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     q, s, z = _weights(N, K, G, seed=N + K + M)
@@ -108,6 +111,22 @@ def test_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     assert (got - want).abs().max().item() <= tol
     twin = mma_w4a16_ref(x, pack_int4(q), s, z, G, epilogue).double()
     assert (twin - want).abs().max().item() <= tol
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
+def test_split_k_launches_leave_their_counters_at_zero():
+    """Each split tile's last program resets its arrival counter: a second launch (another layer of the
+    same shape) adds its partials again, bit for bit, and the counters are zero after both."""
+    from fastgemma.kernels.counters import arrival_counters
+
+    q, s, z = _weights(48, 512, 64, seed=5)
+    w = MmaWeight.from_codes(q, s, z, 64)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
+    cfg = MmaConfig(1, 2, splits=4)
+    first = mma_w4a16(x, w, config=cfg)
+    assert torch.equal(mma_w4a16(x, w, config=cfg), first)
+    assert not arrival_counters(x.device, 3).any()
+    assert (first.double() - _exact(x, q, s, z, 64, "none")).abs().max() <= 2 ** -7 * first.abs().max().item()
 
 
 def test_bad_input():
@@ -130,6 +149,10 @@ def test_bad_input():
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 4))
         with pytest.raises(ValueError, match="iters must be >= 1, and > 1 only with every group in flight"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 1, depth=1, iters=2))
+        with pytest.raises(ValueError, match="does not split into 2 warps x 4 splits"):
+            mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 2, splits=4))
+        with pytest.raises(ValueError, match="splits must be >= 1, and > 1 only with iters 1"):
+            mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 1, iters=2, splits=2))
         with pytest.raises(ValueError, match="geglu needs tiles=2"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
@@ -171,8 +194,8 @@ def test_fused_steps_with_int4_mma(monkeypatch):
     for name, m in lin.items():
         for multi in (False, True):
             if isinstance(m, Int4Linear):  # gate|up (GeGLU) takes its gate and up tiles together
-                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, multi),
-                                    MmaConfig(2 if name == "gate_up" else 1, 1))
+                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, multi),  # down: K split
+                                    MmaConfig(2 if name == "gate_up" else 1, 1, splits=2 if name == "down" else 1))
     t = FuseLayers(backend="triton", int4_mma=True)
     plain_decode, plain_verify = model.fused_decode, model.fused_verify
     t.apply(model)
@@ -181,7 +204,7 @@ def test_fused_steps_with_int4_mma(monkeypatch):
     assert weight_bytes_per_step(model) == before
     calls = []
     real = mma_mod.mma_w4a16
-    monkeypatch.setattr(mma_mod, "mma_w4a16", lambda *a, **k: calls.append((a[0].shape[0], a[2])) or real(*a, **k))
+    monkeypatch.setattr(mma_mod, "mma_w4a16", lambda *a, **k: calls.append((a[0].shape[0], a[2], a[3])) or real(*a, **k))
     mma_steps = model.fused_decode, model.fused_verify
     for ids, pos in ((torch.tensor([[7]]), torch.tensor([[0]])),
                      (torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None])):
@@ -194,7 +217,8 @@ def test_fused_steps_with_int4_mma(monkeypatch):
         assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
     # the one-row step launched it for GEMVs with a prologue too (after kernels/residual_norm.py:
     # q|k|v, and gate|up with its GeGLU epilogue), and the verify pass at 5 rows
-    assert {(1, "none"), (1, "geglu"), (5, "none"), (5, "geglu")} <= set(calls)
+    assert {(1, "none"), (1, "geglu"), (5, "none"), (5, "geglu")} <= {c[:2] for c in calls}
+    assert any(c[2].splits == 2 for c in calls)
 
 
 _SM90 = r'''
@@ -205,15 +229,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sm90_compile import build
 from fastgemma.kernels.mma_w4a16 import _mma_w4a16_kernel
-sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "HALF": "i32",
-       "stride_xm": "i32", "stride_om": "i32", "NPT": "i32"}
-for name, K, T, W, EPI, D, I in [("down", 10240, 1, 4, 0, 64, 1), ("down depth 8", 10240, 1, 4, 0, 8, 1),
-                                 ("gate|up geglu", 2560, 2, 4, 1, 64, 1), ("o", 2048, 2, 8, 0, 64, 1),
-                                 ("q|k|v 2 tiles per program", 2560, 1, 4, 0, 64, 2)]:
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, PDL=True, EMU=False)
-    ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, (0, 1, 2, 3, 7, 8), W)
+sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+       "M": "i32", "N": "i32", "HALF": "i32", "stride_xm": "i32", "stride_om": "i32", "NPT": "i32"}
+aligned = (0, 1, 2, 3, 4, 5, 9, 10)
+for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down depth 8", 10240, 1, 4, 0, 8, 1, 1),
+                                    ("gate|up geglu", 2560, 2, 4, 1, 64, 1, 1), ("o", 2048, 2, 8, 0, 64, 1, 1),
+                                    ("q|k|v 2 tiles per program", 2560, 1, 4, 0, 64, 2, 1),
+                                    ("down K over 4 programs", 10240, 1, 4, 0, 64, 1, 4)]:
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False)
+    ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, aligned, W)
     src = ASTSource(_mma_w4a16_kernel, dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)})
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": W}).asm["ttgir"]
     pat = r"(#blocked\d*) = #ttg.blocked<\{sizePerThread = (\[[^]]*\]), threadsPerWarp = (\[[^]]*\])"
     layouts = {m[0]: m[1] + m[2] for m in re.findall(pat, ttgir)}
@@ -232,7 +258,7 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
                        cwd=Path(__file__).parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "mma"}
-    assert len(rows) == 5, r.stdout
+    assert len(rows) == 6, r.stdout
     for name, (regs, spills, mmas, waits, layouts) in rows.items():
         # every mma operand: one lane per row (threadsPerWarp [32, 1]), a lane's 4 values in its registers
         assert layouts == "['[1, 4][32, 1]']", (name, layouts)
@@ -244,7 +270,7 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
     """bench_mma on tiny cases with a stub timer: every candidate of this kernel and the fused int4
     GEMV it is compared with at one row (plain, and timed-only with the case's prologue) runs and
     matches the twin; without a GPU and without a timer it says what it needs."""
-    from fastgemma.kernels.mma_w4a16 import bench_mma, mma_candidates
+    from fastgemma.kernels.mma_w4a16 import bench_mma, mma_candidates, parse_config
 
     cases = {"r": (64, 256, "residual"), "g": (64, 256, "geglu"), "p": (64, 256, "plain")}
     rows = bench_mma(cases, ms=(1,), device="cpu", timer=lambda fn: (fn(), 2.0)[1])
@@ -255,6 +281,12 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
         assert all(r["ok"] and r["us"] == 2.0 for r in by_case[c]), by_case[c]
         assert len(by_case[c]) == len(mma_rows) + (1 if mode == "plain" else 2)
     assert "int4 GEMV on the tensor cores" in capsys.readouterr().out
+    # configs given: those that fit the shape (1x4 does not: 256 k in 4 warps of 128)
+    tried = [parse_config(c) for c in ("1x1s2", "2x1", "1x4")]
+    rows = bench_mma({"p": cases["p"]}, ms=(1,), device="cpu", timer=lambda fn: (fn(), 2.0)[1], configs=tried)
+    assert [r["kernel"] for r in rows if r["kernel"].startswith("mma")] == [
+        "mma 1x16 rows, 1 warps, d64, iters 1, splits 2", "mma 2x16 rows, 1 warps, d64, iters 1, splits 1"]
+    assert all(r["ok"] for r in rows)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="bench_mma needs a CUDA device"):
             bench_mma(cases, ms=(1,), device="cpu")
@@ -263,12 +295,15 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
 def test_table_from_text():
     """bench.stack --mma-table: entries by E4B case name, rows, tiles x warps and depth; 'none' empties
     the table; anything else is refused with the form it expects."""
-    from fastgemma.kernels.mma_w4a16 import parse_table
+    from fastgemma.kernels.mma_w4a16 import parse_config, parse_table
 
-    assert parse_table("o@1=2x8, down@1=1x4d8,q|k|v@8=2x4") == {
+    assert parse_table("o@1=2x8, down@1=1x4d8,q|k|v@8=2x4,gate|up@1=2x2s4") == {
         (2560, 2048, False): MmaConfig(2, 8), (2560, 10240, False): MmaConfig(1, 4, 8),
-        (3072, 2560, True): MmaConfig(2, 4)}
+        (3072, 2560, True): MmaConfig(2, 4), (20480, 2560, False): MmaConfig(2, 2, splits=4)}
     assert parse_table("none") == {}
-    for bad in ("foo@1=1x1", "o@0=1x1", "o@1=2", "o=1x1"):
+    for bad in ("foo@1=1x1", "o@0=1x1", "o@1=2", "o=1x1", "o@1=1x1s"):
         with pytest.raises(ValueError, match="CASE@ROWS=TxW"):
             parse_table(bad)
+    assert parse_config("2x4d2i2") == MmaConfig(2, 4, 2, 2) and parse_config(" 1x4s4") == MmaConfig(1, 4, splits=4)
+    with pytest.raises(ValueError, match="TxW"):
+        parse_config("1x4q")

@@ -173,10 +173,11 @@ def main(argv=None):
     ap.add_argument("--variants", default="base",
                     help="fused-step variants per body, comma-separated: base, or options joined by '+' "
                          f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
-    ap.add_argument("--mma-table", default="",
-                    help="variants with 'mma': the tensor-core int4 kernel's table for this run instead of its own: "
-                         "entries CASE@ROWS=TxW[dD] joined by ',' (e.g. 'o@1=2x8,down@1=1x4d8'), or 'none'; a "
-                         "one-row GEMV with a prologue (q|k|v, gate|up) runs it in kernels/residual_norm.py first")
+    ap.add_argument("--mma-table", action="append", default=[],
+                    help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
+                         "CASE@ROWS=TxW[dD][sS] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), 'none', or 'default' "
+                         "(its own); repeated: one row set per table, in one process. A one-row GEMV with a prologue "
+                         "(q|k|v, gate|up) runs it in kernels/residual_norm.py first")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
@@ -186,15 +187,15 @@ def main(argv=None):
         raise SystemExit("--variants: at least one (base)")
     for v in variants:
         parse_variant(v)
-    if a.mma_table:
-        from ..kernels import mma_w4a16
+    from ..kernels import mma_w4a16
 
+    shipped = dict(mma_w4a16.MMA_CONFIGS)
+    tables = {}  # text -> table; '' is the shipped one
+    for text in a.mma_table or ["default"]:
         try:
-            table = mma_w4a16.parse_table(a.mma_table)
+            tables[text if text != "default" else ""] = shipped if text == "default" else mma_w4a16.parse_table(text)
         except ValueError as e:
             raise SystemExit(str(e)) from e
-        mma_w4a16.MMA_CONFIGS.clear()
-        mma_w4a16.MMA_CONFIGS.update(table)
     # the full head first: the reference of identity, and the pruned keepsets' first ids
     heads = [("full", None)] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads) if h != ("full", None)]
     dev = a.device
@@ -215,19 +216,23 @@ def main(argv=None):
     print(f"{gpu} | {cfg.name} synthetic | copy bw {bw / 1e12:.2f} TB/s | compile {compiled}", flush=True)
     workdir = tempfile.mkdtemp(prefix="fastgemma-stack-")  # the pruned heads' keepset files
     eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
-    plan = [(b, v) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])]
+    plan = [(b, v, t) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])
+            for t in (tables if "mma" in v.split("+") else [""])]
     first = {}  # body -> the first variant's full-head tokens
-    for body, variant in plan:
+    for body, variant, table in plan:
+        mma_w4a16.MMA_CONFIGS.clear()  # read when the body is built (the fragment-order copies) and traced
+        mma_w4a16.MMA_CONFIGS.update(tables.get(table, shipped))
+        label = f"{variant} [{table}]" if table else variant
         t0 = time.perf_counter()
         try:
             model, desc = build_body(cfg, dev, body, dtype, variant=variant)
         except Exception as e:  # nf4 without bitsandbytes, ...: report and go on
-            print(f"{body} {variant}: FAILED to build: {type(e).__name__}: {e}", flush=True)
-            rows.append(dict(body=body, variant=variant, head="*", error=f"{type(e).__name__}: {e}"))
+            print(f"{body} {label}: FAILED to build: {type(e).__name__}: {e}", flush=True)
+            rows.append(dict(body=body, variant=label, head="*", error=f"{type(e).__name__}: {e}"))
             continue
         sync()
         nbody = body_bytes(model)
-        print(f"{body} {variant}: built in {time.perf_counter() - t0:.1f}s, body reads {nbody / 1e9:.3f} GB/token",
+        print(f"{body} {label}: built in {time.perf_counter() - t0:.1f}s, body reads {nbody / 1e9:.3f} GB/token",
               flush=True)
         torch._dynamo.reset()
         step_fn = model.step
@@ -255,8 +260,8 @@ def main(argv=None):
                 wall = time.perf_counter() - t
                 hus = head_us(model, sampler, dev)
             except Exception as e:
-                print(f"{body} {variant} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
-                rows.append(dict(body=body, variant=variant, head=name, error=f"{type(e).__name__}: {e}"))
+                print(f"{body} {label} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
+                rows.append(dict(body=body, variant=label, head=name, error=f"{type(e).__name__}: {e}"))
                 continue
             tokens = [o.tokens for o in outs]
             if ref is None:
@@ -265,7 +270,7 @@ def main(argv=None):
                 first.setdefault(body, tokens)
             step_ms = statistics.median(s for o in outs for s in o.step_s) * 1e3
             per_tok = nbody + nhead
-            row = dict(body=body, variant=variant, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
+            row = dict(body=body, variant=label, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
                        tps=sum(len(t) for t in tokens) / wall, step_ms=step_ms,
                        ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3,
                        mbu=per_tok / (step_ms / 1e3) / bw if cuda else None, head_us=hus,
@@ -284,6 +289,8 @@ def main(argv=None):
         if cuda:
             torch.cuda.empty_cache()
     shutil.rmtree(workdir, ignore_errors=True)
+    mma_w4a16.MMA_CONFIGS.clear()
+    mma_w4a16.MMA_CONFIGS.update(shipped)
     if a.out:
         with open(a.out, "w") as f:
             for r in rows:

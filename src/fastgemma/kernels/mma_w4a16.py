@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 from .w4a16 import dequantize_int4, pack_scale_zero
@@ -194,21 +195,21 @@ def _group_loads(w_ptrs, sz_ptrs, g, ok, BG: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _tile_ptrs(it, w_ptr, sz_ptr, HALF, r, oj, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
-               W: tl.constexpr, EPI: tl.constexpr):
-    """Program tile `it`'s word and scale / zero pointers. [R, 4] tensors: row r is lane r % 32 of (K
-    slice, tile) (r // 32) // T, (r // 32) % T; a lane's 4 words are one 16-byte load, so the words'
-    layout puts lanes on rows and the 4 in one thread."""
+def _tile_ptrs(it, sp, w_ptr, sz_ptr, HALF, r, oj, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
+               W: tl.constexpr, S: tl.constexpr, EPI: tl.constexpr):
+    """Program tile `it`'s word and scale / zero pointers in K split `sp` of S. [R, 4] tensors: row r
+    is lane r % 32 of (K slice, tile) (r // 32) // T, (r // 32) % T; a lane's 4 words are one 16-byte
+    load, so the words' layout puts lanes on rows and the 4 in one thread."""
     lane = r % 32
-    ow = (r // 32) // T
+    ow = sp * W + (r // 32) // T  # the warp's K slice of W * S
     ot = (r // 32) % T
     if EPI == 1:  # the gate tile and its up tile
         tile = it + ot * (HALF // 16)
     else:
         tile = it * T + ot
-    w_ptrs = w_ptr + ((tile * (K // 64) + ow * (K // W // 64)) * 32 + lane) * 4 + oj
+    w_ptrs = w_ptr + ((tile * (K // 64) + ow * (K // (W * S) // 64)) * 32 + lane) * 4 + oj
     # a lane's scale / zero words for rows g and g + 8: [R, 2], spread to its 4 accumulator elements
-    NG: tl.constexpr = K // W // GROUP
+    NG: tl.constexpr = K // (W * S) // GROUP
     sz_ptrs = sz_ptr + ((tile * (K // GROUP) + ow * NG) * 8 + lane // 4) * 2 + tl.arange(0, 2)[None, :]
     return w_ptrs, sz_ptrs
 
@@ -274,34 +275,66 @@ def _tile_store(y, it, ok, out_ptr, M, stride_om, T: tl.constexpr, EPI: tl.const
 
 
 @triton.jit
-def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT,
+def _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T: tl.constexpr, S: tl.constexpr,
+                 EPI: tl.constexpr):
+    """K split sp's sums y of program tile `it` -> ws [tiles, S, T*32, 4] fp32; the tile's last program
+    to arrive (its counter, acq_rel at GPU scope, after a barrier so every thread's part is written)
+    adds the S partials in split order, so the sum does not depend on which program came last,
+    stores it through the epilogue and zeroes the counter for the next launch."""
+    rt = tl.arange(0, T * 32)[:, None]
+    c2 = tl.arange(0, 4)[None, :]
+    ws_ptrs = ws_ptr + it * (S * T * 128) + rt * 4 + c2
+    tl.store(ws_ptrs + sp * (T * 128), y)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + it, 1, sem="acq_rel", scope="gpu")
+    if arrived == S - 1:
+        tot = tl.zeros_like(y)
+        for s in tl.static_range(S):  # .cg: from L2, where the other programs' partials are
+            tot += tl.load(ws_ptrs + s * (T * 128), cache_modifier=".cg")
+        _tile_store(tot, it, True, out_ptr, M, stride_om, T, EPI)
+        tl.store(cnt_ptr + it, 0)
+
+
+@triton.jit
+def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF, stride_xm, stride_om, NPT,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                      DEPTH: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
+                      DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
+                      EMU: tl.constexpr):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
-    next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles)."""
+    next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
+    (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if S > 1:
+        it0 = pid // S
+        sp = pid % S
+    else:
+        it0 = pid
+        sp = 0
     BG: tl.constexpr = GROUP // 64  # word blocks per group
-    NG: tl.constexpr = K // W // GROUP  # groups per warp slice
+    NG: tl.constexpr = K // (W * S) // GROUP  # groups per warp slice
     R: tl.constexpr = W * T * 32
     r = tl.arange(0, R)[:, None]
     oj = tl.arange(0, 4)[None, :]  # a lane's word j; as an accumulator index, element c
     lane = r % 32
-    w_ptrs, sz_ptrs = _tile_ptrs(pid, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, EPI)
+    w_ptrs, sz_ptrs = _tile_ptrs(it0, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
     words = _first_loads(w_ptrs, sz_ptrs, True, NG, DEPTH, BG, R)
     _pdl_wait(PDL)
     # B operand: lane g*4 + tq takes 16 consecutive x of row g per block (rows past M read row M - 1;
     # their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)
     x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
-              + ((r // 32) // T) * (K // W // 2) + (lane % 4) * 8 + oj)
+              + (sp * W + (r // 32) // T) * (K // (W * S) // 2) + (lane % 4) * 8 + oj)
     for j in tl.static_range(ITERS):
-        it = pid + j * nprog
+        it = it0 + j * nprog
         if j + 1 < ITERS:  # the next tile's words, in flight while this one is summed
-            nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, EPI)
+            nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
             nxt = _first_loads(nw_ptrs, nsz_ptrs, it + nprog < NPT, NG, NG, BG, R)
         y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU)
-        _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
+        if S > 1:
+            _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T, S, EPI)
+        else:
+            _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
         if j + 1 < ITERS:
             words, w_ptrs, sz_ptrs = nxt, nw_ptrs, nsz_ptrs
 
@@ -316,11 +349,13 @@ class MmaConfig:
     K / warps, a multiple of the group size); depth: groups of weight words in flight per warp (all
     of its K slice when that is fewer); iters: program tiles per program, each next one's words
     loaded while the current one is summed (iters > 1 needs every group in flight: depth >= the
-    groups of a warp's slice)."""
+    groups of a warp's slice); splits: programs per program tile, each 1/splits of K (its warps split
+    that), the tile's last one to finish adding the partials (iters 1 only)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
     iters: int = 1
+    splits: int = 1
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
@@ -341,10 +376,25 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
 }
 
 
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?"
+
+
+def parse_config(text: str) -> MmaConfig:
+    """'TxW[dD][iI][sS]' (T tiles, W warps, D depth, I iters, S K splits; e.g. '1x4s4', '2x4d2') -> MmaConfig."""
+    import re
+
+    m = re.fullmatch(_CONFIG_RE, text.strip())
+    if not m:
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS], e.g. '1x4s4' or '2x4d2'")
+    t, w, d, i, sp = (int(g) if g else None for g in m.groups())
+    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1)
+
+
 def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
-    """A table written as entries CASE@ROWS=TxW[dD] joined by ',' (CASE a name of
-    fused_w4a16.E4B_CASES, ROWS 1 or more, T tiles, W warps, D depth; e.g. 'down@1=1x4d8,o@8=2x4'),
-    or 'none' (an empty table) -> MMA_CONFIGS' form. Clear errors for anything else."""
+    """A table written as entries CASE@ROWS=CONFIG joined by ',' (CASE a name of
+    fused_w4a16.E4B_CASES, ROWS 1 or more, CONFIG as `parse_config` reads it; e.g.
+    'down@1=1x4s4,o@8=2x4d8'), or 'none' (an empty table) -> MMA_CONFIGS' form. Clear errors for
+    anything else."""
     import re
 
     from .fused_w4a16 import E4B_CASES
@@ -353,13 +403,12 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
     for item in [x.strip() for x in spec.split(",") if x.strip()]:
         if item == "none":
             continue
-        m = re.fullmatch(r"(.+)@(\d+)=(\d+)x(\d+)(?:d(\d+))?", item)
+        m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item)
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD] with CASE one of {sorted(E4B_CASES)}, "
-                             "e.g. 'down@1=1x4d8'")
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS] with CASE one of "
+                             f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
-        depth = int(m.group(5)) if m.group(5) else MmaConfig.depth
-        table[(N, K, int(m.group(2)) > 1)] = MmaConfig(int(m.group(3)), int(m.group(4)), depth)
+        table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
     return table
 
 
@@ -377,6 +426,23 @@ def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") 
     while warps < 8 and (K // warps > 1280 or warps < 4) and K % (2 * warps * group_size) == 0:
         warps *= 2
     return MmaConfig(tiles, warps)
+
+
+def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str | None:
+    """Why `mma_w4a16` cannot launch cfg for W [N, K] in groups of G with `epilogue`, or None."""
+    if cfg.splits < 1 or (cfg.splits > 1 and cfg.iters > 1):
+        return f"splits must be >= 1, and > 1 only with iters 1, got {cfg}"
+    if K % (cfg.warps * cfg.splits * G):
+        splits = f" x {cfg.splits} splits" if cfg.splits > 1 else ""
+        return f"K={K} does not split into {cfg.warps} warps{splits} of whole groups of {G}"
+    if epilogue == "geglu" and (cfg.tiles != 2 or (N // 2) % 16):
+        return f"geglu needs tiles=2 and N/2 a multiple of 16, got {cfg}, N={N}"
+    if epilogue != "geglu" and (N // 16) % cfg.tiles:
+        return f"{N // 16} row tiles do not split into programs of {cfg.tiles}"
+    if cfg.iters < 1 or (cfg.iters > 1 and cfg.depth < K // cfg.warps // G):
+        return (f"iters must be >= 1, and > 1 only with every group in flight (depth >= {K // cfg.warps // G}), "
+                f"got {cfg}")
+    return None
 
 
 def _check_x(x: torch.Tensor, K: int) -> None:
@@ -397,23 +463,21 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         raise RuntimeError("mma_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use mma_w4a16_ref")
     cfg = config or mma_config(N, K, x.shape[0], epilogue) or default_mma_config(N, K, G, epilogue)
     epi = EPILOGUES[epilogue]
-    if K % (cfg.warps * G):
-        raise ValueError(f"mma_w4a16: K={K} does not split into {cfg.warps} warps of whole groups of {G}")
-    if epi == 1 and (cfg.tiles != 2 or (N // 2) % 16):
-        raise ValueError(f"mma_w4a16 geglu needs tiles=2 and N/2 a multiple of 16, got {cfg}, N={N}")
-    if not epi and (N // 16) % cfg.tiles:
-        raise ValueError(f"mma_w4a16: {N // 16} row tiles do not split into programs of {cfg.tiles}")
-    if cfg.iters < 1 or (cfg.iters > 1 and cfg.depth < K // cfg.warps // G):
-        raise ValueError(f"mma_w4a16: iters must be >= 1, and > 1 only with every group in flight (depth >= "
-                         f"{K // cfg.warps // G}), got {cfg}")
-    M = x.shape[0]
+    problem = config_problem(cfg, N, K, G, epilogue)
+    if problem:
+        raise ValueError(f"mma_w4a16: {problem}")
+    M, S = x.shape[0], cfg.splits
     out = torch.empty(M, N // 2 if epi else N, device=x.device, dtype=x.dtype)
     n_tiles = (N // 2) // 16 if epi else N // 16 // cfg.tiles  # program tiles
-    grid = (triton.cdiv(n_tiles, cfg.iters),)
-    _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
-                            K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth, ITERS=cfg.iters,
-                            EMU=_INTERPRET,
-                            num_warps=cfg.warps, **pdl_args(pdl, x.device))
+    if S > 1:  # partials [tiles, S, T*32, 4] fp32 and one arrival counter per program tile
+        ws = torch.empty(n_tiles * S * cfg.tiles * 128, device=x.device, dtype=torch.float32)
+        cnt = arrival_counters(x.device, n_tiles, "mma_w4a16 split-K")
+    else:
+        ws = cnt = out
+    grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
+    _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
+                            n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
+                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.warps, **pdl_args(pdl, x.device))
     return out
 
 
@@ -429,13 +493,13 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
-                 tiles: int, warps: int, depth: int, iters: int, pdl: bool) -> torch.Tensor:
+                 tiles: int, warps: int, depth: int, iters: int, splits: int, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits), pdl)
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -445,7 +509,8 @@ def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, pdl):
 
 def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
     """Tiles x warps where each warp's K slice is whole groups of at most 2,560 k; depth 2, 4, 8, all;
-    with every group in flight, also 2 and 4 program tiles per program."""
+    with every group in flight, also 2 and 4 program tiles per program; and K split over 2, 4 or 8
+    programs (every group in flight) where each warp keeps at least 2 groups."""
     tiles = (2,) if epilogue == "geglu" else (1, 2, 4)
     out = []
     for t in tiles:
@@ -455,13 +520,17 @@ def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
             out.append(MmaConfig(t, w))
             out += [MmaConfig(t, w, d) for d in (2, 4, 8) if K // (w * group_size) > d]
             out += [MmaConfig(t, w, iters=i) for i in (2, 4)]
+        for s in (2, 4, 8):
+            out += [MmaConfig(t, w, splits=s) for w in (1, 2, 4, 8)
+                    if K % (2 * w * s * group_size) == 0 and K // (w * s) <= 2560]
     return out
 
 
 def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer=None, device: str = "cuda",
-              pdl: bool = True) -> list[dict]:
+              pdl: bool = True, configs: list[MmaConfig] | None = None) -> list[dict]:
     """Every E4B shape (kernels/fused_w4a16.E4B_CASES; gate|up with GeGLU) at each row count in ms:
-    this kernel over `mma_candidates` against what the engine launches now (one row: the fused int4
+    this kernel over `mma_candidates` (or those of `configs` that fit the shape) against what the
+    engine launches now (one row: the fused int4
     GEMV with the case's prologue, and without it; 8 rows: the per-group tl.dot kernel), weights
     rotated out of L2, PDL launches, each output checked against the twin first. Prints a table;
     returns one dict per (case, rows, kernel)."""
@@ -475,7 +544,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
     rows = []
     print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}  int4 GEMV on the tensor cores vs "
           f"the current kernels, group {group_size} (us; weights rotated out of L2; {'PDL' if pdl else 'plain'})")
-    print(f"{'case':>16} {'N':>6} {'K':>6} {'M':>2} | {'kernel':<44} | {'us':>8} | {'GB/s':>6} | check")
+    print(f"{'case':>16} {'N':>6} {'K':>6} {'M':>2} | {'kernel':<48} | {'us':>8} | {'GB/s':>6} | check")
     for name, (N, K, mode) in (cases or E4B_CASES).items():
         epi = "geglu" if mode == "geglu" else "none"
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
@@ -490,9 +559,10 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
-            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, depth {c.depth}, iters {c.iters}", mma,
+            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}", mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
-                    for c in mma_candidates(K, group_size, epi)]
+                    for c in (mma_candidates(K, group_size, epi) if configs is None else
+                              [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
             if M == 1:
                 kw = dict(eps=1e-6, pdl=pdl, epilogue=epi)
                 runs.append(("fused int4 GEMV, plain", std,
@@ -510,7 +580,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                     got = call(*bufs[0])
                     us = timer(rotating(bufs, call))
                 except Exception as e:  # out of resources for a candidate: report, go on
-                    print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<44} | skipped: {type(e).__name__}: {e}"[:160])
+                    print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<48} | skipped: {type(e).__name__}: {e}"[:160])
                     continue
                 timed_only = "timed only" in label
                 err = float("nan") if timed_only else max_rel_err(got, ref)
@@ -518,6 +588,6 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                 gbs = nbytes / us / 1e3
                 rows.append(dict(case=name, N=N, K=K, M=M, kernel=label, us=us, gbps=gbs, max_rel_err=err, ok=ok))
                 check = "-" if timed_only else f"{'ok' if ok else 'WRONG'} {err:.1e}"
-                print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<44} | {us:8.2f} | {gbs:6.0f} | {check}")
+                print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<48} | {us:8.2f} | {gbs:6.0f} | {check}")
         del std, mma
     return rows
