@@ -271,6 +271,8 @@ def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
     assert all(r["identity_rate"] == 1.0 for r in rows[1:])
     with pytest.raises(SystemExit, match="--verify-mma on needs 'mma' in --variant"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--verify-mma", "on"])
+    with pytest.raises(SystemExit, match="CASE@ROWS=TxW"):  # --mma-table as bench.stack reads it
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--mma-table", "down@8=1x1x1"])
 
 
 def test_prefill_bench_on_the_cpu(tmp_path):

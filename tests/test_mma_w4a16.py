@@ -279,11 +279,12 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
         mma_rows = [r for r in by_case[c] if r["kernel"].startswith("mma")]
         assert len(mma_rows) == len(mma_candidates(K, 128, "geglu" if mode == "geglu" else "none"))
         assert all(r["ok"] and r["us"] == 2.0 for r in by_case[c]), by_case[c]
-        assert len(by_case[c]) == len(mma_rows) + (1 if mode == "plain" else 2)
+        assert len(by_case[c]) == len(mma_rows) + 2 + (1 if mode == "plain" else 2)  # + 2 read floors
     assert "int4 GEMV on the tensor cores" in capsys.readouterr().out
     # configs given: those that fit the shape (1x4 does not: 256 k in 4 warps of 128)
     tried = [parse_config(c) for c in ("1x1s2", "2x1", "1x4")]
     rows = bench_mma({"p": cases["p"]}, ms=(1,), device="cpu", timer=lambda fn: (fn(), 2.0)[1], configs=tried)
+    assert sum("floor" in r["kernel"] for r in rows) == 2
     assert [r["kernel"] for r in rows if r["kernel"].startswith("mma")] == [
         "mma 1x16 rows, 1 warps, d64, iters 1, splits 2", "mma 2x16 rows, 1 warps, d64, iters 1, splits 1"]
     assert all(r["ok"] for r in rows)
@@ -301,6 +302,8 @@ def test_table_from_text():
         (2560, 2048, False): MmaConfig(2, 8), (2560, 10240, False): MmaConfig(1, 4, 8),
         (3072, 2560, True): MmaConfig(2, 4), (20480, 2560, False): MmaConfig(2, 2, splits=4)}
     assert parse_table("none") == {}
+    assert parse_table("o_full@1=2x8,PLE_projection@8=1x1") == {(2560, 4096, False): MmaConfig(2, 8),
+                                                                 (2560, 256, True): MmaConfig(1, 1)}
     for bad in ("foo@1=1x1", "o@0=1x1", "o@1=2", "o=1x1", "o@1=1x1s"):
         with pytest.raises(ValueError, match="CASE@ROWS=TxW"):
             parse_table(bad)

@@ -208,6 +208,9 @@ def main(argv=None):
                     help="with --fuse layers and epilogues on and 'mma' in --variant: the k+1-row pass's int4 GEMMs on "
                          "kernels/mma_w4a16.py where its table has the shape (on) or the per-group kernel (off); "
                          "on,off: a row each (default: as --variant says)")
+    ap.add_argument("--mma-table", default="",
+                    help="with 'mma' in --variant: the tensor-core int4 kernel's table for this run instead of its own, "
+                         "as bench.stack --mma-table writes it (e.g. 'down@8=1x1s8,o_full@1=2x8', or 'none')")
     ap.add_argument("--variant", default="attn_pdl+qkv",
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
                          f"--variants: base, or options joined by '+' ({', '.join(VARIANT_OPTS)})")
@@ -234,6 +237,15 @@ def main(argv=None):
     prefills = [x for x in a.prefill.split(",") if x]
     if not prefills or set(prefills) - set(PREFILL):
         raise SystemExit(f"--prefill {a.prefill!r}: {', '.join(PREFILL)}")
+    if a.mma_table:
+        from ..kernels import mma_w4a16
+
+        try:
+            table = mma_w4a16.parse_table(a.mma_table)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
+        mma_w4a16.MMA_CONFIGS.clear()  # this process's table: read when the body is built and traced
+        mma_w4a16.MMA_CONFIGS.update(table)
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)

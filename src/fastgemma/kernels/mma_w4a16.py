@@ -392,9 +392,9 @@ def parse_config(text: str) -> MmaConfig:
 
 def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
     """A table written as entries CASE@ROWS=CONFIG joined by ',' (CASE a name of
-    fused_w4a16.E4B_CASES, ROWS 1 or more, CONFIG as `parse_config` reads it; e.g.
-    'down@1=1x4s4,o@8=2x4d8'), or 'none' (an empty table) -> MMA_CONFIGS' form. Clear errors for
-    anything else."""
+    fused_w4a16.E4B_CASES, '_' for its spaces allowed, so a table passes through shell words; ROWS 1
+    or more; CONFIG as `parse_config` reads it; e.g. 'down@1=1x4s4,o_full@8=2x4d8'), or 'none' (an
+    empty table) -> MMA_CONFIGS' form. Clear errors for anything else."""
     import re
 
     from .fused_w4a16 import E4B_CASES
@@ -403,7 +403,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
     for item in [x.strip() for x in spec.split(",") if x.strip()]:
         if item == "none":
             continue
-        m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item)
+        m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
             raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS] with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
@@ -534,7 +534,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
     GEMV with the case's prologue, and without it; 8 rows: the per-group tl.dot kernel), weights
     rotated out of L2, PDL launches, each output checked against the twin first. Prints a table;
     returns one dict per (case, rows, kernel)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, read_floor, rotating, timer_or_graphs
     from .fused_w4a16 import E4B_CASES, case_inputs, fused_w4a16
     from .w4a16 import pack_int4, quantize_int4, w4a16_matmul
 
@@ -575,6 +575,8 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                 sz = pack_scale_zero(sc, zr)
                 runs.append(("per-group tl.dot (w4a16_matmul)", std,
                              lambda q_, s_, z_: w4a16_matmul(x, q_, s_, z_, group_size, epilogue=epi, sz=sz)))
+            runs += [(f"read the words only, {b * 4 // 1024} KB per program (floor)", mma,
+                      lambda mw_, b=b, w=w: read_floor(mw_.words, b, w, pdl)) for b, w in ((2048, 4), (8192, 8))]
             for label, bufs, call in runs:
                 try:
                     got = call(*bufs[0])
@@ -582,10 +584,10 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                 except Exception as e:  # out of resources for a candidate: report, go on
                     print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<48} | skipped: {type(e).__name__}: {e}"[:160])
                     continue
-                timed_only = "timed only" in label
+                timed_only = "timed only" in label or "floor" in label
                 err = float("nan") if timed_only else max_rel_err(got, ref)
                 ok = timed_only or err < WRONG_REL_ERR
-                gbs = nbytes / us / 1e3
+                gbs = (mw.words.numel() * 4 if "floor" in label else nbytes) / us / 1e3
                 rows.append(dict(case=name, N=N, K=K, M=M, kernel=label, us=us, gbps=gbs, max_rel_err=err, ok=ok))
                 check = "-" if timed_only else f"{'ok' if ok else 'WRONG'} {err:.1e}"
                 print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<48} | {us:8.2f} | {gbs:6.0f} | {check}")
