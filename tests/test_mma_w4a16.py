@@ -156,8 +156,9 @@ def test_bad_input():
         with pytest.raises(ValueError, match="geglu needs tiles=2"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
-    assert mma_config(2560, 10240, 1) is None  # down at one row: the fused int4 GEMV stays (run DC)
-    assert mma_config(20480, 2560, 8) is None  # gate|up at 8 rows: the per-group kernel stays
+    assert mma_config(2560, 10240, 1).splits == 5  # down at one row: K split (run DH)
+    assert mma_config(20480, 2560, 1) is None  # gate|up at one row: the fused int4 GEMV stays
+    assert mma_config(20480, 2560, 8, "geglu").tiles == 2
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")

@@ -359,13 +359,14 @@ class MmaConfig:
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
-# engine launches otherwise (`bench_mma`, run DB, us: this / that; one row: the fused int4 GEMV without a
-# prologue; 8 rows: the per-group tl.dot kernel). `mma_config` is None elsewhere. Down at one row ran faster
-# alone (10.33 / 10.99) but the one-row step with it took longer (run DC: 2.210 -> 2.321 ms with o, down and
-# the PLE projection; run DF: 2.250 -> 2.168 ms with o and the PLE projection, down left out).
+# engine launches otherwise (`bench_mma`, runs DB and DG, us: this / that; one row: the fused int4 GEMV without
+# a prologue; 8 rows: the per-group tl.dot kernel). `mma_config` is None elsewhere. Down at one row without a K
+# split (10.33 / 10.99) made the one-row step slower (run DC: 2.210 -> 2.321 ms); split over 5 programs per
+# tile pair it made it faster (run DH: 2.178 -> 2.121 ms).
 MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (2560, 2048, False): MmaConfig(2, 8),  # o: 3.70 / 4.17
     (2560, 4096, False): MmaConfig(2, 8),  # o full: 4.02 / 5.06
+    (2560, 10240, False): MmaConfig(2, 2, splits=5),  # down: 8.26 / 11.20
     (2560, 256, False): MmaConfig(1, 1),  # PLE projection: 1.16 / 1.34
     (3072, 2560, True): MmaConfig(2, 4),  # q|k|v: 4.48 / 5.73
     (6144, 2560, True): MmaConfig(1, 4),  # q|k|v full: 5.00 / 7.20
@@ -373,6 +374,8 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (2560, 2048, True): MmaConfig(2, 4),  # o: 3.38 / 5.33
     (2560, 4096, True): MmaConfig(2, 8),  # o full: 4.42 / 6.87
     (2560, 256, True): MmaConfig(1, 1),  # PLE projection: 1.29 / 2.47
+    (2560, 10240, True): MmaConfig(1, 1, splits=8),  # down: 7.56 / 11.03
+    (20480, 2560, True): MmaConfig(2, 2, splits=5),  # gate|up (GeGLU): 14.53 / 15.67
 }
 
 
