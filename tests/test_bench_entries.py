@@ -93,6 +93,10 @@ def test_ladder_fused_variants_on_the_cpu(tmp_path):
     apply_variant(model, "compiled_triton_merged_gemv", state)
     assert model.fused_decode is None and model.fused_verify is None
     assert VARIANTS["compiled_triton_fused_int4"][4] and VARIANTS["compiled_triton_fused_int4"][6] == "layers"
+    state["int4"] = True  # (E4B's group 128 does not divide the tiny model's PLE projection: its body stays dense)
+    apply_variant(model, "compiled_triton_fused_int4_mma", state)  # then FuseLayers.validate: the mma copies
+    kw = model.fused_decode.keywords
+    assert (kw["pdl"], kw["attn_pdl"]) == (True, True) and VARIANTS["compiled_triton_fused_int4_mma"][4]
 
 
 def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):

@@ -49,6 +49,7 @@ VARIANTS = {
     "compiled_triton_fused_int4": (GraphStep, "triton", True, True, True, False, "layers"),
     "compiled_triton_fused_int4_pdl": (GraphStep, "triton", True, True, True, False, "layers_pdl"),
     "compiled_triton_fused_int4_all": (GraphStep, "triton", True, True, True, False, "layers_all"),
+    "compiled_triton_fused_int4_mma": (GraphStep, "triton", True, True, True, False, "layers_mma"),
 }
 
 
@@ -66,18 +67,22 @@ def apply_variant(model, name, state):
     model.fused_verify = None
     model.fuse_drafter = None
     model.draft_head = None
+    fuse = None
     if fused:
         from ..transforms.fuse_layers import FuseLayers
 
-        every = fused == "layers_all"  # + the attention kernels under PDL and the q/k/v kernel
-        FuseLayers(backend="triton" if model.embed_tokens.weight.is_cuda else "torch",
-                   pdl=fused in ("layers_pdl", "layers_all"), attn_pdl=every, qkv_kernel=every).apply(model)
+        every = fused in ("layers_all", "layers_mma")  # + the attention kernels under PDL and the q/k/v kernel
+        fuse = FuseLayers(backend="triton" if model.embed_tokens.weight.is_cuda else "torch",
+                          pdl=fused != "layers", attn_pdl=every, qkv_kernel=every, int4_mma=fused == "layers_mma")
+        fuse.apply(model)
     if int4 and not state.get("int4"):
         from ..transforms.quant import Int4Quant
 
         use_gemv(model, False)
         Int4Quant(group_size=128).apply(model)
         state["int4"] = True
+    if fuse is not None:
+        fuse.validate(model)  # int4_mma: the tensor-core kernel's weight copies, once the linears are int4
     use_gemv(model, gemv)  # resets torch.compile's caches when it switches classes
     torch._dynamo.reset()  # and every variant compiles afresh, whatever else it changed
     model.step_attention = decode_attention_op if attn == "triton" else decode_attention_ref

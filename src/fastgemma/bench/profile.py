@@ -29,7 +29,7 @@ from .ladder import apply_variant, decode_bytes
 GROUPS = [
     ("attention", re.compile(r"^_split_kernel$|^_combine_kernel$|decode_attn|_attn_|flash|fmha|sdpa", re.I)),
     ("bf16 gemv (ours)", re.compile(r"_dense_gemv_kernel|_prefetch_gemv_kernel|_fused_gemv_kernel")),
-    ("int4 gemv", re.compile(r"_fused_w4a16_kernel|_gemv_kernel|_mma_kernel|splitk_reduce", re.I)),
+    ("int4 gemv", re.compile(r"_fused_w4a16_kernel|_gemv_kernel|_mma_kernel|_mma_w4a16_kernel|splitk_reduce", re.I)),
     ("head argmax", re.compile(r"argmax|sparse", re.I)),
     ("gemv/gemm (cuBLAS)", re.compile(r"gemv|gemm|xmma|cutlass|sm90|ampere|splitK|cublas", re.I)),
     ("fused elementwise / reductions", re.compile(r"^triton_|fused", re.I)),
