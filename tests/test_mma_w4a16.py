@@ -157,7 +157,7 @@ def test_bad_input():
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
     assert mma_config(2560, 10240, 1).splits == 5  # down at one row: K split (run DH)
-    assert mma_config(20480, 2560, 1) is None  # gate|up at one row: the fused int4 GEMV stays
+    assert mma_config(20480, 2560, 1, "geglu") == MmaConfig(2, 4, 2)  # after kernels/residual_norm.py (run DK)
     assert mma_config(20480, 2560, 8, "geglu").tiles == 2
 
 

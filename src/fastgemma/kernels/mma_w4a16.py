@@ -362,12 +362,18 @@ class MmaConfig:
 # engine launches otherwise (`bench_mma`, runs DB and DG, us: this / that; one row: the fused int4 GEMV without
 # a prologue; 8 rows: the per-group tl.dot kernel). `mma_config` is None elsewhere. Down at one row without a K
 # split (10.33 / 10.99) made the one-row step slower (run DC: 2.210 -> 2.321 ms); split over 5 programs per
-# tile pair it made it faster (run DH: 2.178 -> 2.121 ms).
+# tile pair: 2.178 -> 2.121 ms in run DH, 2.173 -> 2.174 in run DL. The one-row GEMVs with a prologue
+# (q|k|v, q, gate|up) run it after kernels/residual_norm.py (fused with it: 7.39, 5.55, 15.43 us): the step
+# 2.177 -> 2.105 ms with the q|k|v entries, -> 2.030 with gate|up too (run DK; 2.032 in run DL).
 MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (2560, 2048, False): MmaConfig(2, 8),  # o: 3.70 / 4.17
     (2560, 4096, False): MmaConfig(2, 8),  # o full: 4.02 / 5.06
     (2560, 10240, False): MmaConfig(2, 2, splits=5),  # down: 8.26 / 11.20
     (2560, 256, False): MmaConfig(1, 1),  # PLE projection: 1.16 / 1.34
+    (3072, 2560, False): MmaConfig(2, 4),  # q|k|v, after the residual update + norm
+    (6144, 2560, False): MmaConfig(1, 4),  # q|k|v full, after the residual update + norm
+    (2048, 2560, False): MmaConfig(2, 4),  # q (layers that share their K/V), after the residual update + norm
+    (20480, 2560, False): MmaConfig(2, 4, 2),  # gate|up with GeGLU, after the residual update + norm: 12.15
     (3072, 2560, True): MmaConfig(2, 4),  # q|k|v: 4.48 / 5.73
     (6144, 2560, True): MmaConfig(1, 4),  # q|k|v full: 5.00 / 7.20
     (2048, 2560, True): MmaConfig(2, 4),  # q: 4.30 / 5.47
