@@ -205,7 +205,8 @@ def test_fused_steps_with_int4_mma(monkeypatch):
     assert weight_bytes_per_step(model) == before
     calls = []
     real = mma_mod.mma_w4a16
-    monkeypatch.setattr(mma_mod, "mma_w4a16", lambda *a, **k: calls.append((a[0].shape[0], a[2], a[3])) or real(*a, **k))
+    monkeypatch.setattr(mma_mod, "mma_w4a16",
+                        lambda *a, **k: calls.append((a[0].shape[0], a[2], a[3])) or real(*a, **k))
     mma_steps = model.fused_decode, model.fused_verify
     for ids, pos in ((torch.tensor([[7]]), torch.tensor([[0]])),
                      (torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None])):

@@ -209,8 +209,8 @@ def main(argv=None):
                          "kernels/mma_w4a16.py where its table has the shape (on) or the per-group kernel (off); "
                          "on,off: a row each (default: as --variant says)")
     ap.add_argument("--mma-table", default="",
-                    help="with 'mma' in --variant: the tensor-core int4 kernel's table for this run instead of its own, "
-                         "as bench.stack --mma-table writes it (e.g. 'down@8=1x1s8,o_full@1=2x8', or 'none')")
+                    help="with 'mma' in --variant: the tensor-core int4 kernel's table for this run instead of "
+                         "its own, as bench.stack --mma-table writes it (e.g. 'down@8=1x1s8,o_full@1=2x8', or 'none')")
     ap.add_argument("--variant", default="attn_pdl+qkv",
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
                          f"--variants: base, or options joined by '+' ({', '.join(VARIANT_OPTS)})")
