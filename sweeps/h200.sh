@@ -86,9 +86,8 @@ bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh 
     int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles, E4B_CASES as C
 cs = '${INT4FUSED_CASES:-}'
 bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
-    mma) run mma python3 -c "from fastgemma.kernels.mma_w4a16 import bench_mma
+    mma) run mma python3 -c "from fastgemma.kernels.mma_w4a16 import bench_mma, parse_config
 from fastgemma.kernels.fused_w4a16 import E4B_CASES as C
-from fastgemma.kernels.mma_w4a16 import parse_config
 cs, try_ = '${MMA_CASES:-}', '${MMA_TRY:-}'
 bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')),
           configs=[parse_config(c) for c in try_.split(',')] if try_ else None)" ;;

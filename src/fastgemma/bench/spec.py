@@ -37,7 +37,7 @@ from ..engine.steps import GraphStep, StaticStep
 from ..kernels import w4a16
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
-from .stack import VARIANT_OPTS
+from .stack import VARIANT_OPTS, mma_table_arg
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base"):
@@ -238,14 +238,9 @@ def main(argv=None):
     if not prefills or set(prefills) - set(PREFILL):
         raise SystemExit(f"--prefill {a.prefill!r}: {', '.join(PREFILL)}")
     if a.mma_table:
-        from ..kernels import mma_w4a16
+        from ..kernels.mma_w4a16 import set_table
 
-        try:
-            table = mma_w4a16.parse_table(a.mma_table)
-        except ValueError as e:
-            raise SystemExit(str(e)) from e
-        mma_w4a16.MMA_CONFIGS.clear()  # this process's table: read when the body is built and traced
-        mma_w4a16.MMA_CONFIGS.update(table)
+        set_table(mma_table_arg(a.mma_table))  # this process's table
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)

@@ -76,6 +76,17 @@ def parse_variant(v: str) -> dict:
     return {VARIANT_OPTS[o]: True for o in opts}
 
 
+def mma_table_arg(text: str) -> dict:
+    """An --mma-table value -> the tensor-core kernel's table (`mma_w4a16.parse_table`), or exit with
+    the form it expects."""
+    from ..kernels.mma_w4a16 import parse_table
+
+    try:
+        return parse_table(text)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+
+
 def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str = "base"):
     """Synthetic weights -> the body's transforms (fuse: the fused one-row step, bf16 and int4
     bodies, with the options of `variant`). -> (model, {transform: describe()})."""
@@ -190,12 +201,9 @@ def main(argv=None):
     from ..kernels import mma_w4a16
 
     shipped = dict(mma_w4a16.MMA_CONFIGS)
-    tables = {}  # text -> table; '' is the shipped one
-    for text in a.mma_table or ["default"]:
-        try:
-            tables[text if text != "default" else ""] = shipped if text == "default" else mma_w4a16.parse_table(text)
-        except ValueError as e:
-            raise SystemExit(str(e)) from e
+    # text -> table; '' is the shipped one
+    tables = {"" if t == "default" else t: shipped if t == "default" else mma_table_arg(t)
+              for t in a.mma_table or ["default"]}
     # the full head first: the reference of identity, and the pruned keepsets' first ids
     heads = [("full", None)] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads) if h != ("full", None)]
     dev = a.device
@@ -220,8 +228,7 @@ def main(argv=None):
             for t in (tables if "mma" in v.split("+") else [""])]
     first = {}  # body -> the first variant's full-head tokens
     for body, variant, table in plan:
-        mma_w4a16.MMA_CONFIGS.clear()  # read when the body is built (the fragment-order copies) and traced
-        mma_w4a16.MMA_CONFIGS.update(tables.get(table, shipped))
+        mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
         label = f"{variant} [{table}]" if table else variant
         t0 = time.perf_counter()
         try:
@@ -289,8 +296,7 @@ def main(argv=None):
         if cuda:
             torch.cuda.empty_cache()
     shutil.rmtree(workdir, ignore_errors=True)
-    mma_w4a16.MMA_CONFIGS.clear()
-    mma_w4a16.MMA_CONFIGS.update(shipped)
+    mma_w4a16.set_table(shipped)
     if a.out:
         with open(a.out, "w") as f:
             for r in rows:

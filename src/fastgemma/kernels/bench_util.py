@@ -54,17 +54,3 @@ def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = got.float(), ref.float()
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
-
-def read_floor(words: torch.Tensor, block: int, warps: int, pdl: bool) -> torch.Tensor:
-    """The floor a weight-streaming kernel is held against: read every int32 of `words` (block per
-    program, the loads before the PDL wait as the GEMVs issue them) and store one sum per program."""
-    import triton
-
-    from .gemv import pdl_args
-    from .read_floor import _read_kernel
-
-    flat = words.reshape(-1)
-    n = flat.numel()
-    out = torch.empty(triton.cdiv(n, block), device=words.device, dtype=torch.int32)
-    _read_kernel[(out.numel(),)](flat, out, n, BLOCK=block, num_warps=warps, **pdl_args(pdl, words.device))
-    return out

@@ -399,6 +399,14 @@ def parse_config(text: str) -> MmaConfig:
     return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1)
 
 
+def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
+    """Make `table` this process's MMA_CONFIGS (read when the fragment-order copies are made and when
+    the steps are traced): the benchmarks' --mma-table."""
+    if table is not MMA_CONFIGS:
+        MMA_CONFIGS.clear()
+        MMA_CONFIGS.update(table)
+
+
 def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
     """A table written as entries CASE@ROWS=CONFIG joined by ',' (CASE a name of
     fused_w4a16.E4B_CASES, '_' for its spaces allowed, so a table passes through shell words; ROWS 1
@@ -543,8 +551,9 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
     GEMV with the case's prologue, and without it; 8 rows: the per-group tl.dot kernel), weights
     rotated out of L2, PDL launches, each output checked against the twin first. Prints a table;
     returns one dict per (case, rows, kernel)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, read_floor, rotating, timer_or_graphs
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
     from .fused_w4a16 import E4B_CASES, case_inputs, fused_w4a16
+    from .read_floor import read_floor
     from .w4a16 import pack_int4, quantize_int4, w4a16_matmul
 
     dev = torch.device(device)
