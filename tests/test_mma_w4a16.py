@@ -312,3 +312,29 @@ def test_table_from_text():
     assert parse_config("2x4d2i2") == MmaConfig(2, 4, 2, 2) and parse_config(" 1x4s4") == MmaConfig(1, 4, splits=4)
     with pytest.raises(ValueError, match="TxW"):
         parse_config("1x4q")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
+@pytest.mark.parametrize("N,K,G,M,epilogue,cfg", [
+    (64, 256, 128, 1, "none", MmaConfig(1, 1, 2, persist=1)),  # 4 tiles on 2 programs: the stream crosses tiles
+    (96, 512, 64, 3, "geglu", MmaConfig(2, 2, 2, persist=1, fresh=True)),  # 3 pairs on 2 programs, one masked
+    (80, 512, 128, 8, "none", MmaConfig(1, 2, 1, persist=1)),  # 5 tiles, depth 1
+    (160, 256, 64, 2, "none", MmaConfig(2, 1, 4, persist=9, fresh=True)),  # one tile per program
+])
+def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
+    """The persistent kernel (`persist`, interpreter: 2 multiprocessors) with its loads crossing tile
+    boundaries and the last step of a program masked, with and without fresh chains."""
+    q, s, z = _weights(N, K, G, seed=N + K + M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
+    got = mma_w4a16(x, MmaWeight.from_codes(q, s, z, G), epilogue, cfg).double()
+    want = _exact(x, q, s, z, G, epilogue)
+    tol = (2 ** -7 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
+    assert got.shape == want.shape and (got - want).abs().max().item() <= tol
+
+
+def test_persistent_config_text_and_refusals():
+    from fastgemma.kernels.mma_w4a16 import config_problem, parse_config
+
+    assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
+    assert "persist" in config_problem(MmaConfig(2, 4, persist=1, splits=2), 64, 1024, 128, "none")
+    assert "fresh" in config_problem(MmaConfig(2, 4, fresh=True), 64, 1024, 128, "none")

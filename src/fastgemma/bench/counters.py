@@ -1,13 +1,16 @@
 """Hardware counters of the int4 kernels at E4B shapes, through Nsight Compute: is a kernel waiting
 on memory, on its instruction issue, or short of resident warps?
 
-    python -m fastgemma.bench.counters [--ms 1,8] [--shapes gate|up,down] [--separate] [--out DIR]
+    python -m fastgemma.bench.counters [--ms 1,8] [--shapes gate|up,down] [--separate] [--mma 2x4d2,...]
+                                       [--out DIR]
 
 runs itself under `ncu --clock-control none` (the clocks as they are; ncu flushes the caches before
 each profiled launch) with one launch per (shape, rows): at one row the fused GEMV that fuse=layers
 launches for that shape (`fused_w4a16`, with its prologue / epilogue), at 2..16 rows the per-group
 kernel of the verify pass (`w4a16_matmul`, table tiles, packed scale / zero words unless
---separate; gate|up with its GeGLU epilogue). Prints one row per launch: time, DRAM throughput,
+--separate; gate|up with its GeGLU epilogue); with --mma, the tensor-core kernel
+(kernels/mma_w4a16.py) instead, once per config given (TxW[dD][iI][sS][pR][f]; those that do not fit
+a shape are refused). Prints one row per launch: time, DRAM throughput,
 issue slots busy, warps resident, the top stall reasons per issued instruction, instructions per
 weight (thread instructions: warp instructions x 32 / weights). `--launch` runs the launches alone
 (what ncu profiles). The H200 machines have ncu (KINDS.md: it reads counters on Firecracker).
@@ -33,7 +36,7 @@ METRICS = {
 STALLS = ("long_scoreboard", "wait", "barrier", "short_scoreboard", "math_pipe_throttle", "not_selected",
           "dispatch_stall", "mio_throttle", "lg_throttle", "no_instruction")
 _STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-KERNELS = "regex:_group_mma_kernel|_fused_w4a16_kernel|_gemv_kernel|_mma_kernel"
+KERNELS = "regex:_group_mma_kernel|_fused_w4a16_kernel|_gemv_kernel|_mma_kernel|_mma_w4a16_kernel|_mma_stream_kernel"
 
 
 def _multi_row() -> dict:
@@ -54,9 +57,11 @@ def metric_names() -> list[str]:
     return list(METRICS.values()) + [_STALL.format(s) for s in STALLS]
 
 
-def plan(ms: list[int], shapes: list[str] | None) -> list[tuple[str, int]]:
-    """(shape, rows) launches in order; shape names from fused_w4a16.E4B_CASES."""
+def plan(ms: list[int], shapes: list[str] | None, mma: list[str] | None = None) -> list[tuple]:
+    """(shape, rows) launches in order, or (shape, rows, config) per tensor-core config in `mma`;
+    shape names from fused_w4a16.E4B_CASES."""
     from ..kernels.fused_w4a16 import E4B_CASES
+    from ..kernels.mma_w4a16 import MAX_ROWS, config_problem, parse_config
 
     out = []
     for m in ms:
@@ -66,26 +71,41 @@ def plan(ms: list[int], shapes: list[str] | None) -> list[tuple[str, int]]:
             raise SystemExit(f"--shapes: unknown at {m} row(s): {', '.join(bad)}; known: {', '.join(E4B_CASES)}")
         if not 1 <= m <= 16:
             raise SystemExit(f"--ms: rows from 1 to 16 (the decode and verify kernels), got {m}")
-        out += [(n, m) for n in names]
+        if not mma:
+            out += [(n, m) for n in names]
+            continue
+        if m > MAX_ROWS:
+            raise SystemExit(f"--mma: the tensor-core kernel takes 1 to {MAX_ROWS} rows, got {m}")
+        for n in names:
+            N, K, epi = _shape(n, m)
+            for c in mma:
+                why = config_problem(parse_config(c), N, K, 128, "geglu" if epi == "geglu" else "none")
+                if why:
+                    raise SystemExit(f"--mma {c} on {n}: {why}")
+                out.append((n, m, c))
     return out
 
 
-def launch(launches: list[tuple[str, int]], packed: bool = True) -> None:
-    """One launch per (shape, rows), in order, on fresh weights (what ncu profiles)."""
+def launch(launches: list[tuple], packed: bool = True) -> None:
+    """One launch per (shape, rows[, tensor-core config]), in order, on fresh weights (what ncu profiles)."""
     import torch
 
     from ..kernels.fused_w4a16 import case_inputs, fused_w4a16
+    from ..kernels.mma_w4a16 import MmaWeight, mma_w4a16, parse_config
     from ..kernels.w4a16 import pack_int4, pack_scale_zero, quantize_int4, w4a16_matmul
 
     if not torch.cuda.is_available():
         raise SystemExit("bench.counters launches CUDA kernels; no CUDA device here")
     gen = torch.Generator(device="cuda").manual_seed(0)
     vec = lambda m, n: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
-    for name, m in launches:
+    for name, m, *cfg in launches:
         N, K, mode = _shape(name, m)
         q, s, z = quantize_int4(vec(N, K) * 0.02, 128)
         qw = pack_int4(q)
-        if m == 1:  # the fused GEMV as fuse=layers launches it for this shape
+        if cfg:
+            epi = "geglu" if mode == "geglu" else "none"
+            mma_w4a16(vec(m, K), MmaWeight.from_codes(q, s, z, 128), epi, parse_config(cfg[0]))
+        elif m == 1:  # the fused GEMV as fuse=layers launches it for this shape
             fused_w4a16(vec(1, K), qw, s, z, 128, eps=1e-6, **case_inputs(mode, K, lambda n: vec(1, n)))
         else:
             w4a16_matmul(vec(m, K), qw, s, z, 128, epilogue=mode, sz=pack_scale_zero(s, z) if packed else None)
@@ -122,13 +142,14 @@ def table(rows: list[dict], launches: list[tuple[str, int]]) -> str:
     def fmt(x):
         return "" if x is None else (f"{x:,.0f}" if x >= 1000 else f"{x:.2f}")
 
-    for r, (name, m) in zip(rows, launches):
+    for r, (name, m, *cfg) in zip(rows, launches):
         N, K, _ = _shape(name, m)
+        kernel = r["kernel"] + (f" {cfg[0]}" if cfg else "")
         vals = [r.get(v) for v in METRICS.values()]
         inst = r.get(METRICS["inst"])
         per_w = None if inst is None else inst * 32 / (N * K)
         stalls = [r.get(_STALL.format(s)) for s in STALLS]
-        out.append("| " + " | ".join([name, str(m), r["kernel"], f"{r['grid']} x {r['block']}"]
+        out.append("| " + " | ".join([name, str(m), kernel, f"{r['grid']} x {r['block']}"]
                                      + [fmt(v) for v in vals] + [fmt(per_w)] + [fmt(v) for v in stalls]) + " |")
     return "\n".join(out)
 
@@ -139,9 +160,11 @@ def main(argv=None):
     ap.add_argument("--shapes", default="", help="comma-separated names (default: every E4B case)")
     ap.add_argument("--separate", action="store_true", help="per-group kernel on separate scales / zeros")
     ap.add_argument("--out", default="", help="directory for ncu's raw report (ncu.txt)")
+    ap.add_argument("--mma", default="", help="tensor-core kernel configs, comma-separated (TxW[dD][iI][sS][pR][f])")
     ap.add_argument("--launch", action="store_true", help="run the launches only (what ncu profiles)")
     a = ap.parse_args(argv)
-    launches = plan([int(x) for x in a.ms.split(",") if x], [x for x in a.shapes.split(",") if x] or None)
+    launches = plan([int(x) for x in a.ms.split(",") if x], [x for x in a.shapes.split(",") if x] or None,
+                    [x for x in a.mma.split(",") if x] or None)
     if a.launch:
         launch(launches, packed=not a.separate)
         return
@@ -150,7 +173,8 @@ def main(argv=None):
         raise SystemExit("bench.counters needs Nsight Compute's `ncu` on PATH (the H200 machines have it); "
                          "--launch runs the launches alone")
     cmd = [ncu, "--clock-control", "none", "--kernel-name", KERNELS, "--metrics", ",".join(metric_names()),
-           sys.executable, "-m", "fastgemma.bench.counters", "--launch", "--ms", a.ms, "--shapes", a.shapes]
+           sys.executable, "-m", "fastgemma.bench.counters", "--launch", "--ms", a.ms, "--shapes", a.shapes,
+           "--mma", a.mma]
     if a.separate:
         cmd.append("--separate")
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -339,6 +339,65 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
             words, w_ptrs, sz_ptrs = nxt, nw_ptrs, nsz_ptrs
 
 
+@triton.jit
+def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT, NITER,
+                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
+                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
+    """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
+    ones past the last tile masked) as one stream
+    of weight groups per warp, DEPTH groups in flight at every step, across tile boundaries: the
+    next tile's first groups are loaded while the current tile's last ones are summed, so a warp
+    never waits for a whole round trip of its first loads again (the one-tile-per-program kernel
+    does at every tile: ramp, then drain). FRESH: each 64-k block's mmas start from zero and are
+    added after (chains of 4 dependent mmas instead of one chain through the group)."""
+    _pdl_trigger(PDL)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    BG: tl.constexpr = GROUP // 64
+    NG: tl.constexpr = K // W // GROUP
+    R: tl.constexpr = W * T * 32
+    r = tl.arange(0, R)[:, None]
+    oj = tl.arange(0, 4)[None, :]
+    lane = r % 32
+    w_ptrs, sz_ptrs = _tile_ptrs(pid, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
+    buf = ()  # the DEPTH groups in flight, oldest first
+    for d in tl.static_range(DEPTH):
+        buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
+    _pdl_wait(PDL)
+    x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
+              + ((r // 32) // T) * (K // W // 2) + (lane % 4) * 8 + oj)
+    for j in range(0, NITER):
+        it = pid + j * nprog
+        nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
+        more = it + nprog < NPT
+        acc = tl.zeros((R, 4), dtype=tl.float32)
+        for g in tl.static_range(NG):
+            if g + DEPTH < NG:  # (none past the last tile: a program's last NITER step may have none)
+                grp = _group_loads(w_ptrs, sz_ptrs, g + DEPTH, it < NPT, BG, R)
+            else:  # the next tile's group g + DEPTH - NG (none after the last tile)
+                grp = _group_loads(nw_ptrs, nsz_ptrs, g + DEPTH - NG, more, BG, R)
+            cur = buf[0]
+            nbuf = ()
+            for d in tl.static_range(1, DEPTH):
+                nbuf = nbuf + (buf[d],)
+            buf = nbuf + (grp,)
+            p = tl.zeros((R, 4), dtype=tl.float32)
+            xs = tl.zeros((R, 4), dtype=tl.float32)
+            for i in tl.static_range(BG):
+                xa = tl.load(x_ptrs + (g * BG + i) * 32)
+                xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
+                if FRESH:
+                    xs += _ones_mma(xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
+                    p += _tile_mma(cur[i], xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
+                else:
+                    xs = _ones_mma(xa, xb, xs, EMU)
+                    p = _tile_mma(cur[i], xa, xb, p, EMU)
+            s, z = _bf16_pairs(cur[BG])
+            acc += s * p + (z - 128.0 * s) * xs
+        _tile_store(tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0), it, it < NPT, out_ptr, M, stride_om, T, EPI)
+        w_ptrs, sz_ptrs = nw_ptrs, nsz_ptrs
+
+
 # ---------------------------------------------------------------------------------------------
 # launch, twin, op
 
@@ -350,12 +409,17 @@ class MmaConfig:
     of its K slice when that is fewer); iters: program tiles per program, each next one's words
     loaded while the current one is summed (iters > 1 needs every group in flight: depth >= the
     groups of a warp's slice); splits: programs per program tile, each 1/splits of K (its warps split
-    that), the tile's last one to finish adding the partials (iters 1 only)."""
+    that), the tile's last one to finish adding the partials (iters 1 only); persist: R > 0 runs the
+    persistent kernel, at most R programs per multiprocessor, each a stream of program tiles with
+    `depth` groups in flight per warp across its tiles (iters and splits 1); fresh: the persistent kernel
+    starts each 64-k block's mma chain from zero (shorter dependent chains)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
     iters: int = 1
     splits: int = 1
+    persist: int = 0
+    fresh: bool = False
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
@@ -364,39 +428,42 @@ class MmaConfig:
 # split (10.33 / 10.99) made the one-row step slower (run DC: 2.210 -> 2.321 ms); split over 5 programs per
 # tile pair: 2.178 -> 2.121 ms in run DH, 2.173 -> 2.174 in run DL. The one-row GEMVs with a prologue
 # (q|k|v, q, gate|up) run it after kernels/residual_norm.py (fused with it: 7.39, 5.55, 15.43 us): the step
-# 2.177 -> 2.105 ms with the q|k|v entries, -> 2.030 with gate|up too (run DK; 2.032 in run DL).
+# 2.177 -> 2.105 ms with the q|k|v entries, -> 2.030 with gate|up too (run DK; 2.032 in run DL). Run DO: the
+# persistent kernel with fresh chains (persist=9: one tile per program at these shapes), the same config at 1
+# and 8 rows where it is the faster or within 0.3 us: the step 2.036 -> 1.968 ms.
 MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
-    (2560, 2048, False): MmaConfig(2, 8),  # o: 3.70 / 4.17
+    (2560, 2048, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # o: 3.56 (run DO)
     (2560, 4096, False): MmaConfig(2, 8),  # o full: 4.02 / 5.06
-    (2560, 10240, False): MmaConfig(2, 2, splits=5),  # down: 8.26 / 11.20
+    (2560, 10240, False): MmaConfig(2, 8, 3, persist=1),  # down: 7.12 (run DO; K split 2x2s5: 8.39)
     (2560, 256, False): MmaConfig(1, 1),  # PLE projection: 1.16 / 1.34
-    (3072, 2560, False): MmaConfig(2, 4),  # q|k|v, after the residual update + norm
-    (6144, 2560, False): MmaConfig(1, 4),  # q|k|v full, after the residual update + norm
-    (2048, 2560, False): MmaConfig(2, 4),  # q (layers that share their K/V), after the residual update + norm
-    (20480, 2560, False): MmaConfig(2, 4, 2),  # gate|up with GeGLU, after the residual update + norm: 12.15
-    (3072, 2560, True): MmaConfig(2, 4),  # q|k|v: 4.48 / 5.73
-    (6144, 2560, True): MmaConfig(1, 4),  # q|k|v full: 5.00 / 7.20
-    (2048, 2560, True): MmaConfig(2, 4),  # q: 4.30 / 5.47
-    (2560, 2048, True): MmaConfig(2, 4),  # o: 3.38 / 5.33
+    (3072, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v 3.83, after the residual update + norm
+    (6144, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full 4.08, after the residual update + norm
+    (2048, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q 3.52 (KV-shared layers), after the norm
+    (20480, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up + GeGLU, after residual + norm: 12.23
+    (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
+    (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
+    (2048, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q: 3.73
+    (2560, 2048, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # o: 3.28
     (2560, 4096, True): MmaConfig(2, 8),  # o full: 4.42 / 6.87
     (2560, 256, True): MmaConfig(1, 1),  # PLE projection: 1.29 / 2.47
     (2560, 10240, True): MmaConfig(1, 1, splits=8),  # down: 7.56 / 11.03
-    (20480, 2560, True): MmaConfig(2, 2, splits=5),  # gate|up (GeGLU): 14.53 / 15.67
+    (20480, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up (GeGLU): 12.65 (2x2s5 14.37)
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS]' (T tiles, W warps, D depth, I iters, S K splits; e.g. '1x4s4', '2x4d2') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains; e.g. '1x4s4', '2x4d2', '2x4d3p1f') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS], e.g. '1x4s4' or '2x4d2'")
-    t, w, d, i, sp = (int(g) if g else None for g in m.groups())
-    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1)
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
+    t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
+    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f")
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -422,7 +489,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
             continue
         m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS] with CASE one of "
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f] with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
@@ -447,6 +514,12 @@ def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") 
 
 def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_w4a16` cannot launch cfg for W [N, K] in groups of G with `epilogue`, or None."""
+    if cfg.persist < 0 or (cfg.persist and (cfg.iters > 1 or cfg.splits > 1)):
+        return f"persist must be >= 0, and > 0 only with iters 1 and splits 1, got {cfg}"
+    if cfg.fresh and not cfg.persist:
+        return f"fresh runs in the persistent kernel only (persist > 0), got {cfg}"
+    if cfg.depth < 1:
+        return f"depth must be >= 1, got {cfg}"
     if cfg.splits < 1 or (cfg.splits > 1 and cfg.iters > 1):
         return f"splits must be >= 1, and > 1 only with iters 1, got {cfg}"
     if K % (cfg.warps * cfg.splits * G):
@@ -491,11 +564,37 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         cnt = arrival_counters(x.device, n_tiles, "mma_w4a16 split-K")
     else:
         ws = cnt = out
+    if cfg.persist:
+        grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
+        _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
+                                 triton.cdiv(n_tiles, grid[0]),
+                                 K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
+                                 DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
+                                 num_warps=cfg.warps,
+                                 **pdl_args(pdl, x.device))
+        return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
                             n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
                             ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.warps, **pdl_args(pdl, x.device))
     return out
+
+
+_SM_COUNT: dict = {}
+
+
+def persistent_programs(n_tiles: int, per_sm: int, device) -> int:
+    """The persistent kernel's grid: the fewest programs that take no more tiles each than per_sm
+    programs on every multiprocessor would (equal streams, no program with one tile more than
+    needed). Without a GPU (the interpreter) 2 multiprocessors, so the tests' programs loop."""
+    if device.type != "cuda":
+        n_sm = 2
+    else:
+        n_sm = _SM_COUNT.get(device.index)
+        if n_sm is None:
+            n_sm = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    per_program = triton.cdiv(n_tiles, min(n_tiles, per_sm * n_sm))
+    return triton.cdiv(n_tiles, per_program)
 
 
 def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "none") -> torch.Tensor:
@@ -510,13 +609,14 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
-                 tiles: int, warps: int, depth: int, iters: int, splits: int, pdl: bool) -> torch.Tensor:
+                 tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool,
+                 pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh), pdl)
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -577,7 +677,8 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
-            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}", mma,
+            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
+                     + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else ""), mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
