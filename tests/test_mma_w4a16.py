@@ -156,8 +156,8 @@ def test_bad_input():
         with pytest.raises(ValueError, match="geglu needs tiles=2"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
-    assert mma_config(2560, 10240, 1).splits == 5  # down at one row: K split (run DH)
-    assert mma_config(20480, 2560, 1, "geglu") == MmaConfig(2, 4, 2)  # after kernels/residual_norm.py (run DK)
+    assert mma_config(2560, 10240, 1).persist == 1  # down at one row: the persistent kernel (run DO)
+    assert mma_config(20480, 2560, 1, "geglu") == mma_config(20480, 2560, 8, "geglu")  # same sums at 1 and 8 rows
     assert mma_config(20480, 2560, 8, "geglu").tiles == 2
 
 
