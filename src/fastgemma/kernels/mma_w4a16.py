@@ -227,6 +227,36 @@ def _first_loads(w_ptrs, sz_ptrs, ok, NG: tl.constexpr, DEPTH: tl.constexpr, BG:
 
 
 @triton.jit
+def _group_acc(acc, grp, x_ptrs, g, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr):
+    """acc + group g's sums from its words `grp` (BG word blocks, then the scale / zero words): P = sum
+    (128 + q) x and sum x by the mmas, then s P + (z - 128 s) sum x. FRESH: each 64-k block's mmas
+    start from zero and are added after (chains of 4 dependent mmas instead of one through the group)."""
+    p = tl.zeros((R, 4), dtype=tl.float32)
+    xs = tl.zeros((R, 4), dtype=tl.float32)
+    for i in tl.static_range(BG):
+        xa = tl.load(x_ptrs + (g * BG + i) * 32)
+        xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
+        if FRESH:
+            xs += _ones_mma(xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
+            p += _tile_mma(grp[i], xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
+        else:
+            xs = _ones_mma(xa, xb, xs, EMU)
+            p = _tile_mma(grp[i], xa, xb, p, EMU)
+    s, z = _bf16_pairs(grp[BG])
+    return acc + (s * p + (z - 128.0 * s) * xs)
+
+
+@triton.jit
+def _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K: tl.constexpr, T: tl.constexpr, W: tl.constexpr, S: tl.constexpr):
+    """The B operand's x words [R, 4]: lane g*4 + tq takes 16 consecutive x of row g per 64-k block of
+    its warp's K slice in split sp (rows past M read row M - 1; their columns are not stored): words
+    tq*8 + 0..3 (xa) and + 4..7 (xb)."""
+    lane = r % 32
+    return (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
+            + (sp * W + (r // 32) // T) * (K // (W * S) // 2) + (lane % 4) * 8 + oj)
+
+
+@triton.jit
 def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexpr, BG: tl.constexpr,
             R: tl.constexpr, W: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
     """One program tile's sums [T*32, 4] (the warps' K slices added), loading each group's words
@@ -242,15 +272,7 @@ def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexp
                 else:
                     ahead = ahead + (words[k],)
             words = ahead
-        p = tl.zeros((R, 4), dtype=tl.float32)
-        xs = tl.zeros((R, 4), dtype=tl.float32)
-        for i in tl.static_range(BG):
-            xa = tl.load(x_ptrs + (g * BG + i) * 32)
-            xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
-            xs = _ones_mma(xa, xb, xs, EMU)
-            p = _tile_mma(words[g][i], xa, xb, p, EMU)
-        s, z = _bf16_pairs(words[g][BG])
-        acc += s * p + (z - 128.0 * s) * xs
+        acc = _group_acc(acc, words[g], x_ptrs, g, BG, R, False, EMU)
     return tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
 
 
@@ -317,14 +339,10 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
     R: tl.constexpr = W * T * 32
     r = tl.arange(0, R)[:, None]
     oj = tl.arange(0, 4)[None, :]  # a lane's word j; as an accumulator index, element c
-    lane = r % 32
     w_ptrs, sz_ptrs = _tile_ptrs(it0, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
     words = _first_loads(w_ptrs, sz_ptrs, True, NG, DEPTH, BG, R)
     _pdl_wait(PDL)
-    # B operand: lane g*4 + tq takes 16 consecutive x of row g per block (rows past M read row M - 1;
-    # their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)
-    x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
-              + (sp * W + (r // 32) // T) * (K // (W * S) // 2) + (lane % 4) * 8 + oj)
+    x_ptrs = _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K, T, W, S)
     for j in tl.static_range(ITERS):
         it = it0 + j * nprog
         if j + 1 < ITERS:  # the next tile's words, in flight while this one is summed
@@ -344,12 +362,11 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
-    ones past the last tile masked) as one stream
-    of weight groups per warp, DEPTH groups in flight at every step, across tile boundaries: the
-    next tile's first groups are loaded while the current tile's last ones are summed, so a warp
-    never waits for a whole round trip of its first loads again (the one-tile-per-program kernel
-    does at every tile: ramp, then drain). FRESH: each 64-k block's mmas start from zero and are
-    added after (chains of 4 dependent mmas instead of one chain through the group)."""
+    ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
+    at every step, across tile boundaries: the next tile's first groups are loaded while the current
+    tile's last ones are summed, so a warp never waits for a whole round trip of its first loads
+    again (the one-tile-per-program kernel does at every tile: ramp, then drain). FRESH: see
+    `_group_acc`."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -358,14 +375,12 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     R: tl.constexpr = W * T * 32
     r = tl.arange(0, R)[:, None]
     oj = tl.arange(0, 4)[None, :]
-    lane = r % 32
     w_ptrs, sz_ptrs = _tile_ptrs(pid, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
     buf = ()  # the DEPTH groups in flight, oldest first
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
     _pdl_wait(PDL)
-    x_ptrs = (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
-              + ((r // 32) // T) * (K // W // 2) + (lane % 4) * 8 + oj)
+    x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     for j in range(0, NITER):
         it = pid + j * nprog
         nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
@@ -381,19 +396,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
             for d in tl.static_range(1, DEPTH):
                 nbuf = nbuf + (buf[d],)
             buf = nbuf + (grp,)
-            p = tl.zeros((R, 4), dtype=tl.float32)
-            xs = tl.zeros((R, 4), dtype=tl.float32)
-            for i in tl.static_range(BG):
-                xa = tl.load(x_ptrs + (g * BG + i) * 32)
-                xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
-                if FRESH:
-                    xs += _ones_mma(xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
-                    p += _tile_mma(cur[i], xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
-                else:
-                    xs = _ones_mma(xa, xb, xs, EMU)
-                    p = _tile_mma(cur[i], xa, xb, p, EMU)
-            s, z = _bf16_pairs(cur[BG])
-            acc += s * p + (z - 128.0 * s) * xs
+            acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
         _tile_store(tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0), it, it < NPT, out_ptr, M, stride_om, T, EPI)
         w_ptrs, sz_ptrs = nw_ptrs, nsz_ptrs
 
@@ -567,11 +570,9 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
-                                 triton.cdiv(n_tiles, grid[0]),
-                                 K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
+                                 triton.cdiv(n_tiles, grid[0]), K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 num_warps=cfg.warps,
-                                 **pdl_args(pdl, x.device))
+                                 num_warps=cfg.warps, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
@@ -580,19 +581,13 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     return out
 
 
-_SM_COUNT: dict = {}
-
-
 def persistent_programs(n_tiles: int, per_sm: int, device) -> int:
     """The persistent kernel's grid: the fewest programs that take no more tiles each than per_sm
     programs on every multiprocessor would (equal streams, no program with one tile more than
     needed). Without a GPU (the interpreter) 2 multiprocessors, so the tests' programs loop."""
-    if device.type != "cuda":
-        n_sm = 2
-    else:
-        n_sm = _SM_COUNT.get(device.index)
-        if n_sm is None:
-            n_sm = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    from .decode_attention import _num_sms
+
+    n_sm = _num_sms(device) if device.type == "cuda" else 2
     per_program = triton.cdiv(n_tiles, min(n_tiles, per_sm * n_sm))
     return triton.cdiv(n_tiles, per_program)
 
