@@ -237,12 +237,14 @@ aligned = (0, 1, 2, 3, 4, 5, 9, 10)
 for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down depth 8", 10240, 1, 4, 0, 8, 1, 1),
                                     ("gate|up geglu", 2560, 2, 4, 1, 64, 1, 1), ("o", 2048, 2, 8, 0, 64, 1, 1),
                                     ("q|k|v 2 tiles per program", 2560, 1, 4, 0, 64, 2, 1),
-                                    ("down K over 4 programs", 10240, 1, 4, 0, 64, 1, 4)]:
+                                    ("down K over 4 programs", 10240, 1, 4, 0, 64, 1, 4),
+                                    ("gate|up a lane row per thread", 2560, 2, 4, 1, 2, 1, 1)]:
+    HW = W * T if "per thread" in name else W
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False)
-    ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, aligned, W)
+    ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, aligned, HW)
     src = ASTSource(_mma_w4a16_kernel, dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": W}).asm["ttgir"]
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": HW}).asm["ttgir"]
     pat = r"(#blocked\d*) = #ttg.blocked<\{sizePerThread = (\[[^]]*\]), threadsPerWarp = (\[[^]]*\])"
     layouts = {m[0]: m[1] + m[2] for m in re.findall(pat, ttgir)}
     mma_layouts = set()
@@ -260,7 +262,7 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
                        cwd=Path(__file__).parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "mma"}
-    assert len(rows) == 6, r.stdout
+    assert len(rows) == 7, r.stdout
     for name, (regs, spills, mmas, waits, layouts) in rows.items():
         # every mma operand: one lane per row (threadsPerWarp [32, 1]), a lane's 4 values in its registers
         assert layouts == "['[1, 4][32, 1]']", (name, layouts)
@@ -320,6 +322,7 @@ def test_table_from_text():
     (96, 512, 64, 3, "geglu", MmaConfig(2, 2, 2, persist=1, fresh=True)),  # 3 pairs on 2 programs, one masked
     (80, 512, 128, 8, "none", MmaConfig(1, 2, 1, persist=1)),  # 5 tiles, depth 1
     (160, 256, 64, 2, "none", MmaConfig(2, 1, 4, persist=9, fresh=True)),  # one tile per program
+    (64, 512, 128, 4, "geglu", MmaConfig(2, 2, 2, persist=9, fresh=True, hw=4)),  # a lane row per thread
 ])
 def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     """The persistent kernel (`persist`, interpreter: 2 multiprocessors) with its loads crossing tile
@@ -336,5 +339,9 @@ def test_persistent_config_text_and_refusals():
     from fastgemma.kernels.mma_w4a16 import config_problem, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
+    assert parse_config("2x4d5p9fn8") == MmaConfig(2, 4, 5, persist=9, fresh=True, hw=8)
+    assert parse_config("2x4n8").num_warps == 8 and parse_config("2x4").num_warps == 4
+    assert "hw" in config_problem(MmaConfig(2, 4, hw=3), 64, 1024, 128, "none")
+    assert "hw" in config_problem(MmaConfig(2, 4, hw=16), 64, 1024, 128, "none")
     assert "persist" in config_problem(MmaConfig(2, 4, persist=1, splits=2), 64, 1024, 128, "none")
     assert "fresh" in config_problem(MmaConfig(2, 4, fresh=True), 64, 1024, 128, "none")

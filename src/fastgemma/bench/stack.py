@@ -186,8 +186,8 @@ def main(argv=None):
                          f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--mma-table", action="append", default=[],
                     help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
-                         "CASE@ROWS=TxW[dD][sS] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), 'none', or 'default' "
-                         "(its own); repeated: one row set per table, in one process. A one-row GEMV with a prologue "
+                         "CASE@ROWS=TxW[dD][sS][pR][f][nH] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), 'none', or "
+                         "'default' (its own); repeated: one row set per table, in one process. A one-row GEMV with a prologue "
                          "(q|k|v, gate|up) runs it in kernels/residual_norm.py first")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")

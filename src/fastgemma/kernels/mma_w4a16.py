@@ -415,7 +415,10 @@ class MmaConfig:
     that), the tile's last one to finish adding the partials (iters 1 only); persist: R > 0 runs the
     persistent kernel, at most R programs per multiprocessor, each a stream of program tiles with
     `depth` groups in flight per warp across its tiles (iters and splits 1); fresh: the persistent kernel
-    starts each 64-k block's mma chain from zero (shorter dependent chains)."""
+    starts each 64-k block's mma chain from zero (shorter dependent chains); hw: hardware warps per
+    program (0: `warps`). The program's tensors hold warps x tiles lane rows of 32; with fewer hardware
+    warps each thread holds several of them (more loads in flight per thread, more registers), with
+    warps x tiles (the most allowed) one each."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -423,6 +426,11 @@ class MmaConfig:
     splits: int = 1
     persist: int = 0
     fresh: bool = False
+    hw: int = 0
+
+    @property
+    def num_warps(self) -> int:
+        return self.hw or self.warps
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
@@ -454,19 +462,19 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
-    multiprocessor, f fresh chains; e.g. '1x4s4', '2x4d2', '2x4d3p1f') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains, H hardware warps; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
-    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f")
+    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -492,7 +500,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
             continue
         m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f] with CASE one of "
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH] with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
@@ -523,6 +531,8 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
         return f"fresh runs in the persistent kernel only (persist > 0), got {cfg}"
     if cfg.depth < 1:
         return f"depth must be >= 1, got {cfg}"
+    if cfg.hw < 0 or (cfg.hw and (cfg.warps * cfg.tiles) % cfg.hw):
+        return f"hw (hardware warps) must divide warps x tiles = {cfg.warps * cfg.tiles}, got {cfg}"
     if cfg.splits < 1 or (cfg.splits > 1 and cfg.iters > 1):
         return f"splits must be >= 1, and > 1 only with iters 1, got {cfg}"
     if K % (cfg.warps * cfg.splits * G):
@@ -572,12 +582,12 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
                                  triton.cdiv(n_tiles, grid[0]), K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 num_warps=cfg.warps, **pdl_args(pdl, x.device))
+                                 num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
                             n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
-                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.warps, **pdl_args(pdl, x.device))
+                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
     return out
 
 
@@ -604,14 +614,14 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
-                 tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool,
+                 tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
                  pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl)
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -673,7 +683,8 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
             runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
-                     + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else ""), mma,
+                     + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
+                     + (f", {c.hw} hw warps" if c.hw else ""), mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]

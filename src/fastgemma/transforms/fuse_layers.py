@@ -81,7 +81,7 @@ def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None):
     if cfg is None:
         return None
     return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, cfg.tiles,
-                        cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, pdl)
+                        cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, pdl)
 
 
 def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False):
