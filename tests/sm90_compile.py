@@ -185,8 +185,8 @@ def main():
     head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",
                 "pord_ptr": "*i32", "ptok_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*i64", "C": "i32",
                 "TPC": "i32", "stride_sn": "i32", "stride_gn": "i32"}
-    ptx, regs, spills = build(_select_kernel, head_sig, dict(H=256, TOP_K=32, BLOCK_C=2048, BLOCK_R=64,
-                                                             BLOCK_T=128, BLOCK_H=64, NUM_P=32, BLOCK_P=32),
+    ptx, regs, spills = build(_select_kernel, head_sig, dict(H=256, TOP_K=32, BLOCK_C=2048, BLOCK_T=128,
+                                                             BLOCK_H=64, BLOCK_P=32, KEY_SHIFT=16),
                               tuple(range(9)), 4)
     print(f"draft\tdraft head select\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}")
     cent_sig = {"g_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "C": "i32", "stride_gn": "i32",

@@ -47,6 +47,22 @@ def test_ties_go_to_the_lower_centroid_and_the_earlier_candidate():
         assert draft_head(g, wc, order, emb, k).tolist() == ref.tolist() == [want]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selection_with_many_ties_and_signed_zeros(dtype):
+    """Centroid scores from five values (0, -0, +-1, 2: the top_k boundary falls inside a run of
+    equal scores at every top_k), C = 48 (not a power of two): the selection, the ranks and the
+    pick equal the twin's for top_k = 1, 7, 13, 47 and 48 (every centroid)."""
+    g, _, order, emb = _head(C=48, TPC=8, H=16, N=2, dtype=dtype, seed=5)
+    vals = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0])
+    pick = torch.randint(0, 5, (48,), generator=torch.Generator().manual_seed(6))
+    # centroid rows e_0 * v: scores g[:, 0] * v; g[:, 0] = 1 makes them exactly the values above
+    g[:, 0] = 1.0
+    wc = torch.zeros(48, 16, dtype=dtype)
+    wc[:, 0] = vals[pick].to(dtype)
+    for k in (1, 7, 13, 47, 48):
+        assert draft_head(g, wc, order, emb, k).tolist() == draft_head_ref(g, wc, order, emb, k).tolist(), k
+
+
 def test_twin_equals_the_drafters_own_head():
     d = synthetic_drafter(TINY, dtype=torch.float32, seed=0)
     g = torch.randn(3, 1, d.config.hidden_size, generator=torch.Generator().manual_seed(1))

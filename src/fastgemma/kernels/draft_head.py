@@ -6,14 +6,17 @@ The drafter picks its token from the candidates of its top-k centroids (E4B: 32 
 kernels per draft token (topk alone ~13 us on the H200). Here:
 1. `_centroid_kernel`: scores[n, c] = g[n] . Wc[c], fp32 sums rounded to g's dtype (as F.linear);
    grid (C / BLOCK_C, rows).
-2. `_select_kernel`, one program per 64 centroids and row: ranks its centroids among all C by
-   comparing int64 keys (order-preserving score bits, then the lower centroid index first among
-   ties: unique, so the ranks are a permutation), scores the candidates of those ranked below
-   top_k (fp32 sums rounded to g's dtype, as the twin's einsum), keeps its best (the earliest
-   (rank, position) among equal scores) and, the last program of the row to arrive (an arrival
-   counter, `counters.py`), picks the row's token: the highest score, the earliest (rank, position)
-   on ties, which is torch.argmax's first maximum over the candidates in rank order.
-   (A first version sorted all C keys in each of top_k programs: 30 us per call on the H200, run Z.)
+2. `_select_kernel`, one program per selected centroid (top_k of them) and row: each finds the
+   top_k itself from the row's C scores (int32 keys in score order; the top_k-th largest key by
+   bisection, one block-wide count per key bit: 16 for bf16 scores; keys above it, then the lowest
+   indices among keys equal to it), takes the p-th selected centroid in index order and its rank
+   among the selected (larger score first, the lower index on a tie), scores its candidates (fp32
+   sums rounded to g's dtype, as the twin's einsum) and keeps the first maximum; the row's last
+   program to arrive (an arrival counter, `counters.py`) picks the highest score, the earliest
+   (rank, position) on ties: torch.argmax's first maximum over the candidates in rank order.
+   (Earlier versions gave each program 64 centroids to rank against all C with int64 keys and a
+   loop over the selected ones among them: 30 us per call on the H200 with a sort, run Z; 35 us
+   with ranks, run AA.)
 Numerics: the twin ranks centroids with a stable descending sort (ties: lower index first), which
 the kernel reproduces exactly; Drafter.next_token's topk may order exact ties otherwise. fp32 sums
 run in another order than cuBLAS's, so bf16 scores on a rounding boundary can still differ.
@@ -54,65 +57,70 @@ def _centroid_kernel(g_ptr, w_ptr, s_ptr, C, stride_gn, stride_sn,
 
 
 @triton.jit
-def _keys(s_ptr, c, C, BLOCK_C: tl.constexpr):
-    """Centroid scores -> unique int64 rank keys, larger first: the order-preserving int of the
-    score (high 32 bits; -inf past C), then BLOCK_C - 1 - c (the lower index first on a tie)."""
+def _keys(s_ptr, c, C, KEY_SHIFT: tl.constexpr):
+    """Centroid scores -> int32 keys in score order (-inf past C; -0.0 as +0.0, as torch compares them):
+    the order-preserving int of the fp32 bits, shifted right by KEY_SHIFT (16 for bf16 scores, whose
+    low 16 bits are zero: the keys then span 2^16 values)."""
     s = tl.load(s_ptr + c, mask=c < C, other=float("-inf")).to(tl.float32)
-    b = s.to(tl.int32, bitcast=True)
-    key = b ^ ((b >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits (signed order)
-    return (key.to(tl.int64) << 32) | (BLOCK_C - 1 - c).to(tl.int64)
+    b = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True) >> KEY_SHIFT
+    MAG: tl.constexpr = 0x7FFFFFFF >> KEY_SHIFT
+    return b ^ ((b >> 31) & MAG)  # negative floats: flip the magnitude bits (signed order)
+
+
+@triton.jit
+def _kth_largest(key, K, KEY_BITS: tl.constexpr):
+    """The K-th largest of the int32 keys (with repeats): the largest t with count(key >= t) >= K,
+    by bisection over the KEY_BITS-bit signed range (one block-wide count per bit)."""
+    lo = tl.full((), -(1 << (KEY_BITS - 1)), tl.int64)  # count(key >= lo) = all keys >= K
+    hi = tl.full((), (1 << (KEY_BITS - 1)) - 1, tl.int64)
+    for _ in tl.static_range(KEY_BITS):
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    return lo.to(tl.int32)
 
 
 @triton.jit
 def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_ptr, cnt_ptr, out_ptr,
                    C, TPC, stride_sn, stride_gn,
-                   H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, NUM_P: tl.constexpr, BLOCK_P: tl.constexpr):
-    p = tl.program_id(0)
+                   H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, KEY_SHIFT: tl.constexpr):
+    p = tl.program_id(0)  # the p-th selected centroid, in index order
     n = tl.program_id(1)
-    # ranks of this program's BLOCK_R centroids among all C (keys are unique: ranks are a permutation)
-    c = p * BLOCK_R + tl.arange(0, BLOCK_R)
-    own = _keys(s_ptr + n * stride_sn, c, C, BLOCK_C)
-    rank = tl.zeros((BLOCK_R,), dtype=tl.int32)
-    for c0 in tl.static_range(0, BLOCK_C, 256):
-        other = _keys(s_ptr + n * stride_sn, c0 + tl.arange(0, 256), C, BLOCK_C)
-        rank += tl.sum((other[None, :] > own[:, None]).to(tl.int32), axis=1)
-    sel = (rank < TOP_K) & (c < C)
-    slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    # score the candidates of the selected centroids; keep the best, the earliest (rank, position) on ties
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < TPC
-    best_v = float("-inf")
-    best_o = 2147483647
-    best_t = tl.zeros((), dtype=tl.int64)
-    for i in range(0, tl.sum(sel.to(tl.int32), axis=0)):
-        hit = sel & (slot == i)
-        cent = tl.sum(tl.where(hit, c, 0), axis=0)
-        r = tl.sum(tl.where(hit, rank, 0), axis=0)
-        ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + t, mask=t_ok, other=0)
-        acc = _dot_rows(emb_ptr, ids, t_ok, g_ptr + n * stride_gn, H, BLOCK_H)
-        score = tl.where(t_ok, acc.to(emb_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-        v = tl.max(score, axis=0)
-        first = tl.min(tl.where(score == v, t, BLOCK_T), axis=0)
-        o = r * TPC + first
-        take = (v > best_v) | ((v == best_v) & (o < best_o))
-        best_v = tl.where(take, v, best_v)
-        best_o = tl.where(take, o, best_o)
-        best_t = tl.where(take, tl.sum(tl.where(t == first, ids, 0), axis=0), best_t)
-    tl.store(pmax_ptr + n * NUM_P + p, best_v)
-    tl.store(pord_ptr + n * NUM_P + p, best_o)
-    tl.store(ptok_ptr + n * NUM_P + p, best_t)
+    c = tl.arange(0, BLOCK_C)
+    key = _keys(s_ptr + n * stride_sn, c, C, KEY_SHIFT)
+    # the top TOP_K: keys above the TOP_K-th largest, then the lowest indices among keys equal to it
+    t = _kth_largest(key, TOP_K, 32 - KEY_SHIFT)
+    above = key > t
+    tie = (key == t) & (c < C)
+    sel = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= TOP_K - tl.sum(above.to(tl.int32), axis=0)))
+    mine = sel & (tl.cumsum(sel.to(tl.int32), axis=0) == p + 1)
+    cent = tl.sum(tl.where(mine, c, 0), axis=0)
+    my_key = tl.sum(tl.where(mine, key, 0), axis=0)
+    # its rank among the selected: larger keys first, the lower centroid index first on a tie
+    rank = tl.sum((sel & ((key > my_key) | ((key == my_key) & (c < cent)))).to(tl.int32), axis=0)
+    # its candidates' scores (fp32 sums rounded to g's dtype, as the twin's einsum); the first maximum
+    j = tl.arange(0, BLOCK_T)
+    j_ok = j < TPC
+    ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + j, mask=j_ok, other=0)
+    acc = _dot_rows(emb_ptr, ids, j_ok, g_ptr + n * stride_gn, H, BLOCK_H)
+    score = tl.where(j_ok, acc.to(emb_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+    v = tl.max(score, axis=0)
+    first = tl.min(tl.where(score == v, j, BLOCK_T), axis=0)
+    tl.store(pmax_ptr + n * TOP_K + p, v)
+    tl.store(pord_ptr + n * TOP_K + p, rank * TPC + first)
+    tl.store(ptok_ptr + n * TOP_K + p, tl.sum(tl.where(j == first, ids, 0), axis=0))
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_P - 1:  # the row's last program: the highest score, the earliest (rank, position)
+    if arrived == TOP_K - 1:  # the row's last program: the highest score, the earliest (rank, position)
         q = tl.arange(0, BLOCK_P)
-        q_ok = q < NUM_P
-        v = tl.load(pmax_ptr + n * NUM_P + q, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(pord_ptr + n * NUM_P + q, mask=q_ok, other=2147483647, cache_modifier=".cg")
-        tok = tl.load(ptok_ptr + n * NUM_P + q, mask=q_ok, other=0, cache_modifier=".cg")
-        o = tl.where(v == tl.max(v, axis=0), o, 2147483647)
-        o_best = tl.min(o, axis=0)
-        tl.store(out_ptr + n, tl.sum(tl.where(o == o_best, tok, 0), axis=0))
+        q_ok = q < TOP_K
+        pv = tl.load(pmax_ptr + n * TOP_K + q, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+        po = tl.load(pord_ptr + n * TOP_K + q, mask=q_ok, other=2147483647, cache_modifier=".cg")
+        ptk = tl.load(ptok_ptr + n * TOP_K + q, mask=q_ok, other=0, cache_modifier=".cg")
+        po = tl.where(pv == tl.max(pv, axis=0), po, 2147483647)
+        tl.store(out_ptr + n, tl.sum(tl.where(po == tl.min(po, axis=0), ptk, 0), axis=0))
         tl.store(cnt_ptr + n, 0)
 
 
@@ -148,17 +156,17 @@ def draft_head(g, centroids, ordering, emb, top_k: int) -> torch.Tensor:
     block_h = min(64, triton.next_power_of_2(H))
     _centroid_kernel[(triton.cdiv(C, 64), N)](g, centroids, scores, C, g.stride(0), scores.stride(0),
                                               H=H, BLOCK_C=64, BLOCK_H=block_h, num_warps=4)
-    block_r = 64
-    num_p = triton.cdiv(C, block_r)
-    pmax = torch.empty(N, num_p, device=g.device, dtype=torch.float32)
-    pord = torch.empty(N, num_p, device=g.device, dtype=torch.int32)
-    ptok = torch.empty(N, num_p, device=g.device, dtype=torch.int64)
+    pmax = torch.empty(N, top_k, device=g.device, dtype=torch.float32)
+    pord = torch.empty(N, top_k, device=g.device, dtype=torch.int32)
+    ptok = torch.empty(N, top_k, device=g.device, dtype=torch.int64)
     out = torch.empty(N, device=g.device, dtype=torch.int64)
     cnt = arrival_counters(g.device, N, "draft_head")
-    _select_kernel[(num_p, N)](scores, g, ordering, emb, pmax, pord, ptok, cnt, out, C, V // C, scores.stride(0),
-                               g.stride(0), H=H, TOP_K=top_k, BLOCK_C=max(256, triton.next_power_of_2(C)),
-                               BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(V // C), BLOCK_H=block_h, NUM_P=num_p,
-                               BLOCK_P=triton.next_power_of_2(num_p), num_warps=4)
+    # bf16 scores (F.linear's rounding) carry 16 significant bits: keys of 16 bits, 16 bisection steps
+    shift = 16 if scores.dtype == torch.bfloat16 else 0
+    _select_kernel[(top_k, N)](scores, g, ordering, emb, pmax, pord, ptok, cnt, out, C, V // C, scores.stride(0),
+                               g.stride(0), H=H, TOP_K=top_k, BLOCK_C=triton.next_power_of_2(C),
+                               BLOCK_T=triton.next_power_of_2(V // C), BLOCK_H=block_h,
+                               BLOCK_P=triton.next_power_of_2(top_k), KEY_SHIFT=shift, num_warps=4)
     return out
 
 
