@@ -213,14 +213,14 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
     out = tmp_path / "spec.jsonl"
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
-               "--fuse", "layers", "--drafter-steps", "fused,fused_head,unfused", "--split-fixup", "off,on",
+               "--fuse", "layers", "--drafter-steps", "fused,fused_torch_head,unfused", "--split-fixup", "off,on",
                "--verify-epilogues", "off,on", "--verify-norms", "on,off", "--head", "pruned:50", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["stack"]["FuseLayers"]["fused_layers"] is True
     rows = lines[1:]
     assert [(r["spec"], r.get("drafter_step"), r.get("split_fixup"), r.get("verify_epilogues"), r.get("verify_norms"))
             for r in rows] == [("none", None, None, None, None)] + [
-        ("replay", d, f, e, n) for d in ("fused", "fused_head", "unfused") for f in ("off", "on")
+        ("replay", d, f, e, n) for d in ("fused", "fused_torch_head", "unfused") for f in ("off", "on")
         for e, n in (("off", None), ("on", "on"), ("on", "off"))]
     assert w4a16.SPLIT_FIXUP  # back on afterwards
     for r in rows[1:]:
@@ -379,3 +379,15 @@ def test_verify_chain_kernels_match_their_twins_on_the_cpu():
             verify_chain.main(bad)
     with pytest.raises(SystemExit, match="no CUDA device"):
         verify_chain.main([])
+
+
+def test_draft_head_bench_on_the_cpu(capsys):
+    """bench.draft_head on the tiny model's drafter (the kernel in the interpreter): both paths
+    timed, both paths' ids equal to the twin's on every random state."""
+    from fastgemma.bench.draft_head import bench_draft_head
+
+    rows = bench_draft_head(rows=2, checks=3, device="cpu", model="gemma4_tiny", dtype=torch.float32,
+                            timer=lambda fn: (fn(), 1e-3)[1])
+    assert [r["path"] for r in rows] == ["torch (topk, gather, einsum)", "kernels/draft_head.py"]
+    assert all(r["ids_equal"] == r["checks"] == 3 and r["us"] == 1.0 for r in rows), rows
+    assert "3/3" in capsys.readouterr().out

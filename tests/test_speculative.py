@@ -310,7 +310,8 @@ def test_spec_with_fuse_layers_fuses_the_drafter_through_the_factory():
 def test_fused_spec_with_the_drafter_head_kernel_equals_ar(model):
     """fuse=layers (the GEMVs' twins) with kernels/draft_head.py as the drafter's head (the Triton op
     in the interpreter, what `model.draft_head` is on a GPU): the drafts come from the kernel, the
-    tokens still equal AR's."""
+    tokens still equal AR's. The fused drafter takes `model.draft_head` by default (the twin on the
+    torch backend), torch's topk path with head=None."""
     from fastgemma.kernels.draft_head import draft_head_op, draft_head_ref
     from fastgemma.transforms.fuse_layers import FuseLayers
 
@@ -318,6 +319,8 @@ def test_fused_spec_with_the_drafter_head_kernel_equals_ar(model):
     m.step_attention = decode_attention_ref
     FuseLayers(backend="torch").apply(m)
     assert m.draft_head is draft_head_ref
+    assert m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0)).head_fn is draft_head_ref
+    assert m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0), head=None).head_fn is None
     d = m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0), head=draft_head_op)
     assert d.head_fn is draft_head_op
     cache = KVCache(TINY, 1, len(PROMPT) + NEW, window=12, dtype=torch.float32)

@@ -194,9 +194,10 @@ def main(argv=None):
     ap.add_argument("--fuse", default="none", choices=("none", "layers"),
                     help="layers: the body's fused one-row step (fuse=layers fuse.pdl=true) for the AR rows")
     ap.add_argument("--drafter-steps", default="",
-                    help="fused (fuse=layers' drafter step, with --variant's options), fused_base (without the q "
-                         "kernel and the attention's PDL), fused_head (+ kernels/draft_head.py for its head), "
-                         "unfused; comma-separated, one row each; default: fused with --fuse layers")
+                    help="fused (fuse=layers' drafter step, with --variant's options and kernels/draft_head.py "
+                         "for its head), fused_torch_head (the same with torch's topk head), fused_base (without "
+                         "the q kernel and the attention's PDL), unfused; comma-separated, one row each; default: "
+                         "fused with --fuse layers")
     ap.add_argument("--split-fixup", default="on",
                     help="int4 split-K partials summed in the kernel (on) or by a second launch (off); on,off: both")
     ap.add_argument("--verify-epilogues", default="on",
@@ -245,9 +246,9 @@ def main(argv=None):
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)
     steps = [x for x in (a.drafter_steps or ("fused" if a.fuse == "layers" else "unfused")).split(",") if x]
-    fused_steps = {"fused", "fused_base", "fused_head"}
+    fused_steps = {"fused", "fused_base", "fused_torch_head"}
     if set(steps) - fused_steps - {"unfused"} or (set(steps) & fused_steps and a.fuse != "layers"):
-        raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused, fused_base, fused_head, unfused; the fused "
+        raise SystemExit(f"--drafter-steps {a.drafter_steps!r}: fused, fused_base, fused_torch_head, unfused; the fused "
                          "ones need --fuse layers")
     drafters = {}
     for name in steps:  # the same seeded weights; fusing merges gate|up of its own copy
@@ -256,7 +257,9 @@ def main(argv=None):
         if name != "unfused":
             # fused_base: without the q kernel and the attention's PDL, whatever --variant says
             extra = dict(attn_pdl=False, qkv_kernel=False) if name == "fused_base" else {}
-            d = model.fuse_drafter(d, head=model.draft_head if name == "fused_head" else None, **extra)
+            if name == "fused_torch_head":
+                extra["head"] = None
+            d = model.fuse_drafter(d, **extra)
         drafters[name] = d
     drafter = next(iter(drafters.values()))
     fixups = _on_off("--split-fixup", a.split_fixup)

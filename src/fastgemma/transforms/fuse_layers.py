@@ -23,8 +23,9 @@ skinny GEMM of kernels/skinny_gemm.py), and each residual update with the next n
 kernel per row (kernels/residual_norm.py). The MTP drafter's one-row step takes the
 same GEMVs (`fused_draft`: pre-projection, then per layer q, o, gate|up + GeGLU, down, then the
 post-projection), set on the drafter by `model.fuse_drafter` when speculative decoding builds it.
-Its centroid-masked head stays torch's: kernels/draft_head.py's two launches were slower on the
-H200 (runs Z, AA); `model.draft_head` is that op (or its twin) for an explicit `head=`.
+Its centroid-masked head is kernels/draft_head.py's two launches (the twin on the torch backend):
+draft loop 0.760 -> 0.719 ms at k=7 against torch's topk path on the H200 (run EA); `model.draft_head`
+is that op, `head=None` torch's path.
 Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a16`), each layer
 as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+), and in wider
@@ -321,8 +322,8 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
 def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
-    `head` (None: torch's topk path, the default) replaces its centroid-masked head, e.g. with
-    `model.draft_head`. Dense bias-free linears only (a quantized drafter keeps the unfused step)."""
+    `head` replaces its centroid-masked head (FuseLayers passes `model.draft_head`; None: torch's
+    topk path). Dense bias-free linears only (a quantized drafter keeps the unfused step)."""
     for i, layer in enumerate(drafter.model.layers):
         for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             mod = layer.get_submodule(name)
@@ -375,9 +376,9 @@ class FuseLayers:
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **body)
         model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", **body)
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
-        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, **step)
+        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head, **step)
         self._enable_mma(model)
-        model.draft_head = head  # kernels/draft_head.py (slower than torch's path on the H200: not the default)
+        model.draft_head = head  # kernels/draft_head.py (or its twin): the fused drafter's head
         return model
 
     def validate(self, model) -> None:
