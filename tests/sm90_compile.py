@@ -2,6 +2,8 @@
 the bundled ptxas): PDL launches, every fused-GEMV prologue / epilogue, and the int4 per-group
 tl.dot kernel with its inline-PTX bf16 dequantization. Run as a script (the
 interpreter must be off); prints one line per variant: name, registers, spill bytes."""
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -168,14 +170,34 @@ def main():
     split_sig.update({n: "i32" for n in ("S", "T", "G", "Hkv", "R", "num_splits", "window")}, qk_scale="fp32")
     split_sig.update({f"s{t}_{d}": "i32" for t in "qkvo" for d in ("b", "t" if t in "qo" else "s", "h")})
     split_sig.update(sqp_b="i32", sqp_t="i32", ssp_b="i32", cnt_ptr="*i32")
+    split_sig.update({n: "*bf16" for n in ("qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr")}, idx_ptr="*i64")
+    split_sig.update({n: "i32" for n in ("scs_b", "scs_t", "sid_b", "sid_t")}, eps="fp32", norm_off="fp32")
     units = dict(sq_d=1, sk_d=1, sv_d=1, so_d=1, ssp_s=1)
     for name, D, bn, slot, merge in [("attention split sliding", 256, 64, True, False),
                                      ("attention split full", 512, 32, False, False),
                                      ("attention split sliding merged", 256, 64, True, True),
                                      ("attention split full merged", 512, 32, False, True)]:
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=16, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
-                  FIXUP=merge, BLOCK_S=16 if merge else 1)
+                  FIXUP=merge, BLOCK_S=16 if merge else 1, QKV=0, V_NORM=False, BLOCK_T=16, EMU=False)
         pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
+    # the q/k/v mode (decode_attention_qkv): a store layer at 1 and 8 rows (its own K / V rows made
+    # and stored), a query-only one; the positions and the first K / V block loaded before the wait
+    # ("prefetch" lines as the pdl ones: name, registers, spills, waits, triggers, loads before the wait,
+    # mma before the trigger, registers and spill bytes without PDL)
+    for name, D, bn, slot, bm, qkv in [("attention qkv store sliding", 256, 32, True, 16, 2),
+                                       ("attention qkv store full", 512, 16, False, 16, 2),
+                                       ("attention qkv store sliding 8 rows", 256, 32, True, 32, 2),
+                                       ("attention qkv store full 8 rows", 512, 16, False, 32, 2),
+                                       ("attention qkv query-only sliding", 256, 32, True, 16, 1),
+                                       ("attention qkv query-only full", 512, 16, False, 16, 1)]:
+        ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
+                  FIXUP=False, BLOCK_S=1, QKV=qkv, V_NORM=True, BLOCK_T=16, EMU=False)
+        with contextlib.redirect_stdout(io.StringIO()) as buf:  # decode_attention._qkv_tiles: 8 warps
+            pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 8, 2)
+        print(buf.getvalue().replace("pdl\t", "prefetch\t", 1), end="")
+        ptx, _, _ = build(_split_kernel, split_sig, dict(ce, PDL=True), tuple(range(8)), 8, 2)
+        wait = ptx.find("griddepcontrol.wait")
+        print(f"l2\t{name}\t{ptx[:wait].count('prefetch.global.L2')}\t{ptx[wait:].count('prefetch.global.L2')}")
     comb_sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "G": "i32", "Hkv": "i32", "R": "i32",
                 "num_splits": "i32", "so_b": "i32", "so_t": "i32", "so_h": "i32"}
     pdl_line("attention combine", _combine_kernel, comb_sig, dict(D=256, BLOCK_S=8, BLOCK_DC=256, so_d=1), (0, 1, 2),

@@ -181,6 +181,10 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
         model.fused_decode = functools.partial(model.fused_decode, attn_merge=True, attn_pdl=True)
         tokens, logits = _decode(model, cfg, prompt, 6)
         assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+        # q/k/v norms, RoPE and the cache writes inside the attention's split kernel (its q/k/v mode)
+        model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=False, attn_qkv=True)
+        tokens, logits = _decode(model, cfg, prompt, 6)
+        assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("int4", [False, True])
@@ -211,12 +215,13 @@ def test_fused_verify_step_equals_the_ordinary_step(int4, backend, monkeypatch):
     assert model.fused_verify is not None and t.describe()["verify_epilogues"]
     fused_verify = model.fused_verify
     qkv = functools.partial(fused_verify, qkv_kernel=True)  # + kernels/qkv_finish.py (triton backend)
+    attn_qkv = functools.partial(fused_verify, attn_qkv=True)  # the attention's q/k/v mode (triton backend)
     # 5 rows of one sequence (a verify pass), then a batch of 2 at one row each (the PLE input's
     # rows then come from two sequences: aux's row stride is not the hidden's)
     for ids, pos in ((torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None]),
                      (torch.tensor([[3], [9]]), torch.tensor([[0], [0]]))):
         outs = []
-        for verify in ((qkv, fused_verify, None) if backend == "triton" else (fused_verify, None)):
+        for verify in ((qkv, attn_qkv, fused_verify, None) if backend == "triton" else (fused_verify, None)):
             model.fused_verify = verify
             cache = KVCache(GEMMA4_TINY, ids.shape[0], 64, window=4, device="cpu", dtype=torch.float32)
             last = max(cache.k)  # the last store layer (cache.k / v: by layer index)

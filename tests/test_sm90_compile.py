@@ -17,7 +17,7 @@ def test_gpu_only_variants_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
-            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl")}
+            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy), the GEMMs' trigger after their main loop (every mma before it),
@@ -32,6 +32,15 @@ def test_gpu_only_variants_compile_for_sm90():
         assert spills <= spills_plain <= 512 if "split" in name else spills == 0, (name, pdl[name])
         gemm = "int4" in name or "skinny" in name
         assert mma_before > 0 if gemm else mma_before == 0, (name, pdl[name])
+    # the attention's q/k/v mode: one wait and one trigger, the positions read and the first K / V
+    # block prefetched into L2 before the wait (all the L2 prefetches there), no spills
+    pre = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "prefetch"}
+    l2 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "l2"}
+    assert len(pre) == 6 and set(l2) == set(pre), (pre, l2)
+    for name, (regs, spills, waits, triggers, loads, mma_before, regs_plain, spills_plain) in pre.items():
+        assert (waits, triggers, spills, spills_plain) == (1, 1, 0, 0) and loads > 0, (name, pre[name])
+        before, after = l2[name]
+        assert before > 0 and after == 0, (name, l2[name])
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}

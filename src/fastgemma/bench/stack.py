@@ -61,14 +61,16 @@ def int4_group_size(cfg) -> int:
     return 128 if cfg.hidden_size % 128 == 0 else 32
 
 
-VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma"}
+VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
+                "attn_qkv": "attn_qkv"}
 
 
 def parse_variant(v: str) -> dict:
     """A fused-step variant: 'base' (the GEMVs under PDL) or '+'-joined options from VARIANT_OPTS
     ('attn_pdl': the attention kernels too; 'qkv': kernels/qkv_finish.py; 'attn_merge': no attention
     combine launch; 'mma': int4 GEMVs / GEMMs of <= 8 rows on kernels/mma_w4a16.py where its table
-    has the shape) -> FuseLayers options."""
+    has the shape; 'attn_qkv': q/k/v norms, RoPE and cache writes in the attention's split kernel)
+    -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
     bad = [o for o in opts if o not in VARIANT_OPTS]
     if bad:

@@ -13,6 +13,12 @@ cost follows the context, not S; ring buffer: [0, S). The grid depends on shapes
 (CUDA-graph safe). With num_splits > 1 partials (o normalised, log2-sum-exp) go to fp32 scratch
 and `_combine_kernel` merges them (merge=True: the tile's last split program does, `_merge_tile`);
 with num_splits == 1 the split kernel writes the output.
+
+`decode_attention_qkv` takes the merged q|k|v projection's rows instead of q and does
+kernels/qkv_finish.py's work in the split kernel (q norm + RoPE per program; a store layer's own K /
+V rows made, written and attended by each row tile's last split), so a layer's attention is one
+launch fewer; its positions are read and its first K / V block prefetched into L2 before the PDL
+wait (`QKV` > 0).
 """
 from __future__ import annotations
 
@@ -23,11 +29,156 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .gemv import _pdl_trigger, _pdl_wait, pdl_args
+from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
 _DEFAULT_SMS = 132  # H200; used when q is not on a CUDA device (interpreter tests)
+
+
+@triton.jit
+def _k_block(k_base, spos_ptr, b64, ssp_b, ssp_s, n0, end, d, d_ok, qmax, tile_win_lo, q_new, sk_s, sk_d,
+             BLOCK_N: tl.constexpr, HAS_SLOT_POS: tl.constexpr, HALVES: tl.constexpr, D: tl.constexpr,
+             OWN: tl.constexpr):
+    """The K block at n0 (slots n0 .. n0 + BLOCK_N - 1, below `end`) and its key positions: slots no
+    row of the tile can see are never read (empty / evicted slots may hold junk), nor (OWN) those at
+    positions >= q_new (the step's own rows, made by the caller). HALVES: K as its two RoPE halves
+    [BLOCK_N, D / 2] (ka, kb), else ka = kb = the whole rows."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    if HAS_SLOT_POS:
+        kpos = tl.load(spos_ptr + b64 * ssp_b + n * ssp_s, mask=n_ok, other=-1)
+        n_ok = n_ok & (kpos >= 0) & (kpos <= qmax) & (kpos > tile_win_lo)
+    else:
+        kpos = n
+    if OWN:
+        n_ok = n_ok & (kpos < q_new)
+    if HALVES:
+        j = tl.arange(0, D // 2)
+        ka = tl.load(k_base + n[:, None] * sk_s + j[None, :] * sk_d, mask=n_ok[:, None], other=0.0)
+        kb = tl.load(k_base + n[:, None] * sk_s + (j + D // 2)[None, :] * sk_d, mask=n_ok[:, None], other=0.0)
+    else:
+        ka = tl.load(k_base + n[:, None] * sk_s + d[None, :] * sk_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        kb = ka
+    return ka, kb, n, kpos, n_ok
+
+
+@triton.jit
+def _scores(qa, qb, ka, kb, kpos, n_ok, qpos, win_lo, m_i, l_i, qk_scale, IEEE: tl.constexpr, HALVES: tl.constexpr):
+    """A key block's scores into the online softmax of the tile's rows (log2 domain) -> (m_i, l_i,
+    alpha, p); then `_accumulate` with its V. HALVES: from the two RoPE halves (qa . ka + qb . kb),
+    else qa . ka."""
+    if IEEE:
+        s = tl.dot(qa, tl.trans(ka), input_precision="ieee")
+        if HALVES:
+            s += tl.dot(qb, tl.trans(kb), input_precision="ieee")
+    else:
+        s = tl.dot(qa, tl.trans(ka))
+        if HALVES:
+            s += tl.dot(qb, tl.trans(kb))
+    vis = n_ok[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None]) \
+        & (kpos[None, :] > win_lo[:, None])
+    s = tl.where(vis, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: avoid inf - inf
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, l_i, alpha, p
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
+    if IEEE:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _norm_rope(base, ok, w_ptr, cs_base, sn_base, eps, off, D: tl.constexpr, DT: tl.constexpr):
+    """Head vectors at `base` [M] (row pointers, where ok) -> the two halves [M, D / 2] of
+    rope(RMSNorm(x) * (w + off)) in DT: the norm in fp32 rounded to DT (RMSNorm's type_as), then
+    rotate-half RoPE in fp32 with each row's cos / sin (cs_base / sn_base [M]), rounded once: the
+    arithmetic of kernels/qkv_finish.py, on [M] rows."""
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, HALF)[None, :]
+    m = ok[:, None]
+    x1 = tl.load(base[:, None] + j, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base[:, None] + HALF + j, mask=m, other=0.0).to(tl.float32)
+    inv = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps))[:, None]
+    n1 = (x1 * inv * (tl.load(w_ptr + j).to(tl.float32) + off)).to(DT).to(tl.float32)
+    n2 = (x2 * inv * (tl.load(w_ptr + HALF + j).to(tl.float32) + off)).to(DT).to(tl.float32)
+    cs = cs_base[:, None]
+    sn = sn_base[:, None]
+    y1 = n1 * tl.load(cs + j, mask=m, other=0.0).to(tl.float32) - n2 * tl.load(sn + j, mask=m, other=0.0).to(tl.float32)
+    y2 = n2 * tl.load(cs + HALF + j, mask=m, other=0.0).to(tl.float32) \
+        + n1 * tl.load(sn + HALF + j, mask=m, other=0.0).to(tl.float32)
+    return y1.to(DT), y2.to(DT)
+
+
+@triton.jit
+def _prefetch_l2(base, n0, end, s_row, s_d, BLOCK_N: tl.constexpr, D: tl.constexpr, EMU: tl.constexpr):
+    """Rows n0 .. min(n0 + BLOCK_N, end) - 1 of a [*, D] 16-bit cache (row stride s_row) into L2:
+    one `prefetch.global.L2` per 128-byte line; no registers held, nothing read that a later load
+    depends on (the interpreter: nothing)."""
+    if not EMU:
+        n = n0 + tl.arange(0, BLOCK_N)[:, None]
+        line = (tl.arange(0, D // 64) * 64)[None, :]
+        ok = (n < end) & (line >= 0)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [base + n * s_row + line * s_d, ok.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _cached_rows(qa, qb, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok, qpos, qmax, win_lo,
+                 tile_win_lo, q_new, sk_s, sk_d, sv_s, sv_d, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, HAS_SLOT_POS: tl.constexpr, HALVES: tl.constexpr, IEEE: tl.constexpr,
+                 D: tl.constexpr, OWN: tl.constexpr):
+    """The split's share [start, end) of the cache -> its online-softmax state (m_i, l_i, acc)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        ka, kb, n, kpos, n_ok = _k_block(k_base, spos_ptr, b64, ssp_b, ssp_s, n0, end, d, d_ok, qmax, tile_win_lo,
+                                         q_new, sk_s, sk_d, BLOCK_N, HAS_SLOT_POS, HALVES, D, OWN)
+        m_i, l_i, alpha, p = _scores(qa, qb, ka, kb, kpos, n_ok, qpos, win_lo, m_i, l_i, qk_scale, IEEE, HALVES)
+        v = tl.load(v_base + n[:, None] * sv_s + d[None, :] * sv_d, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = _accumulate(acc, alpha, p, v, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _own_rows(qa, qb, qkv_ptr, k_base, v_base, qpos_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, b64, kvh, G, Hkv, T,
+              sq_b, sq_t, sk_s, sk_d, sv_s, sv_d, sqp_b, sqp_t, scs_b, scs_t, sid_b, sid_t, eps, norm_off, qpos, win_lo,
+              qk_scale, pid_m, d, d_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_T: tl.constexpr, V_NORM: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr):
+    """A store layer's own T rows of this step from the merged projection (rope(k_norm(k)), v_norm(v),
+    rounded as kernels/qkv_finish.py), written into the cache at idx[b, t] (by the first row tile)
+    and attended -> their online-softmax state (m_i, l_i, acc)."""
+    tn = tl.arange(0, BLOCK_T)
+    t_ok = tn < T
+    src = qkv_ptr + b64 * sq_b + tn * sq_t
+    trow = b64 * scs_b + tn * scs_t
+    ka, kb = _norm_rope(src + (G * Hkv + kvh) * D, t_ok, kw_ptr, cos_ptr + trow, sin_ptr + trow, eps, norm_off, D, DT)
+    vx = tl.load((src + (G * Hkv + Hkv + kvh) * D)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+    if V_NORM:
+        vf = vx.to(tl.float32)
+        vx = vf * (1.0 / tl.sqrt(tl.sum(vf * vf, axis=1) / D + eps))[:, None]
+    v = vx.to(DT)
+    if pid_m == 0:
+        slot = tl.load(idx_ptr + b64 * sid_b + tn * sid_t, mask=t_ok, other=0).to(tl.int64)
+        j = tl.arange(0, D // 2)[None, :]
+        kdst = k_base + slot[:, None] * sk_s
+        tl.store(kdst + j * sk_d, ka, mask=t_ok[:, None])
+        tl.store(kdst + (j + D // 2) * sk_d, kb, mask=t_ok[:, None])
+        tl.store(v_base + slot[:, None] * sv_s + d[None, :] * sv_d, v, mask=t_ok[:, None] & d_ok[None, :])
+    kp = tl.load(qpos_ptr + b64 * sqp_b + tn * sqp_t, mask=t_ok, other=-1).to(tl.int32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, alpha, p = _scores(qa, qb, ka, kb, kp, t_ok, qpos, win_lo, m_i, l_i, qk_scale, IEEE, True)
+    return m_i, l_i, _accumulate(acc, alpha, p, v, IEEE)
 
 
 @triton.jit
@@ -42,9 +193,18 @@ def _split_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SLOT_POS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr,
+    qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, scs_b, scs_t, sid_b, sid_t, eps, norm_off,
+    QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr,
 ):
-    _pdl_wait(PDL)  # q and the cache rows come from the kernels before
-    _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
+    """QKV 0: q as given. 1: q_ptr is the merged projection's rows [B, T, H*D] (strides sq_b, sq_t),
+    q = rope(q_norm(.)) made here (as its two RoPE halves, K read the same way). 2: rows [B, T,
+    (H + 2 Hkv) D]: q as in 1, and the step's own K / V rows (rope(k_norm(k)), v_norm(v)) made here,
+    written into the cache at idx[b, t] and attended by each row tile's last split, the cache's rows
+    at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
+    V block is prefetched into L2 before the PDL wait."""
+    if QKV == 0:
+        _pdl_wait(PDL)  # q and the cache rows come from the kernels before
+        _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
     pid_split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -59,15 +219,25 @@ def _split_kernel(
     g = r % G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(q_ptr + b64 * sq_b + t[:, None] * sq_t + (kvh * G + g)[:, None] * sq_h + d[None, :] * sq_d,
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    # padding rows get qpos = -1: they see nothing and end as zeros
-    qpos = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1).to(tl.int32)
+    if QKV == 0:
+        qa = tl.load(q_ptr + b64 * sq_b + t[:, None] * sq_t + (kvh * G + g)[:, None] * sq_h + d[None, :] * sq_d,
+                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        qb = qa
+    # padding rows get qpos = -1: they see nothing and end as zeros (positions: no kernel of the step
+    # writes them, so QKV > 0 reads them before the wait, through L2)
+    if QKV == 0:
+        qpos = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1).to(tl.int32)
+    else:
+        qpos = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1, cache_modifier=".cg").to(tl.int32)
     qmax = tl.max(qpos, axis=0)
     qmin = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
     # keys need kpos > win_lo; window == 0 means no lower bound (kpos >= 0 is checked apart)
     win_lo = tl.where(window > 0, qpos - window, -1)
     tile_win_lo = tl.where(window > 0, qmin - window, -1)
+    if QKV == 2:  # the cache's rows from the step's first position on are this step's, made below
+        q_new = tl.load(qpos_ptr + b64 * sqp_b, cache_modifier=".cg").to(tl.int32)
+    else:
+        q_new = qmax  # unused
 
     if HAS_SLOT_POS:
         lo = 0
@@ -77,44 +247,39 @@ def _split_kernel(
         hi = tl.minimum(qmax + 1, S)
     n_live = tl.maximum(hi - lo, 0)
     # each split takes a whole number of BLOCK_N blocks of the live range; late splits may be empty
-    chunk = tl.cdiv(tl.cdiv(n_live, num_splits), BLOCK_N) * BLOCK_N
+    # (QKV 2: the last split takes the step's own rows instead)
+    chunk = tl.cdiv(tl.cdiv(n_live, num_splits - (QKV == 2)), BLOCK_N) * BLOCK_N
     start = lo + pid_split * chunk
     end = tl.minimum(start + chunk, hi)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = k_ptr + b64 * sk_b + kvh * sk_h
     v_base = v_ptr + b64 * sv_b + kvh * sv_h
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        if HAS_SLOT_POS:
-            kpos = tl.load(spos_ptr + b64 * ssp_b + n * ssp_s, mask=n_ok, other=-1)
-            # slots no row of the tile can see are never read (empty/evicted slots may hold junk)
-            n_ok = n_ok & (kpos >= 0) & (kpos <= qmax) & (kpos > tile_win_lo)
+    DT: tl.constexpr = k_ptr.dtype.element_ty
+    HALVES: tl.constexpr = QKV > 0
+    if QKV > 0:
+        # the first block into L2 while the kernel before still runs (the own-rows split reads none)
+        if pid_split < num_splits - (QKV == 2):
+            _prefetch_l2(k_base, start, end, sk_s, sk_d, BLOCK_N, D, EMU)
+            _prefetch_l2(v_base, start, end, sv_s, sv_d, BLOCK_N, D, EMU)
+        _pdl_wait(PDL)  # the merged projection's rows
+        _pdl_trigger(PDL)
+        qrow = b64 * scs_b + t * scs_t  # the row's cos / sin
+        qa, qb = _norm_rope(q_ptr + b64 * sq_b + t * sq_t + (kvh * G + g) * D, row_ok, qw_ptr, cos_ptr + qrow,
+                            sin_ptr + qrow, eps, norm_off, D, DT)
+    if QKV == 2:
+        if pid_split == num_splits - 1:  # the last split: the step's own T rows, made, stored, attended
+            m_i, l_i, acc = _own_rows(qa, qb, q_ptr, k_base, v_base, qpos_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, b64,
+                                      kvh, G, Hkv, T, sq_b, sq_t, sk_s, sk_d, sv_s, sv_d, sqp_b, sqp_t, scs_b, scs_t,
+                                      sid_b, sid_t, eps, norm_off, qpos, win_lo, qk_scale, pid_m, d, d_ok, D, BLOCK_M,
+                                      BLOCK_D, BLOCK_T, V_NORM, IEEE, DT)
         else:
-            kpos = n
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * sk_s + d[None, :] * sk_d, mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        vis = n_ok[None, :] & (kpos[None, :] >= 0) & (kpos[None, :] <= qpos[:, None]) \
-            & (kpos[None, :] > win_lo[:, None])
-        s = tl.where(vis, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: avoid inf - inf
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * sv_s + d[None, :] * sv_d, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            m_i, l_i, acc = _cached_rows(qa, qb, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok,
+                                         qpos, qmax, win_lo, tile_win_lo, q_new, sk_s, sk_d, sv_s, sv_d, qk_scale,
+                                         BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, True)
+    else:
+        m_i, l_i, acc = _cached_rows(qa, qb, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok,
+                                     qpos, qmax, win_lo, tile_win_lo, q_new, sk_s, sk_d, sv_s, sv_d, qk_scale,
+                                     BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, False)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -206,6 +371,14 @@ def _tiles(D: int, block_m: int) -> tuple[int, int, int]:
     return block_n, num_warps, 2
 
 
+def _qkv_tiles(D: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the q/k/v mode, whose q is made in registers: half
+    `_tiles`' key block and 8 warps. Compiled for sm_90a, 1 and 8 rows, D=256 and 512, store and
+    query-only layers: 211-255 registers, no spills (`_tiles`' 64 / 32 keys at 4 warps spilled
+    1,308 / 2,292 bytes at one row with the own rows in the same program)."""
+    return (32 if D <= 256 else 16), 8, 2
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -222,6 +395,16 @@ def pick_num_splits(B: int, Hkv: int, row_tiles: int, S: int, block_n: int, num_
     return max(1, min(want, triton.cdiv(S, block_n), _MAX_SPLITS))
 
 
+def _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, what: str):
+    Bk, S, Hkv, Dk = k_cache.shape
+    if (Bk, Dk) != (B, D) or v_cache.shape != k_cache.shape or H % Hkv:
+        raise ValueError(f"bad shapes {what} k {tuple(k_cache.shape)} v {tuple(v_cache.shape)}")
+    if tuple(q_pos.shape) != (B, T) or (slot_pos is not None and tuple(slot_pos.shape) != (B, S)):
+        raise ValueError(f"bad position shapes q_pos {tuple(q_pos.shape)} slot_pos "
+                         f"{None if slot_pos is None else tuple(slot_pos.shape)}")
+    return S, Hkv
+
+
 def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
                      num_splits: int | None = None, pdl: bool = False, merge: bool = False) -> torch.Tensor:
     """Split-KV Triton decode attention. Shapes as in the module docstring; returns [B, T, H, D]
@@ -232,20 +415,58 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
     instead of a second launch; the counters need one eager call of the shape before a CUDA graph
     captures it."""
     B, T, H, D = q.shape
-    Bk, S, Hkv, Dk = k_cache.shape
-    if (Bk, Dk) != (B, D) or v_cache.shape != k_cache.shape or H % Hkv:
-        raise ValueError(f"bad shapes q {tuple(q.shape)} k {tuple(k_cache.shape)} v {tuple(v_cache.shape)}")
-    if tuple(q_pos.shape) != (B, T) or (slot_pos is not None and tuple(slot_pos.shape) != (B, S)):
-        raise ValueError(f"bad position shapes q_pos {tuple(q_pos.shape)} slot_pos "
-                         f"{None if slot_pos is None else tuple(slot_pos.shape)}")
+    _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, f"q {tuple(q.shape)}")
+    return _attention(q, q.stride(), (B, T, H, D), k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits,
+                      pdl, merge, {})
+
+
+def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window: int, *,
+                         heads: int, eps: float, offset: float = 0.0, v_norm: bool = True, scale: float = 1.0,
+                         num_splits: int | None = None, pdl: bool = False, merge: bool = False) -> torch.Tensor:
+    """kernels/qkv_finish.py and `decode_attention` in one split kernel: qkv [B, T, (H + 2 Hkv) D], the
+    merged projection's rows of a store layer (k_w given: its K / V rows are normed, rotated, written
+    into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
+    the caches are only read; idx unused) -> the attention output [B, T, H, D]. q_w / k_w [D], cos /
+    sin [B, T, 1, D]. The positions are read and the first K / V block of each split prefetched into
+    L2 before the PDL wait (the cache's rows at the step's positions are never read: a store layer
+    makes them). Rounds
+    as qkv_finish does; the softmax visits the step's own rows last (another summation order than
+    `decode_attention` after qkv_finish: equal within rounding, not bit for bit)."""
+    from .qkv_finish import _check as _check_qkv
+
+    store = k_w is not None
+    B, T, D, hkv = _check_qkv(qkv, q_w, k_w, cos, sin, heads, k_cache if store else None,
+                              v_cache if store else None, idx if store else None)
+    _check_kv(B, T, heads, D, k_cache, v_cache, q_pos, slot_pos, f"qkv {tuple(qkv.shape)}")
+    if qkv.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("decode_attention_qkv: qkv rows and the k / v caches (one set of strides) must be "
+                         "contiguous along the head dim")
+    if cos.stride() != sin.stride() or cos.stride(3) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    extra = dict(qw_ptr=q_w, kw_ptr=k_w if store else q_w, cos_ptr=cos, sin_ptr=sin,
+                 idx_ptr=idx if store else q_pos, scs_b=cos.stride(0), scs_t=cos.stride(1),
+                 sid_b=idx.stride(0) if store else 0, sid_t=idx.stride(1) if store else 0, eps=float(eps),
+                 norm_off=float(offset), QKV=2 if store else 1, V_NORM=bool(v_norm),
+                 BLOCK_T=max(16, triton.next_power_of_2(T)), EMU=_INTERPRET)
+    return _attention(qkv, (qkv.stride(0), qkv.stride(1), 0, 0), (B, T, heads, D), k_cache, v_cache, q_pos,
+                      slot_pos, window, scale, num_splits, pdl, merge, extra)
+
+
+def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
+               extra: dict) -> torch.Tensor:
+    """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`."""
+    B, T, H, D = shape
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     R = G * T
     block_m = min(64, max(16, triton.next_power_of_2(R)))  # tl.dot needs M >= 16
     row_tiles = triton.cdiv(R, block_m)
-    block_n, num_warps, num_stages = _tiles(D, block_m)
+    qkv = extra.get("QKV", 0)
+    block_n, num_warps, num_stages = _qkv_tiles(D) if qkv else _tiles(D, block_m)
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, row_tiles, S, block_n, _num_sms(q.device))
-    num_splits = max(1, int(num_splits))
+    # QKV 2: one split more, for the step's own rows
+    num_splits = max(1, int(num_splits)) + (qkv == 2)
     split = num_splits > 1
 
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
@@ -259,16 +480,19 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
     merge = split and merge
     cnt = arrival_counters(q.device, B * Hkv * row_tiles, "attention split-KV") if merge else out
     ssp = (slot_pos.stride(0), slot_pos.stride(1)) if slot_pos is not None else (0, 0)
+    if not extra:  # QKV 0: the other pointers are not read
+        extra = dict(qw_ptr=q, kw_ptr=q, cos_ptr=q, sin_ptr=q, idx_ptr=q_pos, scs_b=0, scs_t=0, sid_b=0, sid_t=0,
+                     eps=0.0, norm_off=0.0, QKV=0, V_NORM=False, BLOCK_T=16, EMU=_INTERPRET)
     _split_kernel[(num_splits, B * Hkv, row_tiles)](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
         S, T, G, Hkv, R, num_splits, int(window), float(scale) * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *q_strides, *k_cache.stride(), *v_cache.stride(),
         q_pos.stride(0), q_pos.stride(1), *ssp,
         *out.stride(),
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SLOT_POS=slot_pos is not None, SPLIT=split, IEEE=q.dtype == torch.float32,
         FIXUP=merge, cnt_ptr=cnt, BLOCK_S=triton.next_power_of_2(num_splits) if merge else 1,
-        num_warps=num_warps, num_stages=num_stages, **launch,
+        num_warps=num_warps, num_stages=num_stages, **extra, **launch,
     )
     if split and not merge:
         block_s = triton.next_power_of_2(num_splits)
@@ -318,3 +542,50 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 @decode_attention_op.register_fake
 def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0, pdl=False, merge=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def decode_attention_qkv_ref(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window: int, *,
+                             heads: int, eps: float, offset: float = 0.0, v_norm: bool = True, scale: float = 1.0,
+                             pdl: bool = False, merge: bool = False) -> torch.Tensor:
+    """Twin of `decode_attention_qkv`: qkv_finish_ref (the caches written by index_put), then
+    decode_attention_ref."""
+    from .qkv_finish import qkv_finish_ref
+
+    store = k_w is not None
+    q = qkv_finish_ref(qkv, q_w, k_w, cos, sin, k_cache if store else None, v_cache if store else None,
+                       idx if store else None, heads=heads, eps=eps, offset=offset, v_norm=v_norm)
+    return decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window, scale)
+
+
+# flexible_layout: as kernels/qkv_finish.py's ops (the step's one rope buffer and the GEMV's output as views)
+@torch.library.custom_op("fastgemma::decode_attention_qkv", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def decode_attention_qkv_op(qkv: torch.Tensor, q_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
+                            slot_pos: torch.Tensor | None, window: int, heads: int, eps: float, offset: float,
+                            scale: float, pdl: bool, merge: bool) -> torch.Tensor:
+    """A query-only layer (KV-shared, the drafter): q made from the merged projection, the caches read."""
+    return decode_attention_qkv(qkv, q_w, None, cos, sin, k_cache, v_cache, None, q_pos, slot_pos, window,
+                                heads=heads, eps=eps, offset=offset, scale=scale, pdl=pdl, merge=merge)
+
+
+@decode_attention_qkv_op.register_fake
+def _(qkv, q_w, cos, sin, k_cache, v_cache, q_pos, slot_pos, window, heads, eps, offset, scale, pdl, merge):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads, q_w.shape[0])
+
+
+@torch.library.custom_op("fastgemma::decode_attention_qkv_store", mutates_args=("k_cache", "v_cache"),
+                         tags=(torch.Tag.flexible_layout,))
+def decode_attention_qkv_store_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,
+                                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
+                                  q_pos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, heads: int,
+                                  eps: float, offset: float, v_norm: bool, scale: float, pdl: bool,
+                                  merge: bool) -> torch.Tensor:
+    """A store layer: its K / V rows written into the caches at idx, then attended with the rest."""
+    return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window,
+                                heads=heads, eps=eps, offset=offset, v_norm=v_norm, scale=scale, pdl=pdl, merge=merge)
+
+
+@decode_attention_qkv_store_op.register_fake
+def _(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window, heads, eps, offset, v_norm, scale,
+      pdl, merge):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads, q_w.shape[0])

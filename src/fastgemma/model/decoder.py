@@ -276,6 +276,9 @@ class Gemma4Model(nn.Module):
         store_attend.rope = self.rope(pos, self.embed_tokens.weight.dtype)
         store_attend.attend = attend  # the attention alone, for callers that wrote K/V themselves
         store_attend.slots = {True: slots, False: pos}  # cache row of each step row, by `sliding`
+        store_attend.pos = pos  # the rows' positions (the attention's q_pos)
+        store_attend.options = dict(pdl=pdl, merge=merge)  # the attention kernel's launch options
+        store_attend.scale = c.attn_scale
         return store_attend
 
     # ---- head ----------------------------------------------------------------------------------

@@ -122,12 +122,16 @@ def _finish_q(at, q, cos, sin, kernel: bool, pdl: bool = False):
     return qkv_finish_op(q, qn.weight, cos, sin, at.num_heads, qn.eps, qn.offset, pdl)
 
 
-def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False):
+def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False, attn_qkv: bool = False):
     """The attention output [B, T, H*D] from the merged projection's qkv [B, T, N]. kernel: q/k/v
     norms, RoPE and the cache writes in one launch (kernels/qkv_finish.py), then the attention
-    alone; else `split_qkv` and the static step's own writes (the twin)."""
+    alone; attn_qkv: all of it in the attention's split kernel (`_attend_qkv`); else `split_qkv` and
+    the static step's own writes (the twin)."""
     at, s = layer.self_attn, layer.spec
     cos, sin = store_attend.rope[s.sliding]
+    if attn_qkv:
+        return _attend_qkv(at, s, qkv, cos, sin, cache, store_attend.pos, store_attend.slots[s.sliding],
+                           store_attend.options, store_attend.scale)
     if not s.stores_kv:  # a KV-shared layer: q only
         return store_attend.attend(layer, _finish_q(at, qkv, cos, sin, kernel, pdl))
     if not kernel:
@@ -142,14 +146,35 @@ def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False
     return store_attend.attend(layer, q)
 
 
+def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale: float = 1.0):
+    """kernels/decode_attention.py's q/k/v mode: q [B, T, H*D] (a query-only layer, s.stores_kv False:
+    KV-shared, or the drafter) or q|k|v rows [B, T, (H + 2 Hkv) D] (a store layer: its K / V written at
+    `slots`) -> the attention output [B, T, H*D] over the cache of s.kv_source; `options`: the
+    attention's pdl / merge."""
+    from ..kernels.decode_attention import decode_attention_qkv_op, decode_attention_qkv_store_op
+    from ..model.layers import RMSNorm
+
+    qn, src = at.q_norm, s.kv_source
+    ring, window = (cache.ring_pos, cache.window) if s.sliding else (None, 0)
+    common = dict(window=window, heads=at.num_heads, eps=qn.eps, offset=qn.offset, scale=scale, **options)
+    if not s.stores_kv:
+        o = decode_attention_qkv_op(qkv, qn.weight, cos, sin, cache.k[src], cache.v[src], q_pos, ring, **common)
+    else:
+        o = decode_attention_qkv_store_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index],
+                                          cache.v[s.index], slots, q_pos, ring,
+                                          v_norm=isinstance(at.v_norm, RMSNorm), **common)
+    return o.flatten(2)
+
+
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
-                 attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False):
+                 attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
     combine launch (kernels/decode_attention.py); int4_mma: int4 GEMVs on the tensor-core kernel where
     its table has their shape at one row (kernels/mma_w4a16.py; a prologue then runs on its own in
-    kernels/residual_norm.py)."""
+    kernels/residual_norm.py); attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split
+    kernel (kernels/decode_attention.py's q/k/v mode, no qkv_finish launch)."""
     c = model.config
     x, ple = model.embed(ids)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge)
@@ -164,7 +189,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
             qkv, _ = call(h, lin["in"], pre=pre)
         else:
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
-        attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl)
+        attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv)
         o, _ = call(attn.reshape(1, -1), lin["o"])
         act, h = call(h, lin["gate_up"], o, layer.post_attention_layernorm.weight, None,
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
@@ -228,7 +253,8 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
-                 qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False):
+                 qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
+                 attn_qkv: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -241,7 +267,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     pdl=True (fuse.pdl, sm90+): the GEMMs, norm kernels and q/k/v kernels launch with programmatic
     dependent launch: each waits for the kernel before it first, and lets the next one launch after
     its main loop (`bench.spec --verify-pdl`). attn_pdl: the attention kernels too (each waits first
-    and lets the next launch at once; `bench.spec --attn-pdl`); attn_merge: no combine launch."""
+    and lets the next launch at once; `bench.spec --attn-pdl`); attn_merge: no combine launch;
+    attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split kernel (`--verify-attn-qkv`)."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     c = model.config
@@ -270,7 +297,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         else:
             h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
         qkv = gemm(lin["in"], xin.reshape(*lead, -1))
-        attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl)
+        attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv)
         o = gemm(lin["o"], attn).reshape(h.shape)
         h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
         act = gemm(lin["gate_up"], xff, "geglu")
@@ -286,14 +313,15 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
 
 
 def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, attn_pdl: bool = False,
-                qkv_kernel: bool = False, attn_merge: bool = False):
+                qkv_kernel: bool = False, attn_merge: bool = False, attn_qkv: bool = False):
     """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
     -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
     previous layer's residual update with its layer scalar, then input_layernorm), o, gate|up (+ the
     residual update, pre_feedforward_layernorm, GeGLU), down; q norm + RoPE (torch, or one launch of
     kernels/qkv_finish.py with `qkv_kernel`) and the attention over the target's K/V as in the unfused
-    step (its kernels under PDL with `attn_pdl`, no combine launch with `attn_merge`). The last
-    update and the final norm run in torch."""
+    step (its kernels under PDL with `attn_pdl`, no combine launch with `attn_merge`; with `attn_qkv`
+    the q norm + RoPE in the attention's split kernel, kernels/decode_attention.py's q/k/v mode).
+    The last update and the final norm run in torch."""
     body = d.config.body_config()
     if attn_pdl or attn_merge:
         attn = functools.partial(attn, pdl=attn_pdl, merge=attn_merge)
@@ -307,8 +335,13 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
             q, _ = call(h, at.q_proj, pre=pre)
         else:
             q, h = call(pend[0], at.q_proj, pend[1], pend[2].weight, pend[3], pre)
-        q = _finish_q(at, q.reshape(1, 1, -1), *rope[layer.spec.sliding], qkv_kernel, pdl)
-        o, _ = call(d.attend_target(layer, q, q_pos, cache, attn).reshape(1, -1), at.o_proj)
+        if attn_qkv:
+            a = _attend_qkv(at, layer.spec, q.reshape(1, 1, -1), *rope[layer.spec.sliding], cache, q_pos, None,
+                            dict(pdl=attn_pdl, merge=attn_merge))
+        else:
+            q = _finish_q(at, q.reshape(1, 1, -1), *rope[layer.spec.sliding], qkv_kernel, pdl)
+            a = d.attend_target(layer, q, q_pos, cache, attn)
+        o, _ = call(a.reshape(1, -1), at.o_proj)
         act, h = call(h, mlp.gate_up_proj, o, layer.post_attention_layernorm.weight, None,
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
         dn, _ = call(act, mlp.down_proj)
@@ -320,7 +353,7 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
 
 
 def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False,
-                 attn_merge: bool = False):
+                 attn_merge: bool = False, attn_qkv: bool = False):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
     `head` replaces its centroid-masked head (FuseLayers passes `model.draft_head`; None: torch's
     topk path). Dense bias-free linears only (a quantized drafter keeps the unfused step)."""
@@ -332,7 +365,7 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: b
                                  f"layers.{i}.{name} is {type(mod).__name__}")
     MergeProjections(qkv=False).apply(drafter.model)
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl, attn_pdl=attn_pdl,
-                                              qkv_kernel=qkv_kernel, attn_merge=attn_merge)
+                                              qkv_kernel=qkv_kernel, attn_merge=attn_merge, attn_qkv=attn_qkv)
     drafter.head_fn = head
     return drafter
 
@@ -343,12 +376,13 @@ class FuseLayers:
     same step structure and rounding, any device: the CPU reference of the fused path)."""
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
-                 attn_merge: bool = False, int4_mma: bool = False):
+                 attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
         self.int4_mma = bool(int4_mma)
+        self.attn_qkv = bool(attn_qkv)
         self.merge = MergeProjections()
 
     def apply(self, model):
@@ -367,9 +401,9 @@ class FuseLayers:
             def gemv4(a, qw, s, z, g, y, post, scale, pre, aux, eps, offset, epilogue, pdl):
                 return fused_w4a16_ref(a, qw, s, z, g, y, post, scale, pre, aux, eps=eps, offset=offset,
                                        epilogue=epilogue)
-        # the q/k/v kernel is Triton's: the torch backend keeps the twin's ops
+        # the q/k/v kernel and the attention's q/k/v mode are Triton's: the torch backend keeps the twin's ops
         step = dict(pdl=self.pdl, attn_pdl=self.attn_pdl, qkv_kernel=self.qkv_kernel and self.backend == "triton",
-                    attn_merge=self.attn_merge)
+                    attn_merge=self.attn_merge, attn_qkv=self.attn_qkv and self.backend == "triton")
         # the tensor-core int4 kernel is Triton's (its copy of the weights is made once quant ran: here
         # when it ran before, else in validate)
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton")
@@ -405,5 +439,5 @@ class FuseLayers:
     def describe(self) -> dict:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
-                "int4_mma": self.int4_mma,
+                "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv,
                 "verify_epilogues": True}

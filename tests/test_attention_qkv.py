@@ -1,0 +1,117 @@
+"""kernels/decode_attention.py's q/k/v mode (`decode_attention_qkv`: qkv_finish's work inside the split
+kernel) under the interpreter against its twin (qkv_finish_ref, then decode_attention_ref): store and
+query-only layers, ring buffers (wrapped, a window shorter than the context) and full-layer caches,
+1 to 8 rows, 1 to 4 splits and the merge option, head dims 32 and 64, fp32 and fp16, Gemma 3's layers
+without a v norm. The cache's rows at the step's own positions hold NaN before the call (a rejected
+draft's, or a ring slot just reassigned): the kernel must make them, never read them. Both caches
+must end as the twin leaves them."""
+import math
+
+import pytest
+import torch
+
+import fastgemma.kernels.decode_attention as da  # conftest.py set TRITON_INTERPRET=1 before this import
+from fastgemma.model.layers import rope_cos_sin, rope_inv_freq
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+
+def _case(B, T, Hkv, G, D, S, last, window, ring, dtype, store, seed=0):
+    """qkv rows of positions last[b]-T+1 .. last[b]; caches filled for the positions before, NaN
+    where no row may look (invisible slots, and the step's own slots: made by the call)."""
+    gen = torch.Generator().manual_seed(seed)
+    H = Hkv * G
+    hk = Hkv if store else 0
+    qkv = (torch.randn(B, T, (H + 2 * hk) * D, generator=gen) * 2).to(dtype)
+    qw = (torch.rand(D, generator=gen) + 0.5).to(dtype)
+    kw = (torch.rand(D, generator=gen) + 0.5).to(dtype) if store else None
+    q_pos = torch.stack([torch.arange(p - T + 1, p + 1) for p in last])
+    cos, sin = rope_cos_sin(q_pos, rope_inv_freq(D, 10000.0, 1.0), dtype)
+    k = (torch.randn(B, S, Hkv, D, generator=gen) * D ** -0.25).to(dtype)
+    v = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
+    if ring:
+        slot_pos = torch.full((B, S), -1, dtype=torch.int32)
+        for b in range(B):
+            for p in range(last[b] + 1):  # the step's own slots already carry their new positions
+                slot_pos[b, p % S] = p
+        kpos = slot_pos.long()
+    else:
+        slot_pos = None
+        kpos = torch.arange(S).expand(B, S)
+    qp = q_pos[:, :, None]
+    seen = ((kpos[:, None] >= 0) & (kpos[:, None] <= qp) & ((window == 0) | (kpos[:, None] > qp - window))).any(1)
+    own = kpos >= q_pos[:, :1]  # the step's rows (and, full layers, every slot past them)
+    k[~seen | own] = float("nan")
+    v[~seen | own] = float("nan")
+    idx = (q_pos % S) if ring else q_pos
+    return qkv, qw, kw, cos, sin, k, v, idx, q_pos, slot_pos
+
+
+# name, B, T, Hkv, G, D, S, last positions, window, ring, num_splits, dtype
+CASES = [
+    ("ring_decode", 2, 1, 2, 4, 64, 48, [100, 20], 40, True, None, torch.float32),
+    ("ring_verify_wrapped", 1, 8, 2, 4, 32, 40, [77], 32, True, 3, torch.float16),
+    ("ring_window_over_ctx", 2, 5, 2, 2, 32, 70, [30, 8], 64, True, 2, torch.float32),
+    ("full_decode", 2, 1, 2, 4, 64, 200, [130, 41], 0, False, None, torch.float32),
+    ("full_verify_one_split", 1, 8, 2, 4, 32, 100, [60], 0, False, 1, torch.float16),
+    ("full_verify_4_splits", 2, 3, 1, 4, 32, 90, [70, 33], 0, False, 4, torch.float32),
+]
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "query_only"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernel_matches_twin(case, store):
+    name, B, T, Hkv, G, D, S, last, window, ring, ns, dtype = case
+    qkv, qw, kw, cos, sin, k, v, idx, q_pos, slot_pos = _case(B, T, Hkv, G, D, S, last, window, ring, dtype, store)
+    if not store:  # a query-only layer reads a cache its source layer already wrote: no NaN where rows look
+        k, v = k.nan_to_num(0.5), v.nan_to_num(0.5)
+    scale = 1.0 if D >= 64 else 4 / math.sqrt(D)
+    kw_ = dict(heads=Hkv * G, eps=1e-6, offset=0.0, scale=scale)
+    k2, v2 = k.clone(), v.clone()
+    ref = da.decode_attention_qkv_ref(qkv, qw, kw, cos, sin, k2, v2, idx, q_pos, slot_pos, window, **kw_)
+    got = da.decode_attention_qkv(qkv, qw, kw, cos, sin, k, v, idx, q_pos, slot_pos, window, num_splits=ns, **kw_)
+    assert got.shape == (B, T, Hkv * G, D) and got.dtype == dtype and torch.isfinite(got).all(), name
+    err = (got.double() - ref.double()).abs().max().item()
+    print(f"{name} store={store}: max abs err {err:.2e}")
+    torch.testing.assert_close(got, ref, **TOL[dtype])
+    # the caches: the step's rows as the twin wrote them (store), nothing else touched
+    torch.testing.assert_close(k.nan_to_num(7.0), k2.nan_to_num(7.0), **TOL[dtype])
+    torch.testing.assert_close(v.nan_to_num(7.0), v2.nan_to_num(7.0), **TOL[dtype])
+
+
+@pytest.mark.parametrize("v_norm", [True, False])
+def test_merge_pdl_and_no_v_norm(v_norm):
+    """The merge option (the split tile's last program merges: no combine launch) and the PDL
+    option change nothing but rounding order; without a v norm (Gemma 3) the rows go in as they are."""
+    qkv, qw, kw, cos, sin, k, v, idx, q_pos, slot_pos = _case(1, 4, 2, 4, 32, 60, [50], 24, True, torch.float32, True,
+                                                              seed=3)
+    kw_ = dict(heads=8, eps=1e-6, offset=1.0, v_norm=v_norm)
+    outs = []
+    for opts in (dict(num_splits=3), dict(num_splits=3, merge=True, pdl=True)):
+        kc, vc = k.clone(), v.clone()
+        outs.append((da.decode_attention_qkv(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, **kw_, **opts),
+                     kc, vc))
+    kc, vc = k.clone(), v.clone()
+    ref = da.decode_attention_qkv_ref(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, **kw_)
+    for got, kg, vg in outs:
+        torch.testing.assert_close(got, ref, **TOL[torch.float32])
+        torch.testing.assert_close(vg.nan_to_num(7.0), vc.nan_to_num(7.0), **TOL[torch.float32])
+    # the ops (what the fused steps call) give the launcher's output
+    kc, vc = k.clone(), v.clone()
+    op = da.decode_attention_qkv_store_op(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
+                                          v_norm, 1.0, False, False)
+    torch.testing.assert_close(op, ref, **TOL[torch.float32])
+    q_only = da.decode_attention_qkv_op(qkv[..., : 8 * 32], qw, cos, sin, kc, vc, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
+                                        1.0, False, False)
+    assert q_only.shape == (1, 4, 8, 32) and torch.isfinite(q_only).all()
+
+
+def test_bad_inputs_are_refused():
+    qkv, qw, kw, cos, sin, k, v, idx, q_pos, slot_pos = _case(1, 2, 2, 4, 32, 40, [20], 16, True, torch.float32, True)
+    with pytest.raises(ValueError, match="qkv's last dim"):
+        da.decode_attention_qkv(qkv[..., :-32], qw, kw, cos, sin, k, v, idx, q_pos, slot_pos, 16, heads=8, eps=1e-6)
+    with pytest.raises(ValueError, match="bad position shapes"):
+        da.decode_attention_qkv(qkv, qw, kw, cos, sin, k, v, idx, q_pos[:, :1], slot_pos, 16, heads=8, eps=1e-6)
+    with pytest.raises(ValueError, match="contiguous along the head dim"):
+        da.decode_attention_qkv(qkv, qw, kw, cos, sin, k.transpose(2, 3).contiguous().transpose(2, 3), v, idx,
+                                q_pos, slot_pos, 16, heads=8, eps=1e-6)
