@@ -273,7 +273,7 @@ def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
     assert [(r["spec"], r.get("verify_mma")) for r in rows] == [("none", None), ("replay", "on"), ("replay", "off")]
     assert all(r["identity_rate"] == 1.0 for r in rows[1:])
-    # --verify-attn-qkv: as --variant says by default ('attn_qkv': on), on,off a row each
+    # --verify-attn-qkv: off by default (fuse.attn_qkv is the one-row step's and the drafter's), on,off a row each
     out = tmp_path / "attn_qkv.jsonl"
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",

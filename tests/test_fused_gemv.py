@@ -232,6 +232,21 @@ def test_fused_verify_step_equals_the_ordinary_step(int4, backend, monkeypatch):
             assert torch.allclose(k, k_ref, atol=1e-5) and torch.allclose(v, v_ref, atol=1e-5)
 
 
+def test_attn_qkv_is_the_one_row_steps_option():
+    """fuse.attn_qkv reaches the one-row step and the drafter's step, not the verify pass (which keeps
+    qkv_finish), and only on the Triton backend."""
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.weights.synthetic import synthetic_model
+
+    for backend, on in (("triton", True), ("torch", False)):
+        model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=0)
+        t = FuseLayers(backend=backend, attn_qkv=True)
+        t.apply(model)
+        assert model.fused_decode.keywords["attn_qkv"] is on and model.fuse_drafter.keywords["attn_qkv"] is on
+        assert model.fused_verify.keywords["attn_qkv"] is False and t.describe()["attn_qkv"] is True
+
+
 def test_fuse_layers_wide_steps_and_refusals():
     from fastgemma.engine.cache import KVCache
     from fastgemma.kernels.decode_attention import decode_attention_ref

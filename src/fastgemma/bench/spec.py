@@ -209,10 +209,10 @@ def main(argv=None):
                     help="with --fuse layers and epilogues on and 'mma' in --variant: the k+1-row pass's int4 GEMMs on "
                          "kernels/mma_w4a16.py where its table has the shape (on) or the per-group kernel (off); "
                          "on,off: a row each (default: as --variant says)")
-    ap.add_argument("--verify-attn-qkv", default="",
+    ap.add_argument("--verify-attn-qkv", default="off",
                     help="with --fuse layers and epilogues on: the k+1-row pass's q/k/v norms, RoPE and cache writes in "
-                         "the attention's split kernel (on) or as --verify-qkv says (off); on,off: a row each "
-                         "(default: as --variant says, 'attn_qkv')")
+                         "the attention's split kernel (on; not the engine's: fuse.attn_qkv is the one-row step's and "
+                         "the drafter's) or as --verify-qkv says (off); on,off: a row each")
     ap.add_argument("--mma-table", default="",
                     help="with 'mma' in --variant: the tensor-core int4 kernel's table for this run instead of "
                          "its own, as bench.stack --mma-table writes it (e.g. 'down@8=1x1s8,o_full@1=2x8', or 'none')")
@@ -272,9 +272,7 @@ def main(argv=None):
     switch_rows = {_switch_key(flag): _on_off(flag, getattr(a, _switch_key(flag))) for flag in VERIFY_SWITCHES}
     variant_mma = a.fuse == "layers" and "mma" in a.variant.split("+")
     switch_rows["verify_mma"] = _on_off("--verify-mma", a.verify_mma or ("on" if variant_mma else "off"))
-    variant_attn_qkv = a.fuse == "layers" and "attn_qkv" in a.variant.split("+")
-    switch_rows["verify_attn_qkv"] = _on_off("--verify-attn-qkv",
-                                             a.verify_attn_qkv or ("on" if variant_attn_qkv else "off"))
+    switch_rows["verify_attn_qkv"] = _on_off("--verify-attn-qkv", a.verify_attn_qkv)
     if "on" in switch_rows["verify_mma"] and not variant_mma:
         raise SystemExit("--verify-mma on needs 'mma' in --variant (it gives the int4 linears the kernel's copy)")
     switch_sets = [dict(zip(switch_rows, rows)) for rows in itertools.product(*switch_rows.values())]

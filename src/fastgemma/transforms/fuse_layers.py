@@ -408,7 +408,11 @@ class FuseLayers:
         # when it ran before, else in validate)
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton")
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **body)
-        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton", **body)
+        # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax
+        # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
+        # ms, and replay traces primed with every draft rejected no longer reproduced)
+        model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton",
+                                               **dict(body, attn_qkv=False))
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head, **step)
         self._enable_mma(model)
