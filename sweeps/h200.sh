@@ -20,6 +20,7 @@
 #             STACK_ARGS, e.g. "--bodies int4 --variants base,attn_pdl+qkv": the fused step's options per
 #             body); nf4 needs bitsandbytes (a wheel in .whl)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
+#   drafthead the MTP drafter's centroid-masked head: torch's path vs kernels/draft_head.py (bench.draft_head)
 #   prefill   time to first token per prompt length and prompt path: eager, compiled, graph (padded,
 #             one CUDA graph per padded length), compiled_graph (bench.prefill; PREFILL_ARGS, e.g.
 #             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
@@ -92,6 +93,7 @@ cs, try_ = '${MMA_CASES:-}', '${MMA_TRY:-}'
 bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')),
           configs=[parse_config(c) for c in try_.split(',')] if try_ else None)" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
+    drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
     verifychain) run verifychain python3 -m fastgemma.bench.verify_chain ${VERIFYCHAIN_ARGS:-} --out "$out/verifychain.jsonl" ;;
@@ -100,7 +102,7 @@ bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for 
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

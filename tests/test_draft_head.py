@@ -51,7 +51,7 @@ def test_ties_go_to_the_lower_centroid_and_the_earlier_candidate():
 def test_selection_with_many_ties_and_signed_zeros(dtype):
     """Centroid scores from five values (0, -0, +-1, 2: the top_k boundary falls inside a run of
     equal scores at every top_k), C = 48 (not a power of two): the selection, the ranks and the
-    pick equal the twin's for top_k = 1, 7, 13, 47 and 48 (every centroid)."""
+    pick equal the twin's for top_k = 1, 13 and 48 (every centroid)."""
     g, _, order, emb = _head(C=48, TPC=8, H=16, N=2, dtype=dtype, seed=5)
     vals = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0])
     pick = torch.randint(0, 5, (48,), generator=torch.Generator().manual_seed(6))
@@ -59,7 +59,7 @@ def test_selection_with_many_ties_and_signed_zeros(dtype):
     g[:, 0] = 1.0
     wc = torch.zeros(48, 16, dtype=dtype)
     wc[:, 0] = vals[pick].to(dtype)
-    for k in (1, 7, 13, 47, 48):
+    for k in (1, 13, 48):
         assert draft_head(g, wc, order, emb, k).tolist() == draft_head_ref(g, wc, order, emb, k).tolist(), k
 
 

@@ -124,7 +124,7 @@ def _prefetch_l2(base, n0, end, s_row, s_d, BLOCK_N: tl.constexpr, D: tl.constex
     if not EMU:
         n = n0 + tl.arange(0, BLOCK_N)[:, None]
         line = (tl.arange(0, D // 64) * 64)[None, :]
-        ok = (n < end) & (line >= 0)
+        ok = (n < end) & (line >= 0)  # [BLOCK_N, D / 64]: one flag per line
         tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                                   "=r,l,r", [base + n * s_row + line * s_d, ok.to(tl.int32)], dtype=tl.int32,
                                   is_pure=False, pack=1)
@@ -219,13 +219,12 @@ def _split_kernel(
     g = r % G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
+    # padding rows get qpos = -1: they see nothing and end as zeros (positions: no kernel of the step
+    # writes them, so QKV > 0 reads them before the wait, through L2)
     if QKV == 0:
         qa = tl.load(q_ptr + b64 * sq_b + t[:, None] * sq_t + (kvh * G + g)[:, None] * sq_h + d[None, :] * sq_d,
                      mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         qb = qa
-    # padding rows get qpos = -1: they see nothing and end as zeros (positions: no kernel of the step
-    # writes them, so QKV > 0 reads them before the wait, through L2)
-    if QKV == 0:
         qpos = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1).to(tl.int32)
     else:
         qpos = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1, cache_modifier=".cg").to(tl.int32)
@@ -395,14 +394,13 @@ def pick_num_splits(B: int, Hkv: int, row_tiles: int, S: int, block_n: int, num_
     return max(1, min(want, triton.cdiv(S, block_n), _MAX_SPLITS))
 
 
-def _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, what: str):
+def _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, what: str) -> None:
     Bk, S, Hkv, Dk = k_cache.shape
     if (Bk, Dk) != (B, D) or v_cache.shape != k_cache.shape or H % Hkv:
         raise ValueError(f"bad shapes {what} k {tuple(k_cache.shape)} v {tuple(v_cache.shape)}")
     if tuple(q_pos.shape) != (B, T) or (slot_pos is not None and tuple(slot_pos.shape) != (B, S)):
         raise ValueError(f"bad position shapes q_pos {tuple(q_pos.shape)} slot_pos "
                          f"{None if slot_pos is None else tuple(slot_pos.shape)}")
-    return S, Hkv
 
 
 def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
@@ -429,9 +427,9 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     the caches are only read; idx unused) -> the attention output [B, T, H, D]. q_w / k_w [D], cos /
     sin [B, T, 1, D]. The positions are read and the first K / V block of each split prefetched into
     L2 before the PDL wait (the cache's rows at the step's positions are never read: a store layer
-    makes them). Rounds
-    as qkv_finish does; the softmax visits the step's own rows last (another summation order than
-    `decode_attention` after qkv_finish: equal within rounding, not bit for bit)."""
+    makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a split of their
+    own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
+    not bit for bit)."""
     from .qkv_finish import _check as _check_qkv
 
     store = k_w is not None
