@@ -31,7 +31,9 @@ as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+), and in wider
 steps the GEMMs, norm kernels and the q/k/v kernel; `attn_pdl=True` the attention's split and
 combine kernels as well (without it they launch plainly, and so does the kernel after them);
-`attn_merge=True` drops the combine launch (the split tile's last program merges the partials).
+`attn_merge=True` drops the combine launch (the split tile's last program merges the partials);
+`attn_qkv=True` does the q/k/v norms, RoPE and cache writes inside the attention's split kernel
+(kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step.
 """
 from __future__ import annotations
 
