@@ -30,7 +30,27 @@ import torch
 from fastgemma.model.config import GEMMA4_TINY
 from fastgemma.model.hf_config import to_hf_text_config
 
+# under pytest-xdist (-n N) each worker takes its share of the cores for torch's threads: with the
+# default (every core per worker) the workers' OpenMP threads oversubscribe the machine
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 TINY = GEMMA4_TINY
+
+
+@pytest.fixture
+def wide_tiles(monkeypatch):
+    """Wide default tiles for the GEMV / int4 / skinny kernels: the interpreter runs programs one
+    after another (~50 ms each for a fused GEMV), and the GPU defaults (sized to fill 132 SMs) give
+    one program per output row or two on the tiny shapes. Tables and explicit configs still win."""
+    import fastgemma.kernels.gemv as gemv_mod
+    import fastgemma.kernels.skinny_gemm as skinny_mod
+    import fastgemma.kernels.w4a16 as w4a16_mod
+
+    monkeypatch.setattr(gemv_mod, "default_config", lambda N, K: gemv_mod.GemvConfig(64, 64, 4))
+    monkeypatch.setattr(w4a16_mod, "default_config",
+                        lambda M, N, K: w4a16_mod.W4A16Config(64, 64, 1, 4) if M == 1 else w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, min(64, K), 1, 4))
 
 
 def hf_text_config(cfg=TINY, **kw):

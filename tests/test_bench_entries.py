@@ -200,7 +200,7 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     assert all(c.per_group for k, c in w4a16.CONFIGS.items() if k in w4a16.MMA_M16)
 
 
-def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
+def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path, wide_tiles):
     """--fuse layers: the AR rows take the fused one-row step (its torch twin here), the k+1-row passes
     the ordinary step with or without its GEMM epilogues, the drafter its fused step or the unfused
     one (a row each); speculative tokens still equal AR's and the verify pass agrees with the fused
@@ -236,7 +236,7 @@ def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--verify-norms", "kernel"])
 
 
-def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path):
+def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path, wide_tiles):
     """bench.spec --verify-pdl on,off --verify-qkv on,off --attn-pdl on,off (and --verify-mma): a row
     each for the fused verify pass (none where the epilogues are off, so fused_verify is not used),
     the AR step built as --variant says; all decode AR's tokens; a bad value is refused in one line."""

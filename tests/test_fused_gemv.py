@@ -130,8 +130,8 @@ def _decode(model, cfg, prompt, new):
 def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     """fp32 on the tiny model (sliding and full layers, KV sharing, PLE; a Gemma 3 variant without
     PLE, with the +1 norm offset): the fused step (twins, then the Triton kernels under the
-    interpreter) gives the ordinary step's tokens and logits. The window (16) is shorter than the
-    context, so ring-buffer slots wrap."""
+    interpreter) gives the ordinary step's tokens and logits over 3 new tokens. The window (16) is
+    shorter than the context, so ring-buffer slots wrap."""
     import fastgemma.kernels.gemv as gemv_mod
     import fastgemma.kernels.w4a16 as w4a16_mod
     from fastgemma.kernels.decode_attention import decode_attention_ref
@@ -154,23 +154,23 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
         model.fused_decode = model.fused_verify = None
         Int4Quant(group_size=32, skip=("per_layer_projection",), backend="torch").apply(model)
         t.validate(model)
-        ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
+        ref_tokens, ref_logits = _decode(model, cfg, prompt, 3)
         model.fused_decode, model.fused_verify = fused
     else:
-        ref_tokens, ref_logits = _decode(model, cfg, prompt, 6)
+        ref_tokens, ref_logits = _decode(model, cfg, prompt, 3)
         t.apply(model)
     assert model.fused_decode is not None and t.describe()["fused_layers"]
-    tokens, logits = _decode(model, cfg, prompt, 6)
+    tokens, logits = _decode(model, cfg, prompt, 3)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
     # wide tiles: a handful of programs per launch keeps the interpreter fast
     monkeypatch.setattr(gemv_mod, "default_config", lambda N, K: GemvConfig(64, 64, 4))
     monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod.W4A16Config(64, 64, 1, 4))
     FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
-    tokens, logits = _decode(model, cfg, prompt, 6)
+    tokens, logits = _decode(model, cfg, prompt, 3)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
     if not int4:  # q/k/v norms, RoPE and the cache writes in kernels/qkv_finish.py (Gemma 3: no v norm)
         model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=True)
-        tokens, logits = _decode(model, cfg, prompt, 6)
+        tokens, logits = _decode(model, cfg, prompt, 3)
         assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
         # + the attention kernel itself, 3 splits whose partials the split kernel merges (attn_merge),
         # and the attention's PDL option
@@ -179,12 +179,12 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
         monkeypatch.setattr(da, "pick_num_splits", lambda *a: 3)
         model.step_attention = da.decode_attention_op
         model.fused_decode = functools.partial(model.fused_decode, attn_merge=True, attn_pdl=True)
-        tokens, logits = _decode(model, cfg, prompt, 6)
+        tokens, logits = _decode(model, cfg, prompt, 3)
         assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
         if family == "gemma4":  # q/k/v norms, RoPE and the cache writes inside the attention's split kernel
             # (its q/k/v mode; Gemma 3's layers without a v norm: tests/test_attention_qkv.py)
             model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=False, attn_qkv=True)
-            tokens, logits = _decode(model, cfg, prompt, 6)
+            tokens, logits = _decode(model, cfg, prompt, 3)
             assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 

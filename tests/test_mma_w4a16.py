@@ -162,7 +162,7 @@ def test_bad_input():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
-def test_fused_steps_with_int4_mma(monkeypatch):
+def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles):
     """bf16 tiny model, int4 g64: fuse=layers' one-row step and its 5-row verify pass with int4_mma
     (the table pointed at the tiny shapes: every int4 GEMV / GEMM; the one-row step's prologues then
     run in kernels/residual_norm.py) give the hidden states of the same steps without it, to bf16
