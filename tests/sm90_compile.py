@@ -178,7 +178,7 @@ def main():
                                      ("attention split sliding merged", 256, 64, True, True),
                                      ("attention split full merged", 512, 32, False, True)]:
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=16, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
-                  FIXUP=merge, BLOCK_S=16 if merge else 1, QKV=0, V_NORM=False, BLOCK_T=16, EMU=False)
+                  FIXUP=merge, BLOCK_S=16 if merge else 1, QKV=0, V_NORM=False, BLOCK_T=16, EMU=False, POS_TILE=False)
         pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
     # the q/k/v mode (decode_attention_qkv): a store layer at 1 and 8 rows (its own K / V rows made
     # and stored), a query-only one; the positions and the first K / V block loaded before the wait
@@ -191,7 +191,7 @@ def main():
                                        ("attention qkv query-only sliding", 256, 32, True, 16, 1),
                                        ("attention qkv query-only full", 512, 16, False, 16, 1)]:
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
-                  FIXUP=False, BLOCK_S=1, QKV=qkv, V_NORM=True, BLOCK_T=16, EMU=False)
+                  FIXUP=False, BLOCK_S=1, QKV=qkv, V_NORM=True, BLOCK_T=16, EMU=False, POS_TILE=False)
         with contextlib.redirect_stdout(io.StringIO()) as buf:  # decode_attention._qkv_tiles: 8 warps
             pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 8, 2)
         print(buf.getvalue().replace("pdl\t", "prefetch\t", 1), end="")

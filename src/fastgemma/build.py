@@ -227,6 +227,11 @@ class EngineFactory:
                 except ValueError as err:
                     raise BuildError(f"fuse={self.choices.get('fuse', '?')} with quant={self.choices.get('quant', '?')}: "
                                      f"{err}") from err
+            from .transforms.sampler import FusedArgmax
+
+            if getattr(model, "batch_invariant", False) and not isinstance(self.parts.sampler, FusedArgmax):
+                raise BuildError(f"fuse.batch_invariant needs sampler=fused_argmax (one head kernel config at every "
+                                 f"row count); got sampler={self.choices.get('sampler', '?')}")
             self._model = model
         return self._model
 

@@ -194,7 +194,7 @@ def _split_kernel(
     HAS_SLOT_POS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr,
     qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, scs_b, scs_t, sid_b, sid_t, eps, norm_off,
-    QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr,
+    QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr, POS_TILE: tl.constexpr,
 ):
     """QKV 0: q as given. 1: q_ptr is the merged projection's rows [B, T, H*D] (strides sq_b, sq_t),
     q = rope(q_norm(.)) made here (as its two RoPE halves, K read the same way). 2: rows [B, T,
@@ -212,9 +212,15 @@ def _split_kernel(
     kvh = pid_bh % Hkv
     b64 = b.to(tl.int64)  # B * S * Hkv * D can pass 2**31 elements
 
-    # rows r = t * G + g of this tile; head = kvh * G + g
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < R
+    # rows r = t * G + g of this tile; head = kvh * G + g. POS_TILE: the tile is position pid_m's G
+    # rows alone (the rest masked), the tile a one-row step launches for that position
+    lane = tl.arange(0, BLOCK_M)
+    if POS_TILE:
+        r = pid_m * G + lane
+        row_ok = (lane < G) & (r < R)
+    else:
+        r = pid_m * BLOCK_M + lane
+        row_ok = r < R
     t = r // G
     g = r % G
     d = tl.arange(0, BLOCK_D)
@@ -404,18 +410,22 @@ def _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, what: str) -> None:
 
 
 def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
-                     num_splits: int | None = None, pdl: bool = False, merge: bool = False) -> torch.Tensor:
+                     num_splits: int | None = None, pdl: bool = False, merge: bool = False,
+                     per_position: bool = False) -> torch.Tensor:
     """Split-KV Triton decode attention. Shapes as in the module docstring; returns [B, T, H, D]
     in q's dtype. q_pos: [B, T] int32/int64; slot_pos: [B, S] int32/int64 or None. No host sync.
     pdl (sm90+): both kernels launch with programmatic dependent launch, wait for the kernel before
     them at their start and let the next one launch at once (gemv.pdl_args). merge: the row tile's
     last split program to arrive merges the partials (arrival counters of kernels/counters.py)
     instead of a second launch; the counters need one eager call of the shape before a CUDA graph
-    captures it."""
+    captures it. per_position: each row tile holds one position's G query heads and the split count
+    is the one-row launch's, so every row is summed as a one-row call at its position sums it (its
+    keys cut into the same splits and blocks, the same tile shape), bit for bit whatever rows sit
+    beside it: a verify pass's rows equal the AR steps' (fuse.batch_invariant); T times the programs."""
     B, T, H, D = q.shape
     _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, f"q {tuple(q.shape)}")
     return _attention(q, q.stride(), (B, T, H, D), k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits,
-                      pdl, merge, {})
+                      pdl, merge, {}, per_position)
 
 
 def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window: int, *,
@@ -451,18 +461,26 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
 
 
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
-               extra: dict) -> torch.Tensor:
-    """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`."""
+               extra: dict, per_position: bool = False) -> torch.Tensor:
+    """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`;
+    per_position: a row tile per position, split as a one-row launch is (`decode_attention`)."""
     B, T, H, D = shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     R = G * T
-    block_m = min(64, max(16, triton.next_power_of_2(R)))  # tl.dot needs M >= 16
-    row_tiles = triton.cdiv(R, block_m)
     qkv = extra.get("QKV", 0)
+    if per_position and (qkv or G > 64):
+        raise ValueError("decode_attention per_position takes q as given (no q/k/v mode) and at most 64 query "
+                         f"heads per KV head, got the q/k/v mode {qkv} and {G}")
+    if per_position:  # the tile of a one-row launch (R = G), once per position
+        block_m = min(64, max(16, triton.next_power_of_2(G)))
+        row_tiles = T
+    else:
+        block_m = min(64, max(16, triton.next_power_of_2(R)))  # tl.dot needs M >= 16
+        row_tiles = triton.cdiv(R, block_m)
     block_n, num_warps, num_stages = _qkv_tiles(D) if qkv else _tiles(D, block_m)
     if num_splits is None:
-        num_splits = pick_num_splits(B, Hkv, row_tiles, S, block_n, _num_sms(q.device))
+        num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, block_n, _num_sms(q.device))
     # QKV 2: one split more, for the step's own rows
     num_splits = max(1, int(num_splits)) + (qkv == 2)
     split = num_splits > 1
@@ -481,6 +499,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     if not extra:  # QKV 0: the other pointers are not read
         extra = dict(qw_ptr=q, kw_ptr=q, cos_ptr=q, sin_ptr=q, idx_ptr=q_pos, scs_b=0, scs_t=0, sid_b=0, sid_t=0,
                      eps=0.0, norm_off=0.0, QKV=0, V_NORM=False, BLOCK_T=16, EMU=_INTERPRET)
+    extra = dict(extra, POS_TILE=bool(per_position))
     _split_kernel[(num_splits, B * Hkv, row_tiles)](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
         S, T, G, Hkv, R, num_splits, int(window), float(scale) * _LOG2E,
@@ -503,9 +522,9 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
 
 
 def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: float = 1.0,
-                         pdl: bool = False, merge: bool = False) -> torch.Tensor:
+                         pdl: bool = False, merge: bool = False, per_position: bool = False) -> torch.Tensor:
     """Torch twin of `decode_attention`: fp32 scores over all S slots (no host sync, graph-safe;
-    `pdl` and `merge` are the kernel's launch options and change nothing here)."""
+    `pdl`, `merge` and `per_position` are the kernel's launch options and change nothing here)."""
     B, T, H, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -533,12 +552,13 @@ def decode_attention_ref(q, k_cache, v_cache, q_pos, slot_pos, window: int, scal
 @torch.library.custom_op("fastgemma::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
                         slot_pos: torch.Tensor | None, window: int, scale: float = 1.0,
-                        pdl: bool = False, merge: bool = False) -> torch.Tensor:
-    return decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window, scale, pdl=pdl, merge=merge)
+                        pdl: bool = False, merge: bool = False, per_position: bool = False) -> torch.Tensor:
+    return decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window, scale, pdl=pdl, merge=merge,
+                            per_position=per_position)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0, pdl=False, merge=False):
+def _(q, k_cache, v_cache, q_pos, slot_pos, window, scale=1.0, pdl=False, merge=False, per_position=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

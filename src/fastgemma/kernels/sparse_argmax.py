@@ -159,6 +159,9 @@ class HeadArgmaxConfig:
 # M > 1: 64 rows x 128 k per tl.dot step. Starting points, not yet timed on the H200 (bench_head sweeps).
 GEMV_CONFIG = HeadArgmaxConfig(16, 256, 1, 4, 3)
 DOT_CONFIG = HeadArgmaxConfig(64, 128, 16, 4, 3)
+# fuse.batch_invariant: one config at every M (1..16 rows in one tile), so a row's logits are the same
+# bits at one row and in a verify pass (the tl.dot's columns are independent)
+ROW_INVARIANT_CONFIG = DOT_CONFIG
 
 
 def default_config(M: int) -> HeadArgmaxConfig:
@@ -274,11 +277,12 @@ def head_argmax_torch(x, w, keep_ids=None, *, scales=None, logits_out=None, soft
 # Registered as an opaque op so torch.compile traces around the launcher; logits_out is written in place.
 @torch.library.custom_op("fastgemma::head_argmax", mutates_args=("logits_out",))
 def head_argmax_op(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, keep_ids: torch.Tensor | None,
-                   logits_out: torch.Tensor, softcap: float, round_to_input: bool) -> torch.Tensor:
+                   logits_out: torch.Tensor, softcap: float, round_to_input: bool,
+                   row_invariant: bool = False) -> torch.Tensor:
     return head_argmax(x, w, keep_ids, scales=scales, logits_out=logits_out, softcap=softcap or None,
-                       round_to_input=round_to_input)
+                       round_to_input=round_to_input, config=ROW_INVARIANT_CONFIG if row_invariant else None)
 
 
 @head_argmax_op.register_fake
-def _(x, w, scales, keep_ids, logits_out, softcap, round_to_input):
+def _(x, w, scales, keep_ids, logits_out, softcap, round_to_input, row_invariant=False):
     return x.new_empty(x.shape[0], dtype=torch.int64)

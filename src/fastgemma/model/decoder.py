@@ -145,8 +145,10 @@ class Gemma4Model(nn.Module):
                 layer.layer_scalar.fill_(1.0)
 
     # ---- embeddings ----------------------------------------------------------------------------
-    def embed(self, ids):
-        """ids [B, T] -> x0 [B, T, hidden], ple [B, T, L, ple_dim] (or None)."""
+    def embed(self, ids, project=None, norm=None):
+        """ids [B, T] -> x0 [B, T, hidden], ple [B, T, L, ple_dim] (or None). project / norm: what
+        computes the PLE context projection and its RMSNorm (default: the model's modules; the fused
+        steps' batch-invariant kernels)."""
         w = self.embed_tokens.weight
         # transformers casts sqrt(hidden) to the weight dtype first (50.5 in bf16 for 2560);
         # a host-side rounding keeps the step free of host-to-device copies (CUDA-graph safe)
@@ -156,8 +158,8 @@ class Gemma4Model(nn.Module):
         c = self.config
         wt = self.embed_tokens_per_layer.weight
         tok = F.embedding(ids, wt) * _rounded(c.ple_dim ** 0.5, wt.dtype)
-        ctx = self.per_layer_model_projection(x0) * (c.hidden_size ** -0.5)
-        ctx = self.per_layer_projection_norm(ctx.unflatten(-1, (c.num_layers, c.ple_dim)))
+        ctx = (project or self.per_layer_model_projection)(x0) * (c.hidden_size ** -0.5)
+        ctx = (norm or self.per_layer_projection_norm)(ctx.unflatten(-1, (c.num_layers, c.ple_dim)))
         return x0, (ctx + tok.unflatten(-1, (c.num_layers, c.ple_dim))) * (2.0 ** -0.5)
 
     def rope(self, pos, dtype):
@@ -243,12 +245,13 @@ class Gemma4Model(nn.Module):
             x = layer(x, ple[:, :, i] if ple is not None else None, attend)
         return self.norm(x)
 
-    def step_store_attend(self, ids, pos, cache, pdl: bool = False, merge: bool = False):
+    def step_store_attend(self, ids, pos, cache, pdl: bool = False, merge: bool = False, per_position: bool = False):
         """Marks the step's ring slots and returns fn(layer, q, k, v) -> [B, T, H*D]: writes the
         layer's K/V for these rows (store layers), then attends through self.step_attention.
         fn.rope: {sliding: (cos, sin)} for these positions; fn.attend(layer, q): the attention alone;
-        fn.slots: {sliding: [B, T] cache rows of these positions}. pdl / merge: the attention kernel's
-        launch options (the fused steps' `attn_pdl` / `attn_merge`; the twin ignores them)."""
+        fn.slots: {sliding: [B, T] cache rows of these positions}. pdl / merge / per_position: the
+        attention kernel's launch options (the fused steps' `attn_pdl` / `attn_merge` /
+        `batch_invariant`; the twin ignores them)."""
         c = self.config
         bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
         slots = pos % cache.ring
@@ -260,9 +263,10 @@ class Gemma4Model(nn.Module):
             s = layer.spec
             src = s.kv_source
             if s.sliding:
-                o = attn(q, cache.k[src], cache.v[src], pos, cache.ring_pos, window, c.attn_scale, pdl, merge)
+                o = attn(q, cache.k[src], cache.v[src], pos, cache.ring_pos, window, c.attn_scale, pdl, merge,
+                         per_position)
             else:
-                o = attn(q, cache.k[src], cache.v[src], pos, None, 0, c.attn_scale, pdl, merge)
+                o = attn(q, cache.k[src], cache.v[src], pos, None, 0, c.attn_scale, pdl, merge, per_position)
             return o.flatten(2)
 
         def store_attend(layer, q, k, v):

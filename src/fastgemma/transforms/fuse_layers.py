@@ -65,46 +65,74 @@ def _layer_linears(i: int, layer) -> dict:
     return {role: mod for role, (_, mod) in named.items()}
 
 
-def _mma_cfg(mod, M: int, epilogue: str, dtype):
+def _mma_cfg(mod, M: int, epilogue: str, dtype, invariant: bool = False):
     """The tensor-core kernel's config for M rows through `mod`, or None: it takes an Int4Linear that
-    holds its fragment-order copy (int4_mma), bf16 rows, an epilogue it has, a shape in its table."""
-    from ..kernels.mma_w4a16 import EPILOGUES, mma_config
+    holds its fragment-order copy (int4_mma), bf16 rows, an epilogue it has, a shape in its table.
+    invariant: the one-row entry at every row count (up to the kernel's 8; more is refused), so a
+    row sums in the same order whatever rows sit beside it (the mma's columns are independent)."""
+    from ..kernels.mma_w4a16 import EPILOGUES, MAX_ROWS, mma_config
     from .quant import Int4Linear
 
     if not (isinstance(mod, Int4Linear) and mod.mma and epilogue in EPILOGUES and dtype == torch.bfloat16):
         return None
-    return mma_config(mod.out_features, mod.in_features, M, epilogue)
+    if invariant and M > MAX_ROWS:
+        raise ValueError(f"fuse.batch_invariant runs the int4 GEMMs on the tensor-core kernel, at most {MAX_ROWS} rows "
+                         f"(speculative depth <= {MAX_ROWS - 1}); got {M} rows")
+    return mma_config(mod.out_features, mod.in_features, 1 if invariant else M, epilogue)
 
 
-def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None):
+def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = False):
     """x [M, K] through kernels/mma_w4a16.py with `cfg` (None: `_mma_cfg`'s); None where it has none."""
     from ..kernels.mma_w4a16 import mma_w4a16_op
 
-    cfg = cfg or _mma_cfg(mod, x.shape[0], epilogue, x.dtype)
+    cfg = cfg or _mma_cfg(mod, x.shape[0], epilogue, x.dtype, invariant)
     if cfg is None:
         return None
     return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, cfg.tiles,
                         cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, pdl)
 
 
-def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False):
+def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool):
+    """kernels/residual_norm.py's rows (triton_ops) or its twin -> (h, x)."""
+    from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
+
+    if triton_ops:
+        return residual_norm_op(a, y, post, scale, pre, eps, off, pdl)
+    return residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
+
+
+def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, invariant: bool = False,
+            triton_ops: bool = True):
     """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op;
     mma: through kernels/mma_w4a16.py where `_mma_cfg` takes the linear at one row, a GEMV with a
     prologue (residual update and / or norm) after that prologue as its own launch
-    (kernels/residual_norm.py, the verify pass's kernel: the same rounding)."""
-    from ..kernels.residual_norm import residual_norm_op
+    (kernels/residual_norm.py, the verify pass's kernel: the same rounding). invariant
+    (fuse.batch_invariant): every linear as the wider steps run it, the prologue on its own, then
+    int4 on the tensor-core kernel (no other int4 path is taken) and dense on the skinny GEMM with
+    the epilogue in its store; triton_ops=False: their twins (the torch backend)."""
+    from ..kernels.skinny_gemm import skinny_matmul_op, skinny_matmul_ref
     from .quant import Int4Linear
 
     def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
         cfg = _mma_cfg(mod, 1, epilogue, a.dtype) if mma and aux is None else None
-        if cfg is not None:
+        dense = invariant and not isinstance(mod, Int4Linear)
+        if invariant and isinstance(mod, Int4Linear) and cfg is None and triton_ops:
+            raise ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 {mod.out_features} "
+                             f"x {mod.in_features} with epilogue {epilogue} at one row (int4_mma on, the shape in "
+                             "kernels/mma_w4a16.MMA_CONFIGS)")
+        if cfg is not None or dense:
             a2, h = a.reshape(1, -1), None
             if y is not None or pre is not None:
-                h, x = residual_norm_op(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
-                                        pdl)
+                h, x = _residual_norm(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
+                                      triton_ops, pdl)
                 a2 = x if pre is not None else h
                 h = h if y is not None else None
-            return _mma_call(mod, a2, epilogue, pdl, cfg), h
+            if cfg is not None:
+                return _mma_call(mod, a2, epilogue, pdl, cfg), h
+            aux2 = aux.reshape(1, -1) if aux is not None else None
+            if triton_ops:
+                return skinny_matmul_op(a2, mod.weight, epilogue, aux2, pdl), h
+            return skinny_matmul_ref(a2, mod.weight, epilogue=epilogue, aux=aux2), h
         if isinstance(mod, Int4Linear):
             return gemv4(a, mod.qweight, mod.scales, mod.zeros, mod.group_size, y, post, scale, pre, aux, eps, off,
                          epilogue, pdl)
@@ -168,19 +196,54 @@ def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale:
     return o.flatten(2)
 
 
+def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
+    """model.embed(ids); invariant (fuse.batch_invariant, Triton): the PLE context projection on the
+    tensor-core kernel's one-row config (int4) or the skinny GEMM (dense) and its RMSNorm in
+    kernels/residual_norm.py, one program per row, so each row's PLE input does not depend on the
+    rows beside it (a dense projection's cuBLAS GEMV and GEMM, inductor's reductions, may sum in
+    other orders at 1 and k+1 rows)."""
+    if not (invariant and triton_ops and model.config.ple_dim):
+        return model.embed(ids)
+    from ..kernels.residual_norm import residual_norm_op
+    from ..kernels.skinny_gemm import skinny_matmul_op
+    from .quant import Int4Linear
+
+    proj, norm, c = model.per_layer_model_projection, model.per_layer_projection_norm, model.config
+
+    def project(x0):
+        x2 = x0.reshape(-1, x0.shape[-1])
+        y = (_mma_call(proj, x2, "none", pdl, invariant=True) if isinstance(proj, Int4Linear)
+             else skinny_matmul_op(x2, proj.weight, "none", None, pdl))
+        if y is None:
+            raise ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 PLE context "
+                             f"projection {proj.out_features} x {proj.in_features} (int4_mma on, the shape in "
+                             "kernels/mma_w4a16.MMA_CONFIGS)")
+        return y.reshape(*x0.shape[:-1], -1)
+
+    def rms(t):
+        return residual_norm_op(t.reshape(-1, t.shape[-1]), None, None, None, norm.weight, c.rms_eps,
+                                c.norm_offset, pdl)[1].reshape(t.shape)
+
+    return model.embed(ids, project, rms)
+
+
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
-                 attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False):
+                 attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
+                 batch_invariant: bool = False, triton_ops: bool = True):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
     combine launch (kernels/decode_attention.py); int4_mma: int4 GEMVs on the tensor-core kernel where
     its table has their shape at one row (kernels/mma_w4a16.py; a prologue then runs on its own in
     kernels/residual_norm.py); attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split
-    kernel (kernels/decode_attention.py's q/k/v mode, no qkv_finish launch)."""
+    kernel (kernels/decode_attention.py's q/k/v mode, no qkv_finish launch); batch_invariant: every
+    row computed as `fused_verify` computes it with the same switch (the embedding's PLE path, each
+    linear, the attention's tiles and splits, the last norm), so a verify pass's rows equal the AR
+    steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend)."""
     c = model.config
-    x, ple = model.embed(ids)
-    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge)
-    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma)
+    x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
+    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
+    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
     h = x.reshape(1, -1)
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
     pend = None
@@ -204,6 +267,10 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
         else:
             pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
     res, y, norm, scale = pend  # the last layer's update, in torch (no GEMV follows it)
+    if batch_invariant:  # in the verify pass's kernel
+        _, out = _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, model.norm.weight,
+                                c.rms_eps, c.norm_offset, triton_ops, pdl)
+        return out.reshape(1, 1, -1)
     return model.norm((res + norm(y)) * scale).reshape(1, 1, -1)
 
 
@@ -225,13 +292,15 @@ def _int4_epilogue(mod, x2, epilogue: str, a2, triton: bool, pdl: bool):
 
 
 def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False,
-                   int4_mma: bool = False):
+                   int4_mma: bool = False, invariant: bool = False):
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
     rows); otherwise the GEMM, then torch's epilogue. No epilogue: a dense linear is mod(x) itself;
     an Int4Linear's tile override (`config`) holds, as in its forward.
     `pdl`: the Triton GEMMs launch with programmatic dependent launch. `int4_mma`: an Int4Linear goes
-    to the tensor-core kernel where `_mma_call` takes it (<= 8 rows, a shape in its table)."""
+    to the tensor-core kernel where `_mma_call` takes it (<= 8 rows, a shape in its table). invariant
+    (fuse.batch_invariant): the one-row step's kernels and configs at any row count (`_caller`): int4
+    on the tensor-core kernel's one-row entry only, dense on the skinny GEMM whatever its size."""
     from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
     from ..kernels.w4a16 import apply_epilogue
     from .quant import Int4Linear
@@ -241,12 +310,16 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
     if isinstance(mod, Int4Linear):
         triton = triton_ops and mod.backend == "triton"
-        y = _mma_call(mod, x2, epilogue, pdl) if int4_mma and triton else None
+        y = _mma_call(mod, x2, epilogue, pdl, invariant=invariant) if int4_mma and triton else None
+        if y is None and invariant and triton:
+            raise ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 {mod.out_features} "
+                             f"x {mod.in_features} with epilogue {epilogue} (int4_mma on, the shape in "
+                             "kernels/mma_w4a16.MMA_CONFIGS)")
         if y is None:
             y = _int4_epilogue(mod, x2, epilogue, a2, triton, pdl)
-    elif epilogue == "none":
+    elif epilogue == "none" and not invariant:
         return mod(x)
-    elif fits(*x2.shape) and mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES:
+    elif fits(*x2.shape) and (invariant or mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES):
         y = (skinny_matmul_op(x2, mod.weight, epilogue, a2, pdl) if triton_ops
              else skinny_matmul_ref(x2, mod.weight, epilogue=epilogue, aux=a2))
     else:
@@ -256,7 +329,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
                  qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
-                 attn_qkv: bool = False):
+                 attn_qkv: bool = False, batch_invariant: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -270,7 +343,11 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     dependent launch: each waits for the kernel before it first, and lets the next one launch after
     its main loop (`bench.spec --verify-pdl`). attn_pdl: the attention kernels too (each waits first
     and lets the next launch at once; `bench.spec --attn-pdl`); attn_merge: no combine launch;
-    attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split kernel (`--verify-attn-qkv`)."""
+    attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split kernel (`--verify-attn-qkv`).
+    batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
+    tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
+    tiles per position with the one-row split count, the embedding's PLE path in kernels): the
+    verify pass's rows equal the AR steps' bit for bit."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     c = model.config
@@ -284,11 +361,12 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         return (h if y is not None else a), x
 
     def gemm(mod, x, epilogue="none", aux=None):
-        return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl, int4_mma=int4_mma)
+        return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl, int4_mma=int4_mma,
+                              invariant=batch_invariant)
 
-    x, ple = model.embed(ids)
+    x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
     lead = x.shape[:-1]
-    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge)
+    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     h = x.reshape(-1, x.shape[-1])
     pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
@@ -378,9 +456,15 @@ class FuseLayers:
     same step structure and rounding, any device: the CPU reference of the fused path)."""
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
-                 attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False):
+                 attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False, batch_invariant: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
+        if batch_invariant and (attn_qkv or not qkv_kernel):
+            # attn_qkv sums a step's own rows in a split of their own (which rows those are depends on where
+            # the step began); without qkv_kernel the q/k/v norms are inductor's reductions, sized by the rows
+            raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true and fuse.attn_qkv=false (got "
+                             f"qkv_kernel={qkv_kernel}, attn_qkv={attn_qkv})")
+        self.batch_invariant = bool(batch_invariant)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
         self.int4_mma = bool(int4_mma)
@@ -408,8 +492,9 @@ class FuseLayers:
                     attn_merge=self.attn_merge, attn_qkv=self.attn_qkv and self.backend == "triton")
         # the tensor-core int4 kernel is Triton's (its copy of the weights is made once quant ran: here
         # when it ran before, else in validate)
-        body = dict(step, int4_mma=self.int4_mma and self.backend == "triton")
-        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4, **body)
+        body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant)
+        model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
+                                               triton_ops=self.backend == "triton", **body)
         # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax
         # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
         # ms, and replay traces primed with every draft rejected no longer reproduced)
@@ -419,14 +504,40 @@ class FuseLayers:
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head, **step)
         self._enable_mma(model)
         model.draft_head = head  # kernels/draft_head.py (or its twin): the fused drafter's head
+        model.batch_invariant = self.batch_invariant  # the greedy pick reads it (transforms/sampler.py)
         return model
 
     def validate(self, model) -> None:
         """Every linear the fused step reads is dense or int4 (after quant and the other groups ran);
-        with int4_mma, the int4 ones get the tensor-core kernel's copy of their weights."""
+        with int4_mma, the int4 ones get the tensor-core kernel's copy of their weights; with
+        batch_invariant, every int4 linear (the PLE context projection too) has a one-row entry in
+        the kernel's table and the head picks in one kernel at every row count."""
         for i, layer in enumerate(model.layers):
             _layer_linears(i, layer)
         self._enable_mma(model)
+        if self.batch_invariant and self.backend == "triton":
+            self._check_invariant(model)
+
+    def _check_invariant(self, model) -> None:
+        from ..kernels.mma_w4a16 import mma_config
+        from .lm_head import decode_head
+        from .quant import Int4Linear
+
+        epilogues = {"gate_up": "geglu", "ple_gate": "gelu_mul"}
+        named = [(f"layers.{i}.{role}", mod, epilogues.get(role, "none"))
+                 for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
+        if model.config.ple_dim:
+            named.append(("per_layer_model_projection", model.per_layer_model_projection, "none"))
+        bad = [f"{name} ({mod.out_features} x {mod.in_features}, {epi})" for name, mod, epi in named
+               if isinstance(mod, Int4Linear) and not (self.int4_mma and mma_config(
+                   mod.out_features, mod.in_features, 1, epi) is not None and epi != "gelu_mul")]
+        if bad:
+            raise ValueError("fuse.batch_invariant runs int4 linears on the tensor-core kernel's one-row configs "
+                             f"(fuse.int4_mma=true, kernels/mma_w4a16.MMA_CONFIGS); none for {', '.join(bad[:4])}"
+                             + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""))
+        if getattr(decode_head(model), "kind", None) == "int4":
+            raise ValueError("fuse.batch_invariant: an int4 head picks through the w4a16 GEMV, whose tiles follow the "
+                             "row count; use lm_head=full, int8 or pruned")
 
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
@@ -436,14 +547,16 @@ class FuseLayers:
 
         if not (self.int4_mma and self.backend == "triton"):
             return
-        for i, layer in enumerate(model.layers):
-            for mod in _layer_linears(i, layer).values():
-                shape = (mod.out_features, mod.in_features) if isinstance(mod, Int4Linear) else None
-                if shape and not mod.mma and any((*shape, m) in MMA_CONFIGS for m in (False, True)):
-                    mod.enable_mma()
+        mods = [mod for i, layer in enumerate(model.layers) for mod in _layer_linears(i, layer).values()]
+        if self.batch_invariant and model.config.ple_dim:  # the embedding's PLE projection (`_embed`)
+            mods.append(model.per_layer_model_projection)
+        for mod in mods:
+            shape = (mod.out_features, mod.in_features) if isinstance(mod, Int4Linear) else None
+            if shape and not mod.mma and any((*shape, m) in MMA_CONFIGS for m in (False, True)):
+                mod.enable_mma()
 
     def describe(self) -> dict:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
-                "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv,
+                "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
                 "verify_epilogues": True}

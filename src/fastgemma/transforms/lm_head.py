@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..kernels.sparse_argmax import (
-    _INTERPRET, head_argmax, head_argmax_op, head_argmax_torch, softcap_torch,
+    _INTERPRET, ROW_INVARIANT_CONFIG, head_argmax, head_argmax_op, head_argmax_torch, softcap_torch,
 )
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -95,9 +95,11 @@ class HeadRows(nn.Module):
         return out.reshape(*hidden.shape[:-1], self.vocab_size)
 
     def pick(self, x: torch.Tensor, logits_out: torch.Tensor | None = None, backend: str | None = None,
-             want_ids: bool = True):
+             want_ids: bool = True, row_invariant: bool = False):
         """x [M, K] -> vocabulary ids [M] int64 of the argmax (taken before the softcap); fills
-        logits_out [M, V] fp32 at the kept ids when given. backend: None = the head's own."""
+        logits_out [M, V] fp32 at the kept ids when given. backend: None = the head's own.
+        row_invariant (fuse.batch_invariant): one kernel config at every M, so a row's logits do not
+        depend on the rows beside it."""
         raise NotImplementedError
 
 
@@ -109,9 +111,9 @@ class DenseRows(HeadRows):
         super().__init__(vocab_size, softcap, keep_ids, backend)
         self.register_buffer("weight", weight)
 
-    def pick(self, x, logits_out=None, backend=None, want_ids=True):
+    def pick(self, x, logits_out=None, backend=None, want_ids=True, row_invariant=False):
         return _dense_pick(x, self.weight, None, self.keep_ids, logits_out, self.softcap,
-                           backend or self.backend, want_ids)
+                           backend or self.backend, want_ids, row_invariant)
 
 
 class Int8Rows(HeadRows):
@@ -129,9 +131,9 @@ class Int8Rows(HeadRows):
         q, s = quantize_int8_rows(w)
         return cls(q, s, vocab_size, softcap, keep_ids, backend)
 
-    def pick(self, x, logits_out=None, backend=None, want_ids=True):
+    def pick(self, x, logits_out=None, backend=None, want_ids=True, row_invariant=False):
         return _dense_pick(x, self.qweight, self.scales, self.keep_ids, logits_out, self.softcap,
-                           backend or self.backend, want_ids)
+                           backend or self.backend, want_ids, row_invariant)
 
 
 class Int4Rows(HeadRows):
@@ -158,7 +160,10 @@ class Int4Rows(HeadRows):
         y = fn(x.contiguous(), self.qweight, self.scales.to(x.dtype), self.zeros.to(x.dtype), self.group_size)
         return y.float()
 
-    def pick(self, x, logits_out=None, backend=None, want_ids=True):
+    def pick(self, x, logits_out=None, backend=None, want_ids=True, row_invariant=False):
+        if row_invariant:
+            raise ValueError("an int4 head picks through the w4a16 GEMV, whose tiles follow the row count: not "
+                             "batch-invariant (use lm_head=full, int8 or pruned)")
         raw = self.raw(x, backend)  # [M, N], rounded to x's dtype like F.linear
         if logits_out is not None:
             y = softcap_torch(raw, self.softcap)
@@ -172,11 +177,12 @@ class Int4Rows(HeadRows):
         return self.keep_ids[idx] if self.keep_ids is not None else idx
 
 
-def _dense_pick(x, w, scales, keep_ids, logits_out, softcap, backend, want_ids):
+def _dense_pick(x, w, scales, keep_ids, logits_out, softcap, backend, want_ids, row_invariant=False):
     if backend == "triton":
         if logits_out is not None and want_ids:  # the decode path: an opaque op for torch.compile
-            return head_argmax_op(x, w, scales, keep_ids, logits_out, float(softcap or 0.0), True)
-        return head_argmax(x, w, keep_ids, scales=scales, logits_out=logits_out, softcap=softcap, want_ids=want_ids)
+            return head_argmax_op(x, w, scales, keep_ids, logits_out, float(softcap or 0.0), True, row_invariant)
+        return head_argmax(x, w, keep_ids, scales=scales, logits_out=logits_out, softcap=softcap, want_ids=want_ids,
+                           config=ROW_INVARIANT_CONFIG if row_invariant else None)
     return head_argmax_torch(x, w, keep_ids, scales=scales, logits_out=logits_out, softcap=softcap, want_ids=want_ids)
 
 
@@ -195,7 +201,9 @@ class _LogitsThenArgmax:
     def __init__(self, model):
         self.model = model
 
-    def pick(self, x, logits_out=None, backend=None, want_ids=True):
+    def pick(self, x, logits_out=None, backend=None, want_ids=True, row_invariant=False):
+        if row_invariant:
+            raise ValueError("a logits_head of another module: full logits through its own GEMM, not batch-invariant")
         y = self.model.compute_logits(x)
         if logits_out is not None:
             logits_out.copy_(y)

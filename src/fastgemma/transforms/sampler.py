@@ -70,7 +70,8 @@ class FusedArgmax:
             raise RuntimeError(f"sampler=fused_argmax backend=triton needs CUDA tensors, got {x.device}; "
                                "use backend=torch")
         logits = self._buffer(head, x)
-        ids = head.pick(x, logits, backend)
+        # fuse.batch_invariant: one head config at every row count (a verify pass's rows = the AR step's)
+        ids = head.pick(x, logits, backend, row_invariant=getattr(model, "batch_invariant", False))
         return ids[:, None], logits
 
     def describe(self) -> dict:

@@ -1,0 +1,161 @@
+"""fuse.batch_invariant: every row of a wider step (the verify pass) computed as the one-row step
+computes it. Under the interpreter in fp32 the kernels' rows are compared bit for bit: the
+attention's per-position row tiles against one-row calls, and the whole verify pass against the AR
+steps over the same tokens (dense body: the skinny GEMM at every row count, the PLE path and the
+last norm in kernels/residual_norm.py, one head config). On the GPU the same holds in bf16
+(`bench.spec --variant ...+inv`: top-1 1.0, max abs diff 0). Refusals: the options it cannot keep
+row-invariant."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fastgemma.kernels.decode_attention as da  # conftest.py set TRITON_INTERPRET=1 before this import
+from conftest import TINY
+from fastgemma.engine.cache import KVCache
+from fastgemma.engine.generator import Generator
+from fastgemma.model.config import FULL, SLIDING
+
+SMALL = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
+
+
+@pytest.mark.parametrize("ring,S,window,splits", [(True, 40, 24, None), (False, 256, 0, None), (False, 256, 0, 3)])
+def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits):
+    """T = 8 rows of positions last-7..last (their K / V in the cache, as the verify pass writes them
+    first): with per_position each row's output is the one-row call's at its position, bit for bit;
+    both equal the twin. Full layer: the split count the one-row launch picks (4 over 256 slots),
+    and a forced 3."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, Hkv, G, D, last = 1, 8, 2, 4, 64, 200 if not ring else 70
+    q = torch.randn(B, T, Hkv * G, D, generator=gen)
+    k = torch.randn(B, S, Hkv, D, generator=gen) * D ** -0.25
+    v = torch.randn(B, S, Hkv, D, generator=gen)
+    q_pos = torch.arange(last - T + 1, last + 1)[None]
+    slot_pos = None
+    if ring:  # a wrapped ring: slot p % S holds position p for the last S positions
+        slot_pos = torch.full((B, S), -1, dtype=torch.int32)
+        for p in range(last + 1):
+            slot_pos[0, p % S] = p
+    rows = da.decode_attention(q, k, v, q_pos, slot_pos, window, num_splits=splits, per_position=True)
+    for t in range(T):
+        one = da.decode_attention(q[:, t:t + 1], k, v, q_pos[:, t:t + 1], slot_pos, window, num_splits=splits)
+        assert torch.equal(rows[:, t:t + 1], one), t
+    ref = da.decode_attention_ref(q, k, v, q_pos, slot_pos, window)
+    assert (rows - ref).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="per_position takes q as given"):
+        da._attention(q, q.stride(), (B, T, Hkv * G, D), k, v, q_pos, slot_pos, window, 1.0, None, False, False,
+                      {"QKV": 1}, True)
+
+
+def _invariant_model(seed=4):
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.weights.synthetic import synthetic_model
+
+    model = synthetic_model(SMALL, "cpu", torch.float32, seed=seed)
+    model.step_attention = da.decode_attention_op
+    t = FuseLayers(backend="triton", qkv_kernel=True, batch_invariant=True)
+    t.apply(model)
+    t.validate(model)
+    return model, t
+
+
+def test_verify_rows_equal_the_one_row_steps(wide_tiles):
+    """fp32, dense body, the Triton kernels in the interpreter: the hidden state of every row of a
+    5-row step equals, bit for bit, the one-row step's at that position after the same tokens
+    (context past the window: the ring wraps), and the head's logits of those rows too; the step
+    still computes the ordinary step's function."""
+    from fastgemma.transforms.sampler import FusedArgmax
+
+    model, t = _invariant_model()
+    assert t.describe()["batch_invariant"] and model.batch_invariant
+    prompt, toks = torch.tensor([list(range(5, 27))]), torch.tensor([[40, 41, 42, 43, 44]])
+    caches = [KVCache(SMALL, 1, 64, dtype=torch.float32) for _ in range(3)]
+    for c in caches:
+        Generator(model, c, prefill_chunk=32).prefill(prompt)
+    P = prompt.shape[1]
+    wide = model.step(toks, torch.arange(P, P + 5)[None], caches[0])  # [1, 5, H]
+    one = torch.cat([model.step(toks[:, i:i + 1], torch.tensor([[P + i]]), caches[1]) for i in range(5)], 1)
+    assert torch.equal(wide, one)
+    sampler = FusedArgmax("triton")
+    ids_w, logits_w = sampler(model, wide.reshape(5, 1, -1))
+    logits_w = logits_w.clone()
+    for i in range(5):
+        ids_1, logits_1 = sampler(model, one[:, i:i + 1])
+        assert torch.equal(logits_1[0], logits_w[i]) and ids_1.item() == ids_w[i].item()
+    model.fused_decode = model.fused_verify = None  # the ordinary step, same weights
+    ref = model.step(toks, torch.arange(P, P + 5)[None], caches[2])
+    assert (wide - ref).abs().max().item() < 1e-4
+
+
+def test_invariant_step_on_the_twins_equals_the_ordinary_step():
+    """The torch backend (the twins of every kernel the switch adds) keeps the step's function."""
+    from fastgemma.kernels.decode_attention import decode_attention_ref
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.weights.synthetic import synthetic_model
+
+    model = synthetic_model(SMALL, "cpu", torch.float32, seed=4)
+    model.step_attention = decode_attention_ref
+    prompt, toks = torch.tensor([list(range(5, 27))]), torch.tensor([[40, 41, 42]])
+    caches = [KVCache(SMALL, 1, 64, dtype=torch.float32) for _ in range(2)]
+    for c in caches:
+        Generator(model, c, prefill_chunk=32).prefill(prompt)
+    P = prompt.shape[1]
+    ref = model.step(toks, torch.arange(P, P + 3)[None], caches[0])
+    FuseLayers(backend="torch", qkv_kernel=True, batch_invariant=True).apply(model)
+    rows = torch.cat([model.step(toks[:, i:i + 1], torch.tensor([[P + i]]), caches[1]) for i in range(3)], 1)
+    assert (rows - ref).abs().max().item() < 1e-4
+
+
+def test_refusals():
+    """Options the switch cannot keep row-invariant are refused in one line: attn_qkv (a step's own
+    rows in a split of their own), no qkv_kernel, int4 linears off the tensor-core kernel, an int4
+    head, and the unfused argmax sampler in the builder."""
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.lm_head import Int4Head
+    from fastgemma.transforms.quant import Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    with pytest.raises(ValueError, match="needs fuse.qkv_kernel=true and fuse.attn_qkv=false"):
+        FuseLayers(qkv_kernel=True, attn_qkv=True, batch_invariant=True)
+    with pytest.raises(ValueError, match="needs fuse.qkv_kernel=true"):
+        FuseLayers(batch_invariant=True)
+    model = synthetic_model(SMALL, "cpu", torch.float32, seed=4)
+    t = FuseLayers(backend="triton", qkv_kernel=True, batch_invariant=True)
+    t.apply(model)
+    Int4Quant(group_size=32, skip=("per_layer_projection",), backend="torch").apply(model)
+    with pytest.raises(ValueError, match="one-row configs .*none for layers.0.in"):
+        t.validate(model)
+    model = synthetic_model(SMALL, "cpu", torch.float32, seed=4)
+    t.apply(model)
+    Int4Head(group_size=32, backend="torch").apply(model)
+    with pytest.raises(ValueError, match="an int4 head"):
+        t.validate(model)
+
+
+def test_builder_runs_it_and_needs_the_fused_argmax():
+    """Through the real config: fuse.batch_invariant on the twins decodes the plain eager tokens;
+    with sampler=argmax (full logits through F.linear) the build is refused in one line."""
+    from fgcli_helpers import TINY as CLI_TINY
+    from fgcli_helpers import compose_cfg
+    from hydra.core.hydra_config import HydraConfig
+
+    from fastgemma.build import BuildError, build_context
+    from fastgemma.engine.steps import EagerStep
+
+    def ctx_for(*over):
+        cfg = compose_cfg([*CLI_TINY, "graphs=static", "fuse=layers", "fuse.backend=torch", "fuse.qkv_kernel=true",
+                           "fuse.batch_invariant=true", *over])
+        HydraConfig.instance().set_config(cfg)
+        return build_context(cfg, dict(cfg.hydra.runtime.choices), "/tmp")
+
+    ctx = ctx_for("sampler=fused_argmax", "sampler.backend=torch")
+    prompt = list(range(7, 27))
+    out = ctx.factory.engine(64).generator.generate(prompt, 6)
+    m = ctx.factory.model
+    assert m.batch_invariant and ctx.factory.parts.fuse.describe()["batch_invariant"]
+    cache = KVCache(m.config, 1, 64, dtype=m.embed_tokens.weight.dtype)
+    assert out.tokens == Generator(m, cache, EagerStep(m, cache)).generate(prompt, 6).tokens
+    with pytest.raises(BuildError, match="batch_invariant needs sampler=fused_argmax"):
+        ctx_for("sampler=argmax").factory.model
