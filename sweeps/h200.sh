@@ -30,6 +30,9 @@
 #             --fuse layers, --verify-epilogues off,on compares the verify pass's GEMM epilogues in one run
 #             (--verify-norms on,off: its norm kernels; --verify-pdl on,off: its PDL launches; --attn-pdl,
 #             --verify-qkv: its attention's PDL and q/k/v kernel; --variant: the AR step's and drafter's)
+#   invariance each kernel's rows at one row vs among 8 (E4B shapes, bf16), and a k+1-row pass of the
+#             fuse.batch_invariant step against k+1 one-row steps (bench.invariance; INVARIANCE_ARGS, e.g.
+#             "--compile", "--variant attn_pdl+qkv+mma": the default step for contrast)
 #   counters  Nsight Compute counters of the int4 kernels per E4B shape at 1 and 8 rows: time, DRAM, issue,
 #             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
 #             --shapes gate|up,down --separate"; --mma 2x4d2,2x4d5p9f: the tensor-core kernel per config)
@@ -95,6 +98,7 @@ bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for 
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
+    invariance) run invariance python3 -m fastgemma.bench.invariance ${INVARIANCE_ARGS:-} --out "$out/invariance.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
     verifychain) run verifychain python3 -m fastgemma.bench.verify_chain ${VERIFYCHAIN_ARGS:-} --out "$out/verifychain.jsonl" ;;
     counters) run counters python3 -m fastgemma.bench.counters ${COUNTERS_ARGS:-} --out "$out" ;;
@@ -102,7 +106,7 @@ bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for 
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, prefill, spec, counters, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, prefill, invariance, spec, counters, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

@@ -109,18 +109,22 @@ def test_invariant_step_on_the_twins_equals_the_ordinary_step():
 
 
 def test_refusals():
-    """Options the switch cannot keep row-invariant are refused in one line: attn_qkv (a step's own
-    rows in a split of their own), no qkv_kernel, int4 linears off the tensor-core kernel, an int4
-    head, and the unfused argmax sampler in the builder."""
+    """Options the switch cannot keep row-invariant are refused in one line: no qkv_kernel, int4
+    linears off the tensor-core kernel, an int4 head (the unfused argmax sampler: the builder's test
+    below); attn_qkv (a step's own rows in a split of their own) then serves the drafter alone."""
+    from fastgemma.model.drafter import synthetic_drafter
     from fastgemma.transforms.fuse_layers import FuseLayers
     from fastgemma.transforms.lm_head import Int4Head
     from fastgemma.transforms.quant import Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 
-    with pytest.raises(ValueError, match="needs fuse.qkv_kernel=true and fuse.attn_qkv=false"):
-        FuseLayers(qkv_kernel=True, attn_qkv=True, batch_invariant=True)
     with pytest.raises(ValueError, match="needs fuse.qkv_kernel=true"):
         FuseLayers(batch_invariant=True)
+    model = synthetic_model(SMALL, "cpu", torch.float32, seed=4)
+    FuseLayers(qkv_kernel=True, attn_qkv=True, batch_invariant=True).apply(model)
+    assert model.fused_decode.keywords["attn_qkv"] is False and model.fused_verify.keywords["attn_qkv"] is False
+    drafter = model.fuse_drafter(synthetic_drafter(SMALL, dtype=torch.float32, seed=0))
+    assert drafter.fused_forward.keywords["attn_qkv"] is True
     model = synthetic_model(SMALL, "cpu", torch.float32, seed=4)
     t = FuseLayers(backend="triton", qkv_kernel=True, batch_invariant=True)
     t.apply(model)

@@ -459,11 +459,9 @@ class FuseLayers:
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False, batch_invariant: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
-        if batch_invariant and (attn_qkv or not qkv_kernel):
-            # attn_qkv sums a step's own rows in a split of their own (which rows those are depends on where
-            # the step began); without qkv_kernel the q/k/v norms are inductor's reductions, sized by the rows
-            raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true and fuse.attn_qkv=false (got "
-                             f"qkv_kernel={qkv_kernel}, attn_qkv={attn_qkv})")
+        if batch_invariant and not qkv_kernel:
+            # without qkv_kernel the q/k/v norms are inductor's reductions, sized by the step's rows
+            raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true")
         self.batch_invariant = bool(batch_invariant)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
@@ -492,7 +490,10 @@ class FuseLayers:
                     attn_merge=self.attn_merge, attn_qkv=self.attn_qkv and self.backend == "triton")
         # the tensor-core int4 kernel is Triton's (its copy of the weights is made once quant ran: here
         # when it ran before, else in validate)
-        body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant)
+        # batch_invariant: attn_qkv serves the drafter alone (it sums a step's own rows in a split of their
+        # own, and which rows those are depends on where the step began)
+        body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant,
+                    attn_qkv=step["attn_qkv"] and not self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
                                                triton_ops=self.backend == "triton", **body)
         # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax

@@ -1,0 +1,168 @@
+"""Batch invariance on the GPU, E4B shapes, bf16: is each kernel's row the same bits at one row and
+among `--rows` rows, and is every row of a verify pass the one-row step's (fuse.batch_invariant)?
+
+    python -m fastgemma.bench.invariance --rows 8
+
+Kernels (random inputs, each row alone vs all rows in one launch): the tensor-core int4 kernel on
+every shape of its table at the one-row config (GeGLU on gate|up), the skinny GEMM with the PLE
+gate's gelu * input, kernels/residual_norm.py, the attention with per-position row tiles (sliding
+ring and full layers), the head's fused argmax at its row-invariant config; for contrast the same
+launches as the engine's default path runs them (the 8-row table entry, the default tiles). Then
+the whole step: the synthetic E4B int4 stack (pruned head, `--variant`), a prompt prefilled twice,
+one k+1-row pass against k+1 one-row steps over the same tokens, eager and compiled. Prints one
+JSON line per check and a table last; `bit_equal` is what matters, `max_abs_diff` says by how much.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def _diff(a, b) -> dict:
+    a, b = a.float(), b.float()
+    return dict(bit_equal=bool(torch.equal(a, b)), max_abs_diff=float((a - b).abs().max().item()))
+
+
+def _rows_vs_one(fn, x, *rest) -> dict:
+    """fn(x[M], *rest[M]) against fn on each row alone (rest: tensors with the same leading rows, or None)."""
+    wide = fn(x, *rest)
+    ones = torch.cat([fn(x[i:i + 1], *[r[i:i + 1] if torch.is_tensor(r) else r for r in rest])
+                      for i in range(x.shape[0])])
+    return _diff(wide, ones)
+
+
+def kernel_checks(M: int, dev: str) -> list[dict]:
+    from ..kernels import mma_w4a16
+    from ..kernels.decode_attention import decode_attention
+    from ..kernels.fused_w4a16 import E4B_CASES
+    from ..kernels.residual_norm import residual_norm
+    from ..kernels.skinny_gemm import skinny_matmul
+    from ..kernels.sparse_argmax import ROW_INVARIANT_CONFIG, default_config, head_argmax
+    from ..transforms.fuse_layers import _mma_call
+    from ..transforms.quant import Int4Linear
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev, dtype=bf) * scale  # noqa: E731
+    names = {(N, K): name for name, (N, K, _) in E4B_CASES.items()}
+    out = []
+    for (N, K, many), _ in sorted(mma_w4a16.MMA_CONFIGS.items()):
+        if many:
+            continue
+        lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=bf)
+        with torch.no_grad():
+            lin.weight.copy_(rnd(N, K, scale=K ** -0.5))
+        mod = Int4Linear.from_linear(lin, 128).to(dev)
+        mod.enable_mma()
+        epi = "geglu" if N == 20480 else "none"
+        x = rnd(M, K)
+        for inv in (True, False):
+            if not inv and mma_w4a16.mma_config(N, K, M, epi) is None:  # no M-row entry: not the engine's path
+                continue
+            row = _rows_vs_one(lambda t: _mma_call(mod, t, epi, False, invariant=inv), x)
+            out.append(dict(check=f"int4 mma {names.get((N, K), (N, K))}", config="one-row" if inv else "default",
+                            **row))
+
+    w, x, aux = rnd(256, 2560, scale=0.02), rnd(M, 2560), rnd(M, 256)
+    out.append(dict(check="skinny PLE gate + gelu*input", config="default",
+                    **_rows_vs_one(lambda t, a: skinny_matmul(t, w, epilogue="gelu_mul", aux=a), x, aux)))
+    a, y = rnd(M, 2560), rnd(M, 2560)
+    post, pre, scale = rnd(2560, scale=0.1) + 1, rnd(2560, scale=0.1) + 1, torch.tensor([0.7], device=dev, dtype=bf)
+    out.append(dict(check="residual_norm", config="default", **_rows_vs_one(
+        lambda t, u: residual_norm(t, u, post, scale, pre, eps=1e-6)[1], a, y)))
+    for name, D, S, window, ring in (("sliding ring", 256, 204, 188, True), ("full", 512, 1024, 0, False)):
+        last, Hkv, G = 700, 2, 4
+        q, k, v = rnd(1, M, Hkv * G, D), rnd(1, S, Hkv, D, scale=D ** -0.25), rnd(1, S, Hkv, D)
+        q_pos = torch.arange(last - M + 1, last + 1, device=dev)[None]
+        slot_pos = None
+        if ring:
+            slot_pos = torch.full((1, S), -1, dtype=torch.int32, device=dev)
+            p = torch.arange(last - S + 1, last + 1, device=dev)
+            slot_pos[0, p % S] = p.to(torch.int32)
+        for per in (True, False):
+            wide = decode_attention(q, k, v, q_pos, slot_pos, window, per_position=per)
+            ones = torch.cat([decode_attention(q[:, i:i + 1], k, v, q_pos[:, i:i + 1], slot_pos, window)
+                              for i in range(M)], 1)
+            out.append(dict(check=f"attention {name} D={D}", config="per-position" if per else "default",
+                            **_diff(wide, ones)))
+    w = rnd(12288, 2560, scale=0.02)
+    x = rnd(M, 2560)
+    for cfg_name, cfg in (("row-invariant", ROW_INVARIANT_CONFIG), ("default", None)):
+        def logits(t, cfg=cfg):
+            buf = torch.full((t.shape[0], 12288), float("-inf"), device=dev)
+            head_argmax(t, w, logits_out=buf, softcap=30.0, config=cfg or default_config(t.shape[0]))
+            return buf
+        out.append(dict(check="pruned head 12,288 rows", config=cfg_name, **_rows_vs_one(logits, x)))
+    return out
+
+
+def step_checks(M: int, dev: str, variant: str, head: str, prompt_len: int, compile_: bool) -> list[dict]:
+    """One M-row pass against M one-row steps over the same tokens, after the same prompt."""
+    from ..engine.cache import KVCache
+    from ..engine.compile import compile_step
+    from ..engine.generator import Generator
+    from ..model.config import preset
+    from .spec import build_stack
+
+    cfg = preset("gemma4_e4b")
+    model, sampler, _ = build_stack(cfg, dev, head, torch.bfloat16, fuse=True, variant=variant)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, cfg.vocab_size, (1, prompt_len), generator=g).to(dev)
+    toks = torch.randint(3, cfg.vocab_size, (1, M), generator=g).to(dev)
+    out = []
+    for compiled in ((False, True) if compile_ else (False,)):
+        step = compile_step(model.step) if compiled else model.step
+        caches = [KVCache(cfg, 1, prompt_len + 64, window=188, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+        for c in caches:
+            Generator(model, c, prefill_chunk=2048).prefill(prompt)
+        with torch.inference_mode():
+            wide = step(toks, torch.arange(prompt_len, prompt_len + M, device=dev)[None], caches[0]).clone()
+            ones = torch.cat([step(toks[:, i:i + 1], torch.tensor([[prompt_len + i]], device=dev), caches[1]).clone()
+                              for i in range(M)], 1)
+            _, lw = sampler(model, wide.reshape(M, 1, -1))
+            lw = lw.clone()
+            l1 = torch.cat([sampler(model, ones[:, i:i + 1])[1].clone() for i in range(M)])
+        name = f"E4B step {'compiled' if compiled else 'eager'}"
+        out.append(dict(check=f"{name}: hidden", config=variant, **_diff(wide, ones)))
+        keep = torch.isfinite(lw[0])
+        top_w, top_1 = lw[:, keep].argmax(-1), l1[:, keep].argmax(-1)
+        out.append(dict(check=f"{name}: logits", config=variant, top1_agree=float((top_w == top_1).float().mean()),
+                        **_diff(lw[:, keep], l1[:, keep])))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=8, help="rows of the wide launch (a k=7 verify pass: 8)")
+    ap.add_argument("--variant", default="attn_pdl+qkv+mma+inv", help="the fused step's options (bench.stack)")
+    ap.add_argument("--head", default="pruned:12288")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--no-step", dest="step", action="store_false", help="the kernels only")
+    ap.add_argument("--compile", action="store_true", help="the step compiled too (slow)")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("fastgemma.bench.invariance checks the GPU's kernels; no CUDA device here")
+    rows = kernel_checks(a.rows, "cuda")
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    if a.step:
+        more = step_checks(a.rows, "cuda", a.variant, a.head, a.prompt_len, a.compile)
+        for r in more:
+            print(json.dumps(r), flush=True)
+        rows += more
+    if a.out:
+        with open(a.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"\n{torch.cuda.get_device_name()}, {a.rows} rows vs one row at a time, bf16\n")
+    print("| check | config | bit-equal | max abs diff | top-1 agree |\n|---|---|---|---|---|")
+    for r in rows:
+        top = r.get("top1_agree")
+        print(f"| {r['check']} | {r['config']} | {'yes' if r['bit_equal'] else 'NO'} | {r['max_abs_diff']:.3g} | "
+              f"{'' if top is None else f'{top:.4f}'} |")
+
+
+if __name__ == "__main__":
+    main()
