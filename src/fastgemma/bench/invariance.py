@@ -48,9 +48,8 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev, dtype=bf) * scale  # noqa: E731
     names = {(N, K): name for name, (N, K, _) in E4B_CASES.items()}
     out = []
-    for (N, K, many), _ in sorted(mma_w4a16.MMA_CONFIGS.items()):
-        if many:
-            continue
+    shapes = sorted({(N, K) for N, K, many in mma_w4a16.MMA_CONFIGS if not many} | set(mma_w4a16.INVARIANT_CONFIGS))
+    for N, K in shapes:
         lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=bf)
         with torch.no_grad():
             lin.weight.copy_(rnd(N, K, scale=K ** -0.5))

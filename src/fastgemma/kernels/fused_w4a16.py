@@ -131,6 +131,7 @@ E4B_CASES = {
     "q|k|v": (3072, 2560, "residual"), "q|k|v full": (6144, 2560, "residual"), "q": (2048, 2560, "residual"),
     "o": (2560, 2048, "plain"), "o full": (2560, 4096, "plain"), "gate|up": (20480, 2560, "geglu"),
     "down": (2560, 10240, "plain"), "PLE projection": (2560, 256, "plain"),
+    "q full": (4096, 2560, "residual"),  # the KV-shared full layers' q (fuse.batch_invariant's table entry)
     "W_plm": (10752, 2560, "plain"),  # the PLE context projection (in the embedding; fuse.batch_invariant)
 }
 

@@ -452,8 +452,7 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (6144, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full 4.08, after the residual update + norm
     (2048, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q 3.52 (KV-shared layers), after the norm
     (20480, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up + GeGLU, after residual + norm: 12.23
-    # W_plm, the PLE context projection: fuse.batch_invariant's embedding at every row count (not timed)
-    (10752, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),
+
     (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
     (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
     (2048, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q: 3.73
@@ -462,6 +461,15 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (2560, 256, True): MmaConfig(1, 1),  # PLE projection: 1.29 / 2.47
     (2560, 10240, True): MmaConfig(1, 1, splits=8),  # down: 7.56 / 11.03
     (20480, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up (GeGLU): 12.65 (2x2s5 14.37)
+}
+
+
+# (N, K) -> config that only fuse.batch_invariant reads (at every row count), for the shapes the default
+# path runs elsewhere: W_plm, the PLE context projection (cuBLAS / the int4 GEMV in the embedding), and q
+# of the KV-shared full layers (the fused int4 GEMV with its prologue). Not timed yet.
+INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
+    (10752, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
+    (4096, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
 }
 
 
@@ -510,9 +518,13 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
     return table
 
 
-def mma_config(N: int, K: int, M: int, epilogue: str = "none") -> MmaConfig | None:
+def mma_config(N: int, K: int, M: int, epilogue: str = "none", invariant: bool = False) -> MmaConfig | None:
     """The table's config for M rows of x [M, K] @ W [N, K]^T, or None (this kernel is not the faster
-    one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair)."""
+    one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair). invariant
+    (fuse.batch_invariant): the one-row entry (or INVARIANT_CONFIGS') at every M."""
+    if invariant:
+        cfg = (MMA_CONFIGS.get((N, K, False)) or INVARIANT_CONFIGS.get((N, K))) if 1 <= M <= MAX_ROWS else None
+        return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
     cfg = MMA_CONFIGS.get((N, K, M > 1)) if 1 <= M <= MAX_ROWS else None
     return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
 

@@ -78,7 +78,7 @@ def _mma_cfg(mod, M: int, epilogue: str, dtype, invariant: bool = False):
     if invariant and M > MAX_ROWS:
         raise ValueError(f"fuse.batch_invariant runs the int4 GEMMs on the tensor-core kernel, at most {MAX_ROWS} rows "
                          f"(speculative depth <= {MAX_ROWS - 1}); got {M} rows")
-    return mma_config(mod.out_features, mod.in_features, 1 if invariant else M, epilogue)
+    return mma_config(mod.out_features, mod.in_features, M, epilogue, invariant)
 
 
 def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = False):
@@ -114,7 +114,7 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
     from .quant import Int4Linear
 
     def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
-        cfg = _mma_cfg(mod, 1, epilogue, a.dtype) if mma and aux is None else None
+        cfg = _mma_cfg(mod, 1, epilogue, a.dtype, invariant) if mma and aux is None else None
         dense = invariant and not isinstance(mod, Int4Linear)
         if invariant and isinstance(mod, Int4Linear) and cfg is None and triton_ops:
             raise ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 {mod.out_features} "
@@ -531,7 +531,7 @@ class FuseLayers:
             named.append(("per_layer_model_projection", model.per_layer_model_projection, "none"))
         bad = [f"{name} ({mod.out_features} x {mod.in_features}, {epi})" for name, mod, epi in named
                if isinstance(mod, Int4Linear) and not (self.int4_mma and mma_config(
-                   mod.out_features, mod.in_features, 1, epi) is not None and epi != "gelu_mul")]
+                   mod.out_features, mod.in_features, 1, epi, invariant=True) is not None and epi != "gelu_mul")]
         if bad:
             raise ValueError("fuse.batch_invariant runs int4 linears on the tensor-core kernel's one-row configs "
                              f"(fuse.int4_mma=true, kernels/mma_w4a16.MMA_CONFIGS); none for {', '.join(bad[:4])}"
@@ -543,7 +543,7 @@ class FuseLayers:
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
         more rows): the others would never read it."""
-        from ..kernels.mma_w4a16 import MMA_CONFIGS
+        from ..kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS
         from .quant import Int4Linear
 
         if not (self.int4_mma and self.backend == "triton"):
@@ -553,7 +553,8 @@ class FuseLayers:
             mods.append(model.per_layer_model_projection)
         for mod in mods:
             shape = (mod.out_features, mod.in_features) if isinstance(mod, Int4Linear) else None
-            if shape and not mod.mma and any((*shape, m) in MMA_CONFIGS for m in (False, True)):
+            if shape and not mod.mma and (any((*shape, m) in MMA_CONFIGS for m in (False, True))
+                                          or (self.batch_invariant and shape in INVARIANT_CONFIGS)):
                 mod.enable_mma()
 
     def describe(self) -> dict:
