@@ -97,6 +97,76 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     return out
 
 
+def kernel_times(M: int, dev: str) -> list[dict]:
+    """us per launch at 1 and M rows (CUDA graphs, weights rotated out of L2): each int4 shape on the
+    switch's config against the default path's launch (the M-row table entry, or the per-group /
+    GEMV kernel where the table has none), the attention with per-position tiles against the
+    default tiles, the pruned head at the row-invariant config against the default one."""
+    from ..kernels import mma_w4a16
+    from ..kernels.bench_util import copies_past_l2, rotating, timer
+    from ..kernels.decode_attention import decode_attention
+    from ..kernels.fused_w4a16 import E4B_CASES
+    from ..kernels.sparse_argmax import ROW_INVARIANT_CONFIG, default_config, head_argmax
+    from ..kernels.w4a16 import w4a16_matmul
+    from ..transforms.quant import Int4Linear
+
+    us = timer(True, 10)
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev, dtype=bf) * scale  # noqa: E731
+    out = []
+    for name, (N, K, mode) in E4B_CASES.items():
+        lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=bf)
+        mod = Int4Linear.from_linear(lin, 128).to(dev)
+        mod.enable_mma()
+        epi = "geglu" if mode == "geglu" else "none"
+        n = copies_past_l2(mod.mma_words.numel() * mod.mma_words.element_size(), dev)
+        mma_bufs = [(mod.mma_words.clone(), mod.mma_sz.clone()) for _ in range(n)]
+        std_bufs = [(mod.qweight.clone(), mod.scales.clone(), mod.zeros.clone(), mod.sz) for _ in range(n)]
+        for m in (1, M):
+            x = rnd(m, K)
+
+            def mma(cfg, x=x):
+                return rotating(mma_bufs, lambda w, sz: mma_w4a16.mma_w4a16_op(
+                    x, w, sz, N, 128, epi, cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist,
+                    cfg.fresh, cfg.hw, False))
+            inv = mma_w4a16.mma_config(N, K, m, epi, invariant=True)
+            cfg = mma_w4a16.mma_config(N, K, m, epi)
+            if cfg is not None:
+                default, what = us(mma(cfg)), f"mma {cfg}"
+            else:
+                default = us(rotating(std_bufs, lambda q, s_, z, sz, x=x: w4a16_matmul(
+                    x, q, s_, z, 128, None, epi, None, sz)))
+                what = "w4a16 kernel"
+            out.append(dict(check=f"int4 {name}", rows=m, invariant_us=us(mma(inv)), default_us=default,
+                            default=what))
+    for name, D, S, window, ring in (("sliding ring", 256, 204, 188, True), ("full", 512, 1024, 0, False)):
+        last, Hkv, G = 700, 2, 4
+        k, v = rnd(1, S, Hkv, D, scale=D ** -0.25), rnd(1, S, Hkv, D)
+        slot_pos = None
+        if ring:
+            slot_pos = torch.full((1, S), -1, dtype=torch.int32, device=dev)
+            p = torch.arange(last - S + 1, last + 1, device=dev)
+            slot_pos[0, p % S] = p.to(torch.int32)
+        for m in (1, M):
+            q = rnd(1, m, Hkv * G, D)
+            q_pos = torch.arange(last - m + 1, last + 1, device=dev)[None]
+            t = [us(lambda per=per: decode_attention(q, k, v, q_pos, slot_pos, window, per_position=per))
+                 for per in (True, False)]
+            out.append(dict(check=f"attention {name} D={D}", rows=m, invariant_us=t[0], default_us=t[1],
+                            default="row tiles over all rows"))
+    n = copies_past_l2(12288 * 2560 * 2, dev)
+    ws = [(rnd(12288, 2560, scale=0.02),) for _ in range(n)]
+    for m in (1, M):
+        x = rnd(m, 2560)
+        buf = torch.full((m, 12288), float("-inf"), device=dev)
+        t = [us(rotating(ws, lambda w, c=c: head_argmax(x, w, logits_out=buf, softcap=30.0, config=c)))
+             for c in (ROW_INVARIANT_CONFIG, default_config(m))]
+        out.append(dict(check="pruned head 12,288 rows", rows=m, invariant_us=t[0], default_us=t[1],
+                        default=str(default_config(m))))
+    return out
+
+
 def step_checks(M: int, dev: str, variant: str, head: str, prompt_len: int, compile_: bool) -> list[dict]:
     """One M-row pass against M one-row steps over the same tokens, after the same prompt."""
     from ..engine.cache import KVCache
@@ -140,6 +210,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--no-step", dest="step", action="store_false", help="the kernels only")
     ap.add_argument("--compile", action="store_true", help="the step compiled too (slow)")
+    ap.add_argument("--time", action="store_true", help="also time each kernel at 1 and --rows rows, both configs")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -155,6 +226,16 @@ def main(argv=None):
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    times = kernel_times(a.rows, "cuda") if a.time else []
+    for r in times:
+        print(json.dumps(r), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in times)
+    if times:
+        print("\n| kernel | rows | batch-invariant config us | default path us | default path |\n|---|---|---|---|---|")
+        for r in times:
+            print(f"| {r['check']} | {r['rows']} | {r['invariant_us']:.2f} | {r['default_us']:.2f} | {r['default']} |")
     print(f"\n{torch.cuda.get_device_name()}, {a.rows} rows vs one row at a time, bf16\n")
     print("| check | config | bit-equal | max abs diff | top-1 agree |\n|---|---|---|---|---|")
     for r in rows:
