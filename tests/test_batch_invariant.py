@@ -51,8 +51,8 @@ def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits):
 
 def test_every_e4b_int4_shape_has_a_one_row_config():
     """On E4B every int4 linear of the step and the embedding's PLE projection has a tensor-core config
-    that the switch uses at 1 to 8 rows (the one-row entry, or INVARIANT_CONFIGS' where the default
-    path runs the shape elsewhere), and none past the kernel's 8 rows."""
+    that the switch uses at 1 to 8 rows (INVARIANT_CONFIGS', else the one-row entry), and none past the
+    kernel's 8 rows."""
     from fastgemma.kernels.fused_w4a16 import E4B_CASES
     from fastgemma.kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS, mma_config
 
@@ -61,7 +61,7 @@ def test_every_e4b_int4_shape_has_a_one_row_config():
         epi = "geglu" if mode == "geglu" else "none"
         one = mma_config(N, K, 1, epi, invariant=True)
         assert one is not None and all(mma_config(N, K, m, epi, invariant=True) == one for m in range(2, 9)), name
-        assert one == MMA_CONFIGS.get((N, K, False), INVARIANT_CONFIGS.get((N, K))), name
+        assert one == INVARIANT_CONFIGS.get((N, K), MMA_CONFIGS.get((N, K, False))), name
         assert mma_config(N, K, 9, epi, invariant=True) is None
     assert mma_config(10752, 2560, 1) is None  # the default path keeps W_plm off the tensor-core kernel
 

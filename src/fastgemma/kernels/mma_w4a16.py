@@ -464,12 +464,15 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
 }
 
 
-# (N, K) -> config that only fuse.batch_invariant reads (at every row count), for the shapes the default
-# path runs elsewhere: W_plm, the PLE context projection (cuBLAS / the int4 GEMV in the embedding), and q
-# of the KV-shared full layers (the fused int4 GEMV with its prologue). Not timed yet.
+# (N, K) -> config that fuse.batch_invariant reads at every row count ahead of the one-row entry: the
+# shapes the default path runs elsewhere (W_plm, the PLE context projection: cuBLAS / the int4 GEMV in the
+# embedding; q of the KV-shared full layers: the fused int4 GEMV with its prologue) and down, whose one-row
+# entry (persistent, 2 tiles x 8 warps) made the k=7 verify pass ~176 us slower under PDL than its 8-row
+# split-K entry (run EH's profile: the GEMMs +173 us, the residual-norm kernels waiting on them +339 us)
 INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
     (10752, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
     (4096, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
+    (2560, 10240): MmaConfig(1, 1, splits=8),
 }
 
 
@@ -523,7 +526,7 @@ def mma_config(N: int, K: int, M: int, epilogue: str = "none", invariant: bool =
     one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair). invariant
     (fuse.batch_invariant): the one-row entry (or INVARIANT_CONFIGS') at every M."""
     if invariant:
-        cfg = (MMA_CONFIGS.get((N, K, False)) or INVARIANT_CONFIGS.get((N, K))) if 1 <= M <= MAX_ROWS else None
+        cfg = (INVARIANT_CONFIGS.get((N, K)) or MMA_CONFIGS.get((N, K, False))) if 1 <= M <= MAX_ROWS else None
         return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
     cfg = MMA_CONFIGS.get((N, K, M > 1)) if 1 <= M <= MAX_ROWS else None
     return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
