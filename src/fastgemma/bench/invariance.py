@@ -33,6 +33,39 @@ def _rows_vs_one(fn, x, *rest) -> dict:
     return _diff(wide, ones)
 
 
+def _randn(dev):
+    """rnd(*shape, scale=1.0) -> seeded bf16 normals on dev."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    return lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=dev, dtype=torch.bfloat16) * scale
+
+
+def _int4(N: int, K: int, rnd, dev):
+    """An Int4Linear (g128) of random weights with its tensor-core copy."""
+    from ..transforms.quant import Int4Linear
+
+    lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(rnd(N, K, scale=K ** -0.5))
+    mod = Int4Linear.from_linear(lin, 128).to(dev)
+    mod.enable_mma()
+    return mod
+
+
+# (name, head dim, slots, window, ring): a sliding layer's ring at window 188, a full layer's cache
+ATTENTION_CASES = (("sliding ring", 256, 204, 188, True), ("full", 512, 1024, 0, False))
+
+
+def _kv(D: int, S: int, ring: bool, last: int, rnd, dev):
+    """k, v [1, S, 2, D] and the slots' positions (a ring holding the last S positions, or None)."""
+    k, v = rnd(1, S, 2, D, scale=D ** -0.25), rnd(1, S, 2, D)
+    slot_pos = None
+    if ring:
+        slot_pos = torch.full((1, S), -1, dtype=torch.int32, device=dev)
+        p = torch.arange(last - S + 1, last + 1, device=dev)
+        slot_pos[0, p % S] = p.to(torch.int32)
+    return k, v, slot_pos
+
+
 def kernel_checks(M: int, dev: str) -> list[dict]:
     from ..kernels import mma_w4a16
     from ..kernels.decode_attention import decode_attention
@@ -41,20 +74,13 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     from ..kernels.skinny_gemm import skinny_matmul
     from ..kernels.sparse_argmax import ROW_INVARIANT_CONFIG, default_config, head_argmax
     from ..transforms.fuse_layers import _mma_call
-    from ..transforms.quant import Int4Linear
 
-    g = torch.Generator(device=dev).manual_seed(0)
-    bf = torch.bfloat16
-    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev, dtype=bf) * scale  # noqa: E731
+    rnd = _randn(dev)
     names = {(N, K): name for name, (N, K, _) in E4B_CASES.items()}
     out = []
     shapes = sorted({(N, K) for N, K, many in mma_w4a16.MMA_CONFIGS if not many} | set(mma_w4a16.INVARIANT_CONFIGS))
     for N, K in shapes:
-        lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=bf)
-        with torch.no_grad():
-            lin.weight.copy_(rnd(N, K, scale=K ** -0.5))
-        mod = Int4Linear.from_linear(lin, 128).to(dev)
-        mod.enable_mma()
+        mod = _int4(N, K, rnd, dev)
         epi = "geglu" if N == 20480 else "none"
         x = rnd(M, K)
         for inv in (True, False):
@@ -68,18 +94,13 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     out.append(dict(check="skinny PLE gate + gelu*input", config="default",
                     **_rows_vs_one(lambda t, a: skinny_matmul(t, w, epilogue="gelu_mul", aux=a), x, aux)))
     a, y = rnd(M, 2560), rnd(M, 2560)
-    post, pre, scale = rnd(2560, scale=0.1) + 1, rnd(2560, scale=0.1) + 1, torch.tensor([0.7], device=dev, dtype=bf)
+    post, pre, scale = rnd(2560, scale=0.1) + 1, rnd(2560, scale=0.1) + 1, torch.tensor([0.7], device=dev, dtype=torch.bfloat16)
     out.append(dict(check="residual_norm", config="default", **_rows_vs_one(
         lambda t, u: residual_norm(t, u, post, scale, pre, eps=1e-6)[1], a, y)))
-    for name, D, S, window, ring in (("sliding ring", 256, 204, 188, True), ("full", 512, 1024, 0, False)):
-        last, Hkv, G = 700, 2, 4
-        q, k, v = rnd(1, M, Hkv * G, D), rnd(1, S, Hkv, D, scale=D ** -0.25), rnd(1, S, Hkv, D)
+    for name, D, S, window, ring in ATTENTION_CASES:
+        last = 700
+        q, (k, v, slot_pos) = rnd(1, M, 8, D), _kv(D, S, ring, last, rnd, dev)
         q_pos = torch.arange(last - M + 1, last + 1, device=dev)[None]
-        slot_pos = None
-        if ring:
-            slot_pos = torch.full((1, S), -1, dtype=torch.int32, device=dev)
-            p = torch.arange(last - S + 1, last + 1, device=dev)
-            slot_pos[0, p % S] = p.to(torch.int32)
         for per in (True, False):
             wide = decode_attention(q, k, v, q_pos, slot_pos, window, per_position=per)
             ones = torch.cat([decode_attention(q[:, i:i + 1], k, v, q_pos[:, i:i + 1], slot_pos, window)
@@ -108,17 +129,12 @@ def kernel_times(M: int, dev: str) -> list[dict]:
     from ..kernels.fused_w4a16 import E4B_CASES
     from ..kernels.sparse_argmax import ROW_INVARIANT_CONFIG, default_config, head_argmax
     from ..kernels.w4a16 import w4a16_matmul
-    from ..transforms.quant import Int4Linear
 
     us = timer(True, 10)
-    g = torch.Generator(device=dev).manual_seed(0)
-    bf = torch.bfloat16
-    rnd = lambda *s, scale=1.0: torch.randn(*s, generator=g, device=dev, dtype=bf) * scale  # noqa: E731
+    rnd = _randn(dev)
     out = []
     for name, (N, K, mode) in E4B_CASES.items():
-        lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=bf)
-        mod = Int4Linear.from_linear(lin, 128).to(dev)
-        mod.enable_mma()
+        mod = _int4(N, K, rnd, dev)
         epi = "geglu" if mode == "geglu" else "none"
         n = copies_past_l2(mod.mma_words.numel() * mod.mma_words.element_size(), dev)
         mma_bufs = [(mod.mma_words.clone(), mod.mma_sz.clone()) for _ in range(n)]
@@ -140,16 +156,11 @@ def kernel_times(M: int, dev: str) -> list[dict]:
                 what = "w4a16 kernel"
             out.append(dict(check=f"int4 {name}", rows=m, invariant_us=us(mma(inv)), default_us=default,
                             default=what))
-    for name, D, S, window, ring in (("sliding ring", 256, 204, 188, True), ("full", 512, 1024, 0, False)):
-        last, Hkv, G = 700, 2, 4
-        k, v = rnd(1, S, Hkv, D, scale=D ** -0.25), rnd(1, S, Hkv, D)
-        slot_pos = None
-        if ring:
-            slot_pos = torch.full((1, S), -1, dtype=torch.int32, device=dev)
-            p = torch.arange(last - S + 1, last + 1, device=dev)
-            slot_pos[0, p % S] = p.to(torch.int32)
+    for name, D, S, window, ring in ATTENTION_CASES:
+        last = 700
+        k, v, slot_pos = _kv(D, S, ring, last, rnd, dev)
         for m in (1, M):
-            q = rnd(1, m, Hkv * G, D)
+            q = rnd(1, m, 8, D)
             q_pos = torch.arange(last - m + 1, last + 1, device=dev)[None]
             t = [us(lambda per=per: decode_attention(q, k, v, q_pos, slot_pos, window, per_position=per))
                  for per in (True, False)]

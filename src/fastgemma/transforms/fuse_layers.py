@@ -68,8 +68,9 @@ def _layer_linears(i: int, layer) -> dict:
 def _mma_cfg(mod, M: int, epilogue: str, dtype, invariant: bool = False):
     """The tensor-core kernel's config for M rows through `mod`, or None: it takes an Int4Linear that
     holds its fragment-order copy (int4_mma), bf16 rows, an epilogue it has, a shape in its table.
-    invariant: the one-row entry at every row count (up to the kernel's 8; more is refused), so a
-    row sums in the same order whatever rows sit beside it (the mma's columns are independent)."""
+    invariant: one config at every row count (mma_w4a16.mma_config's; up to the kernel's 8, more is
+    refused), so a row sums in the same order whatever rows sit beside it (the mma's columns are
+    independent)."""
     from ..kernels.mma_w4a16 import EPILOGUES, MAX_ROWS, mma_config
     from .quant import Int4Linear
 
@@ -79,6 +80,12 @@ def _mma_cfg(mod, M: int, epilogue: str, dtype, invariant: bool = False):
         raise ValueError(f"fuse.batch_invariant runs the int4 GEMMs on the tensor-core kernel, at most {MAX_ROWS} rows "
                          f"(speculative depth <= {MAX_ROWS - 1}); got {M} rows")
     return mma_config(mod.out_features, mod.in_features, M, epilogue, invariant)
+
+
+def _no_invariant_config(mod, epilogue: str) -> ValueError:
+    return ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 {mod.out_features} x "
+                      f"{mod.in_features} with epilogue {epilogue} (int4_mma on, the shape in "
+                      "kernels/mma_w4a16.MMA_CONFIGS or INVARIANT_CONFIGS)")
 
 
 def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = False):
@@ -117,9 +124,7 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
         cfg = _mma_cfg(mod, 1, epilogue, a.dtype, invariant) if mma and aux is None else None
         dense = invariant and not isinstance(mod, Int4Linear)
         if invariant and isinstance(mod, Int4Linear) and cfg is None and triton_ops:
-            raise ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 {mod.out_features} "
-                             f"x {mod.in_features} with epilogue {epilogue} at one row (int4_mma on, the shape in "
-                             "kernels/mma_w4a16.MMA_CONFIGS)")
+            raise _no_invariant_config(mod, epilogue)
         if cfg is not None or dense:
             a2, h = a.reshape(1, -1), None
             if y is not None or pre is not None:
@@ -215,9 +220,7 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
         y = (_mma_call(proj, x2, "none", pdl, invariant=True) if isinstance(proj, Int4Linear)
              else skinny_matmul_op(x2, proj.weight, "none", None, pdl))
         if y is None:
-            raise ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 PLE context "
-                             f"projection {proj.out_features} x {proj.in_features} (int4_mma on, the shape in "
-                             "kernels/mma_w4a16.MMA_CONFIGS)")
+            raise _no_invariant_config(proj, "none")
         return y.reshape(*x0.shape[:-1], -1)
 
     def rms(t):
@@ -312,9 +315,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
         triton = triton_ops and mod.backend == "triton"
         y = _mma_call(mod, x2, epilogue, pdl, invariant=invariant) if int4_mma and triton else None
         if y is None and invariant and triton:
-            raise ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 {mod.out_features} "
-                             f"x {mod.in_features} with epilogue {epilogue} (int4_mma on, the shape in "
-                             "kernels/mma_w4a16.MMA_CONFIGS)")
+            raise _no_invariant_config(mod, epilogue)
         if y is None:
             y = _int4_epilogue(mod, x2, epilogue, a2, triton, pdl)
     elif epilogue == "none" and not invariant:
