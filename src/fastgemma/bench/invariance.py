@@ -87,14 +87,15 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
             if not inv and mma_w4a16.mma_config(N, K, M, epi) is None:  # no M-row entry: not the engine's path
                 continue
             row = _rows_vs_one(lambda t: _mma_call(mod, t, epi, False, invariant=inv), x)
-            out.append(dict(check=f"int4 mma {names.get((N, K), (N, K))}", config="one-row" if inv else "default",
+            out.append(dict(check=f"int4 mma {names.get((N, K), (N, K))}", config="invariant" if inv else "default",
                             **row))
 
     w, x, aux = rnd(256, 2560, scale=0.02), rnd(M, 2560), rnd(M, 256)
     out.append(dict(check="skinny PLE gate + gelu*input", config="default",
                     **_rows_vs_one(lambda t, a: skinny_matmul(t, w, epilogue="gelu_mul", aux=a), x, aux)))
     a, y = rnd(M, 2560), rnd(M, 2560)
-    post, pre, scale = rnd(2560, scale=0.1) + 1, rnd(2560, scale=0.1) + 1, torch.tensor([0.7], device=dev, dtype=torch.bfloat16)
+    post, pre = rnd(2560, scale=0.1) + 1, rnd(2560, scale=0.1) + 1
+    scale = torch.tensor([0.7], device=dev, dtype=torch.bfloat16)
     out.append(dict(check="residual_norm", config="default", **_rows_vs_one(
         lambda t, u: residual_norm(t, u, post, scale, pre, eps=1e-6)[1], a, y)))
     for name, D, S, window, ring in ATTENTION_CASES:

@@ -457,7 +457,8 @@ class FuseLayers:
     same step structure and rounding, any device: the CPU reference of the fused path)."""
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
-                 attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False, batch_invariant: bool = False):
+                 attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
+                 batch_invariant: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
         if batch_invariant and not qkv_kernel:
