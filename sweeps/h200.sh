@@ -25,7 +25,7 @@
 #             one CUDA graph per padded length), compiled_graph (bench.prefill; PREFILL_ARGS, e.g.
 #             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
 #   spec      speculative decoding: depth x acceptance profile x window (bench.spec); compiled, as in
-#             the README: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
+#             docs/results.md: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2
 #             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s); with
 #             --fuse layers, --verify-epilogues off,on compares the verify pass's GEMM epilogues in one run
 #             (--verify-norms on,off: its norm kernels; --verify-pdl on,off: its PDL launches; --attn-pdl,
