@@ -419,9 +419,10 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
     last split program to arrive merges the partials (arrival counters of kernels/counters.py)
     instead of a second launch; the counters need one eager call of the shape before a CUDA graph
     captures it. per_position: each row tile holds one position's G query heads and the split count
-    is the one-row launch's, so every row is summed as a one-row call at its position sums it (its
-    keys cut into the same splits and blocks, the same tile shape), bit for bit whatever rows sit
-    beside it: a verify pass's rows equal the AR steps' (fuse.batch_invariant); T times the programs."""
+    is the one-row launch's, so each row is summed exactly as a one-row call at its position sums it
+    (its keys cut into the same splits and blocks, the same tile shape), bit for bit whatever rows
+    sit beside it: a verify pass's rows equal the AR steps' (fuse.batch_invariant); T times the
+    programs."""
     B, T, H, D = q.shape
     _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, f"q {tuple(q.shape)}")
     return _attention(q, q.stride(), (B, T, H, D), k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits,
@@ -472,12 +473,9 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     if per_position and (qkv or G > 64):
         raise ValueError("decode_attention per_position takes q as given (no q/k/v mode) and at most 64 query "
                          f"heads per KV head, got the q/k/v mode {qkv} and {G}")
-    if per_position:  # the tile of a one-row launch (R = G), once per position
-        block_m = min(64, max(16, triton.next_power_of_2(G)))
-        row_tiles = T
-    else:
-        block_m = min(64, max(16, triton.next_power_of_2(R)))  # tl.dot needs M >= 16
-        row_tiles = triton.cdiv(R, block_m)
+    # per_position: the tile of a one-row launch (its R = G), once per position; tl.dot needs M >= 16
+    block_m = min(64, max(16, triton.next_power_of_2(G if per_position else R)))
+    row_tiles = T if per_position else triton.cdiv(R, block_m)
     block_n, num_warps, num_stages = _qkv_tiles(D) if qkv else _tiles(D, block_m)
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, block_n, _num_sms(q.device))

@@ -452,7 +452,6 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (6144, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full 4.08, after the residual update + norm
     (2048, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q 3.52 (KV-shared layers), after the norm
     (20480, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up + GeGLU, after residual + norm: 12.23
-
     (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
     (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
     (2048, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q: 3.73
@@ -525,10 +524,12 @@ def mma_config(N: int, K: int, M: int, epilogue: str = "none", invariant: bool =
     """The table's config for M rows of x [M, K] @ W [N, K]^T, or None (this kernel is not the faster
     one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair). invariant
     (fuse.batch_invariant): the one-row entry (or INVARIANT_CONFIGS') at every M."""
-    if invariant:
-        cfg = (INVARIANT_CONFIGS.get((N, K)) or MMA_CONFIGS.get((N, K, False))) if 1 <= M <= MAX_ROWS else None
-        return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
-    cfg = MMA_CONFIGS.get((N, K, M > 1)) if 1 <= M <= MAX_ROWS else None
+    if not 1 <= M <= MAX_ROWS:
+        cfg = None
+    elif invariant:
+        cfg = INVARIANT_CONFIGS.get((N, K)) or MMA_CONFIGS.get((N, K, False))
+    else:
+        cfg = MMA_CONFIGS.get((N, K, M > 1))
     return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
 
 

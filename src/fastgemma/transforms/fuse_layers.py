@@ -522,7 +522,6 @@ class FuseLayers:
             self._check_invariant(model)
 
     def _check_invariant(self, model) -> None:
-        from ..kernels.mma_w4a16 import mma_config
         from .lm_head import decode_head
         from .quant import Int4Linear
 
@@ -531,9 +530,9 @@ class FuseLayers:
                  for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
         if model.config.ple_dim:
             named.append(("per_layer_model_projection", model.per_layer_model_projection, "none"))
+        # the runtime's own lookup: None without int4_mma's copy, an epilogue the kernel lacks, or no config
         bad = [f"{name} ({mod.out_features} x {mod.in_features}, {epi})" for name, mod, epi in named
-               if isinstance(mod, Int4Linear) and not (self.int4_mma and mma_config(
-                   mod.out_features, mod.in_features, 1, epi, invariant=True) is not None and epi != "gelu_mul")]
+               if isinstance(mod, Int4Linear) and _mma_cfg(mod, 1, epi, torch.bfloat16, invariant=True) is None]
         if bad:
             raise ValueError("fuse.batch_invariant runs int4 linears on the tensor-core kernel's one-row configs "
                              f"(fuse.int4_mma=true, kernels/mma_w4a16.MMA_CONFIGS); none for {', '.join(bad[:4])}"
