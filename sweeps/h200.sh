@@ -21,6 +21,9 @@
 #             body); nf4 needs bitsandbytes (a wheel in .whl)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
 #   drafthead the MTP drafter's centroid-masked head: torch's path vs kernels/draft_head.py (bench.draft_head)
+#   draftloop the k-step draft loop: the fused drafter step vs kernels/draft_loop.py's persistent kernel, drafts
+#             compared, and a grid barrier alone (bench.draft_loop; DRAFTLOOP_ARGS, e.g. "--programs 132,66
+#             --splits 16,32 --barriers 1000")
 #   prefill   time to first token per prompt length and prompt path: eager, compiled, graph (padded,
 #             one CUDA graph per padded length), compiled_graph (bench.prefill; PREFILL_ARGS, e.g.
 #             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
@@ -97,6 +100,7 @@ bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for 
           configs=[parse_config(c) for c in try_.split(',')] if try_ else None)" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
+    draftloop) run draftloop python3 -m fastgemma.bench.draft_loop ${DRAFTLOOP_ARGS:-} ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     invariance) run invariance python3 -m fastgemma.bench.invariance ${INVARIANCE_ARGS:-} --out "$out/invariance.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
@@ -106,7 +110,7 @@ bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for 
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, prefill, invariance, spec, counters, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, draftloop, prefill, invariance, spec, counters, agreement, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
@@ -119,6 +123,7 @@ for p in "${parts[@]}"; do
           grep -A40 '^# CONFIGS' "$out/int4.log" ;;
     int4fused) grep -E "WRONG|skip" "$out/int4fused.log" | head; grep -A20 '^# TILES' "$out/int4fused.log" ;;
     mma) grep -E ' \| ' "$out/mma.log" | head -120 ;;
+    draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
   tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true

@@ -434,10 +434,12 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
 
 
 def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False,
-                 attn_merge: bool = False, attn_qkv: bool = False):
+                 attn_merge: bool = False, attn_qkv: bool = False, draft_loop: bool = False):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
     `head` replaces its centroid-masked head (FuseLayers passes `model.draft_head`; None: torch's
-    topk path). Dense bias-free linears only (a quantized drafter keeps the unfused step)."""
+    topk path). Dense bias-free linears only (a quantized drafter keeps the unfused step).
+    draft_loop: `drafter.loop_kernel` is kernels/draft_loop.DraftLoop, which speculative decoding
+    builds over its cache to run a one-row draft loop in one launch."""
     for i, layer in enumerate(drafter.model.layers):
         for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             mod = layer.get_submodule(name)
@@ -448,6 +450,9 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: b
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl, attn_pdl=attn_pdl,
                                               qkv_kernel=qkv_kernel, attn_merge=attn_merge, attn_qkv=attn_qkv)
     drafter.head_fn = head
+    if draft_loop:
+        from ..kernels.draft_loop import DraftLoop
+        drafter.loop_kernel = DraftLoop
     return drafter
 
 
@@ -458,9 +463,11 @@ class FuseLayers:
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, draft_loop: bool = False):
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
+        if draft_loop and backend != "triton":
+            raise ValueError("fuse.draft_loop is one Triton kernel: it needs fuse.backend=triton")
         if batch_invariant and not qkv_kernel:
             # without qkv_kernel the q/k/v norms are inductor's reductions, sized by the step's rows
             raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true")
@@ -469,6 +476,7 @@ class FuseLayers:
         self.attn_merge = bool(attn_merge)
         self.int4_mma = bool(int4_mma)
         self.attn_qkv = bool(attn_qkv)
+        self.draft_loop = bool(draft_loop)
         self.merge = MergeProjections()
 
     def apply(self, model):
@@ -504,7 +512,8 @@ class FuseLayers:
         model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton",
                                                **dict(body, attn_qkv=False))
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
-        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head, **step)
+        model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head,
+                                               draft_loop=self.draft_loop, **step)
         self._enable_mma(model)
         model.draft_head = head  # kernels/draft_head.py (or its twin): the fused drafter's head
         model.batch_invariant = self.batch_invariant  # the greedy pick reads it (transforms/sampler.py)
@@ -562,4 +571,5 @@ class FuseLayers:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
+                "draft_loop": self.draft_loop,
                 "verify_epilogues": True}

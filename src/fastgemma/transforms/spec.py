@@ -74,7 +74,8 @@ class MtpSpec:
         self._drafter_info = {"drafter_name": c.name, "drafter_hidden": c.hidden_size,
                               "drafter_params": sum(p.numel() for p in d.parameters()),
                               "centroid_top_k_effective": d.top_k, "drafter_bytes_per_step": d.nbytes_per_step(),
-                              "drafter_fused": d.fused_forward is not None}
+                              "drafter_fused": d.fused_forward is not None,
+                              "drafter_loop_kernel": getattr(d, "loop_kernel", None) is not None}
         return d
 
     def replay(self):
