@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 
 from fastgemma.kernels.decode_attention import _combine_kernel, _split_kernel
 from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
+from fastgemma.kernels import draft_loop as dl
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
@@ -215,6 +216,7 @@ def main():
                 "stride_sn": "i32"}
     ptx, regs, spills = build(_centroid_kernel, cent_sig, dict(H=256, BLOCK_C=64, BLOCK_H=64), (0, 1, 2), 4)
     print(f"draft\tdraft head centroids\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}")
+    draft_loop_line()
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")
@@ -225,6 +227,32 @@ def main():
         # the word loop's nibble pairs: one LOP3 with the 0x3F803F80 magic per pair of codes
         pairs = ptx.count("0x3F803F80") if ce.get("WORDS") else 0
         print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{expect}\t{pairs}")
+
+
+def draft_loop_line():
+    """The persistent draft loop on E4B's drafter ("loop" line: name, registers, spill bytes, release
+    arrivals, acquire polls, GPU-scope atomics of any other kind)."""
+    import inspect
+
+    D, H, I, NH, HDS, HDF, C = 256, 2560, 2048, 4, 256, 512, 2048
+    ce = dict(D=D, H=H, I=I, NH=NH, HKV=2, HD_S=HDS, HD_F=HDF, NL=4, KINDS=0b0111, C=C, CP=C, TOP_K=32, TPC=128,
+              NSPL=32, BT_S=16, BT_F=8, BT_C=32, BN_PRE=2, BK_PRE=512, BN_Q=8, BN_O=2, BN_GU=32, BN_DN=2, BN_POST=32,
+              BK_D=D, BK_I=512, BK_AS=512, BK_AF=512, BLOCK_D=32, KEY_SHIFT=16, SPIN=dl.SPIN_LIMIT,
+              LSZ_S=dl._pad(4 * D + dl.ALIGN_N + HDS + 2 * NH * HDS * D + 3 * I * D),
+              LSZ_F=dl._pad(4 * D + dl.ALIGN_N + HDF + 2 * NH * HDF * D + 3 * I * D),
+              GSZ=2 * H * D + dl._pad(D) + H * D + dl._pad(C * D))
+    kinds = {"m_buf": "*fp32", "l_buf": "*fp32", "acc_buf": "*fp32", "pmax": "*fp32", "pord": "*i32", "ptok": "*i64",
+             "drafts": "*i64", "bar_ptr": "*i32", "err_ptr": "*i32", "order": "*i64", "tok_ptr": "*i64",
+             "qpos_ptr": "*i64", "ring": "*i32", "s_emb": "fp32", "eps": "fp32", "off": "fp32"}
+    kinds.update({n: "i32" for n in ("S_s", "ss_s", "sh_s", "S_f", "ss_f", "sh_f", "window", "nsteps")})
+    names = [n for n in inspect.signature(dl._draft_loop_kernel.fn).parameters if n not in ce]
+    sig = {n: kinds.get(n, "*bf16") for n in names}
+    # strides of 16 elements, as Triton specialises the cache's
+    aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") or n in ("ss_s", "sh_s", "ss_f", "sh_f")]
+    ptx, regs, spills = build(dl._draft_loop_kernel, sig, ce, aligned, 4)
+    other = len(re.findall(r"atom\.global\.gpu", ptx)) - ptx.count("atom.global.gpu.release.add")
+    print(f"loop\tdraft loop E4B\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.release.add')}\t"
+          f"{ptx.count('ld.global.gpu.acquire')}\t{other}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def test_gpu_only_variants_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
-            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2")}
+            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "loop")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy), the GEMMs' trigger after their main loop (every mma before it),
@@ -41,6 +41,12 @@ def test_gpu_only_variants_compile_for_sm90():
         assert (waits, triggers, spills, spills_plain) == (1, 1, 0, 0) and loads > 0, (name, pre[name])
         before, after = l2[name]
         assert before > 0 and after == 0, (name, l2[name])
+    # the persistent draft loop (E4B's drafter): 27 grid barriers per draft token, each one release
+    # arrival and one acquire poll, the exit counter the only other GPU-scope atomic; a few spilled
+    # registers at most (255 of them: one program per multiprocessor)
+    loop = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "loop"}
+    regs, spills, arrivals, polls, other = loop["draft loop E4B"]
+    assert regs <= 255 and spills <= 256 and (arrivals, polls, other) == (27, 27, 1), loop
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}

@@ -10,7 +10,9 @@ E4B's drafter (synthetic weights with the exact shapes) over an E4B KV cache who
 Each loop's drafts are compared with the fused step's on `--checks` random (token, hidden state)
 inputs: the positions that agree until the first difference (a differing draft changes every later
 input) and the largest difference of the last projected hidden state where all k agree.
-`--barriers N`: a kernel of N grid barriers alone, us per barrier, per program count.
+`--barriers N` (first): a kernel of N grid barriers alone, us per barrier, per program count.
+`--fp32-checks N`: the kernel in fp32 against the drafter's own torch step in fp32 (every draft
+should agree: a check of the kernel itself, free of bf16 near-ties).
 Run: python -m fastgemma.bench.draft_loop [--depth 7] [--programs 132,66] [--splits 16,32]
 """
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _fill_cache(cache, sources, context: int, gen):
 
 
 def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, checks: int = 16,
-                     programs=(None,), splits=(None,), barriers: int = 0, compile: bool = True,
+                     programs=(None,), splits=(None,), barriers: int = 0, fp32_checks: int = 4, compile: bool = True,
                      model: str = "gemma4_e4b", device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
     """Print the table; return one dict per loop: us per loop and per draft token, the checks'
     agreement with the fused step (`positions_equal` of `positions`, `loops_equal` of `checks`),
@@ -87,7 +89,17 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
         raise RuntimeError("bench_draft_loop needs a CUDA device")
     dev = torch.device(device)
     timer = lambda fn: do_bench_cudagraph(fn, rep=100, return_mode="median")  # noqa: E731
+    rows = []
+    if barriers:
+        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
+        print(f"grid barrier alone ({barriers} per launch, launch cost taken out), us per barrier:")
+        for P in sorted({n_sm, n_sm // 2, n_sm // 4, 16, 1}, reverse=True):
+            b = barrier_us(P, barriers, timer, dev)
+            rows.append(dict(loop="barrier", programs=P, us_per_barrier=b))
+            print(f"  {P:>4} programs: {b:.3f}")
     cfg = preset(model)
+    if fp32_checks:
+        rows.append(fp32_agreement(cfg, depth, context, window, fp32_checks, dev))
     gen = torch.Generator(device=dev).manual_seed(0)
     emb = (0.03 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=dev)).to(dtype)
     cache = KVCache(cfg, 1, context + 16, window=window, device=dev, dtype=dtype)
@@ -116,7 +128,6 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
     print(f"{name}  draft loop: {cfg.name} drafter, k={depth}, context {context}, window {window}, {dtype}; "
           f"CUDA graphs; agreement with the fused step on {checks} random inputs")
     print(f"{'loop':>30} | {'us / loop':>9} | {'us / token':>10} | {'positions equal':>15} | loops equal | max |h' diff|")
-    rows = []
     us = 1e3 * timer(lambda: ref_fn(tok0, hid0))
     rows.append(dict(loop="fused step", programs=None, splits=None, us=us, us_per_token=us / depth,
                      positions_equal=checks * depth, positions=checks * depth, loops_equal=checks, max_h_diff=0.0))
@@ -142,14 +153,47 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
                              positions_equal=eq, positions=checks * depth, loops_equal=same, max_h_diff=hdiff))
             print(f"{label:>30} | {us:9.1f} | {us / depth:10.2f} | {eq:>7}/{checks * depth:<7} | "
                   f"{same:>5}/{checks:<5} | {hdiff:.4g}")
-    if barriers:
-        n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
-        print(f"grid barrier alone ({barriers} per launch, launch cost taken out), us per barrier:")
-        for P in sorted({n_sm, n_sm // 2, n_sm // 4, 16, 1}, reverse=True):
-            b = barrier_us(P, barriers, timer, dev)
-            rows.append(dict(loop="barrier", programs=P, us_per_barrier=b))
-            print(f"  {P:>4} programs: {b:.3f}")
     return rows
+
+
+def fp32_agreement(cfg, depth: int, context: int, window: int, checks: int, dev) -> dict:
+    """The kernel in fp32 against the drafter's own (unfused, torch) step in fp32 on the same GPU:
+    the same arithmetic up to the order of fp32 sums, so every draft should agree."""
+    from ..engine.cache import KVCache
+    from ..kernels.decode_attention import decode_attention_ref
+    from ..kernels.draft_loop import DraftLoop
+    from ..model.drafter import synthetic_drafter
+    from ..transforms.fuse import MergeProjections
+
+    gen = torch.Generator(device=dev).manual_seed(2)
+    emb = 0.03 * torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=dev)
+    cache = KVCache(cfg, 1, context + 16, window=window, device=dev, dtype=torch.float32)
+    d = synthetic_drafter(cfg, dev, torch.float32, seed=0)
+    MergeProjections(qkv=False).apply(d.model)
+    _fill_cache(cache, d.sources, context, gen)
+    pos = torch.full((1, 1), context, dtype=torch.long, device=dev)
+    loop = DraftLoop(d, emb, cache)
+    eq = 0
+    hdiff = 0.0
+    for _ in range(checks):
+        tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen, device=dev)
+        hid = torch.randn(1, 1, cfg.hidden_size, generator=gen, device=dev)
+        out = loop(tok, hid, pos, depth)
+        rope = d.rope(pos, hid.dtype)
+        want = []
+        for _ in range(depth):
+            x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)
+            g, hid = d(x, rope, pos - 1, cache, decode_attention_ref)
+            tok = d.next_token(g)
+            want.append(tok)
+        agree = (out == torch.cat(want, 1)).long().cumprod(1).sum().item()
+        eq += agree
+        if agree == depth:
+            hdiff = max(hdiff, (loop.hidden() - hid).abs().max().item())
+    loop.check()
+    print(f"fp32, against the drafter's own step: positions equal {eq}/{checks * depth}, max |h' diff| {hdiff:.3g} "
+          f"(|h'| max {hid.abs().max().item():.3g})")
+    return dict(loop="fp32 agreement", positions_equal=eq, positions=checks * depth, max_h_diff=hdiff)
 
 
 def _ints(s: str):
@@ -166,10 +210,12 @@ def main(argv=None):
                     help="grids to time, comma-separated (default: one program per multiprocessor)")
     ap.add_argument("--splits", type=_ints, default=(None,), help="the attention's key splits per KV head")
     ap.add_argument("--barriers", type=int, default=0, help="time N grid barriers alone per program count (0: skip)")
+    ap.add_argument("--fp32-checks", type=int, default=4,
+                    help="random inputs for the fp32 check against the drafter's own step (0: skip)")
     ap.add_argument("--no-compile", action="store_true", help="the fused step uncompiled")
     ap.add_argument("--model", default="gemma4_e4b")
     a = ap.parse_args(argv)
-    bench_draft_loop(a.depth, a.context, a.window, a.checks, a.programs, a.splits, a.barriers,
+    bench_draft_loop(a.depth, a.context, a.window, a.checks, a.programs, a.splits, a.barriers, a.fp32_checks,
                      compile=not a.no_compile, model=a.model)
 
 

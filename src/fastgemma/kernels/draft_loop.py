@@ -62,48 +62,93 @@ def _sync(bar_ptr, err_ptr, nb, nprog, SPIN: tl.constexpr):
 
 
 @triton.jit
-def _gemv(pid, nprog, rot, w_ptr, a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, out_ptr, eps, off,
-          N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-          HAS_PRE: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr):
-    """out = epilogue(W prologue(a, y)) for W [N, K], tiles of BLOCK_N rows over the programs (tile t
-    on program (t + rot) % nprog). PRO / EPI as kernels/fused_gemv.py (PRO 2 has the layer scalar);
-    with PRO 2 the program of tile 0 writes the new residual to h_ptr."""
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
-                                            PRO, PRO == 2, HAS_PRE, DT)
-    offs_k = tl.arange(0, BLOCK_K)
-    NT: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    for t in range((pid + nprog - rot % nprog) % nprog, NT, nprog):
-        rows, n_ok = _rows(t, N, N // 2, BLOCK_N, EPI)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for kb in tl.static_range(NKB):
-            k = kb * BLOCK_K + offs_k
-            w = tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
-            acc = _fma_block(acc, w, a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_k, inv_y, inv_x, scale, off,
-                             K, BLOCK_K, PRO, PRO == 2, HAS_PRE, DT)
-        _finish(tl.sum(acc, axis=1), rows, n_ok, t, a_ptr, y_ptr, post_ptr, h_ptr, out_ptr, out_ptr, N // 2,
-                inv_y, scale, off, K, BLOCK_N, BLOCK_K, PRO, PRO == 2, EPI, DT)
+def _first_tile(pid, nprog, rot, NT: tl.constexpr):
+    return (pid + nprog - rot % nprog) % nprog
 
 
 @triton.jit
-def _pre(pid, nprog, w_ptr, emb_ptr, tok, s_emb, hid_ptr, out_ptr,
-         D: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
-    """z = W_pre [rnd(E_t[tok] * s_emb); hid] (W_pre [D, 2H]; BLOCK_K divides H)."""
+def _w_blocks(w_ptr, t, NT: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EPI: tl.constexpr):
+    """Tile t's weight blocks (a tuple of [BLOCK_N, BLOCK_K]; zeros past the last tile)."""
+    rows, n_ok = _rows(t, N, N // 2, BLOCK_N, EPI)
+    n_ok = n_ok & (t < NT)
     offs_k = tl.arange(0, BLOCK_K)
+    ws = ()
+    for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
+        k = kb * BLOCK_K + offs_k
+        ws = ws + (tl.load(w_ptr + rows[:, None] * K + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0),)
+    return ws
+
+
+@triton.jit
+def _gemv_w(pid, nprog, rot, w_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            EPI: tl.constexpr):
+    """The program's first tile of a `_gemv` phase, loaded ahead (before the barrier that opens it)."""
+    NT: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    return _w_blocks(w_ptr, _first_tile(pid, nprog, rot, NT), NT, N, K, BLOCK_N, BLOCK_K, EPI)
+
+
+@triton.jit
+def _gemv_tile(t, ws, a_ptr, y_ptr, post_ptr, pre_ptr, h_ptr, out_ptr, inv_y, inv_x, scale, off,
+               N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+               HAS_PRE: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr):
+    rows, n_ok = _rows(t, N, N // 2, BLOCK_N, EPI)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
+        acc = _fma_block(acc, ws[kb], a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_k, inv_y, inv_x, scale, off,
+                         K, BLOCK_K, PRO, PRO == 2, HAS_PRE, DT)
+    _finish(tl.sum(acc, axis=1), rows, n_ok, t, a_ptr, y_ptr, post_ptr, h_ptr, out_ptr, out_ptr, N // 2,
+            inv_y, scale, off, K, BLOCK_N, BLOCK_K, PRO, PRO == 2, EPI, DT)
+
+
+@triton.jit
+def _gemv(pid, nprog, rot, ws, w_ptr, a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, out_ptr, eps, off,
+          N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+          HAS_PRE: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr):
+    """out = epilogue(W prologue(a, y)) for W [N, K], tiles of BLOCK_N rows over the programs (tile t
+    on program (t + rot) % nprog; ws: the first one's weights, from `_gemv_w`). PRO / EPI as
+    kernels/fused_gemv.py (PRO 2 has the layer scalar); with PRO 2 the program of tile 0 writes the
+    new residual to h_ptr."""
+    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
+                                            PRO, PRO == 2, HAS_PRE, DT)
+    NT: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    t0 = _first_tile(pid, nprog, rot, NT)
+    if t0 < NT:
+        _gemv_tile(t0, ws, a_ptr, y_ptr, post_ptr, pre_ptr, h_ptr, out_ptr, inv_y, inv_x, scale, off,
+                   N, K, BLOCK_N, BLOCK_K, PRO, HAS_PRE, EPI, DT)
+    for t in range(t0 + nprog, NT, nprog):
+        _gemv_tile(t, _w_blocks(w_ptr, t, NT, N, K, BLOCK_N, BLOCK_K, EPI), a_ptr, y_ptr, post_ptr, pre_ptr, h_ptr,
+                   out_ptr, inv_y, inv_x, scale, off, N, K, BLOCK_N, BLOCK_K, PRO, HAS_PRE, EPI, DT)
+
+
+@triton.jit
+def _pre(pid, nprog, ws, w_ptr, emb_ptr, tok, s_emb, hid_ptr, out_ptr,
+         D: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
+    """z = W_pre [rnd(E_t[tok] * s_emb); hid] (W_pre [D, 2H]; BLOCK_K divides H; ws: the program's
+    first tile, from `_gemv_w`)."""
     NT: tl.constexpr = (D + BLOCK_N - 1) // BLOCK_N
-    for t in range(pid, NT, nprog):
-        rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rows < D
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for kb in tl.static_range(2 * H // BLOCK_K):
-            k = kb * BLOCK_K + offs_k
-            w = tl.load(w_ptr + rows[:, None] * (2 * H) + k[None, :], mask=n_ok[:, None], other=0.0)
-            if kb * BLOCK_K < H:
-                x = _rnd(tl.load(emb_ptr + tok * H + k).to(tl.float32) * s_emb, DT)
-            else:
-                x = tl.load(hid_ptr + (k - H)).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(DT), mask=n_ok)
+    if pid < NT:
+        _pre_tile(pid, ws, emb_ptr, tok, s_emb, hid_ptr, out_ptr, D, H, BLOCK_N, BLOCK_K, DT)
+    for t in range(pid + nprog, NT, nprog):
+        _pre_tile(t, _w_blocks(w_ptr, t, NT, D, 2 * H, BLOCK_N, BLOCK_K, 0), emb_ptr, tok, s_emb, hid_ptr, out_ptr,
+                  D, H, BLOCK_N, BLOCK_K, DT)
+
+
+@triton.jit
+def _pre_tile(t, ws, emb_ptr, tok, s_emb, hid_ptr, out_ptr, D: tl.constexpr, H: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DT: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kb in tl.static_range(2 * H // BLOCK_K):
+        k = kb * BLOCK_K + offs_k
+        if kb * BLOCK_K < H:
+            x = _rnd(tl.load(emb_ptr + tok * H + k).to(tl.float32) * s_emb, DT)
+        else:
+            x = tl.load(hid_ptr + (k - H)).to(tl.float32)
+        acc += ws[kb].to(tl.float32) * x[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(DT), mask=rows < D)
 
 
 @triton.jit
@@ -196,7 +241,14 @@ def _merge(pid, nprog, m_ptr, l_ptr, acc_ptr, out_ptr, NH: tl.constexpr, HD: tl.
 
 
 @triton.jit
-def _layer(pid, nprog, nb, lw, first: tl.constexpr, a_ptr, y_ptr, post_ptr, scale_ptr,
+def _q_w(pid, nprog, lw, D: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BN_Q: tl.constexpr,
+         BK_D: tl.constexpr):
+    """A layer's first q tile (its arena lw), loaded ahead."""
+    return _gemv_w(pid, nprog, 0, lw + 4 * D + ALIGN + HD, NH * HD, D, BN_Q, BK_D, 0)
+
+
+@triton.jit
+def _layer(pid, nprog, nb, ws_q, lw, first: tl.constexpr, a_ptr, y_ptr, post_ptr, scale_ptr,
            hq_ptr, h2_ptr, q_ptr, att_ptr, o_ptr, act_ptr, dn_ptr,
            cos_ptr, sin_ptr, k_ptr, v_ptr, ring_ptr, S, stride_s, stride_h, qpos, window,
            m_ptr, l_ptr, acc_ptr, bar_ptr, err_ptr, eps, off,
@@ -204,9 +256,11 @@ def _layer(pid, nprog, nb, lw, first: tl.constexpr, a_ptr, y_ptr, post_ptr, scal
            NSPL: tl.constexpr, BLOCK_T: tl.constexpr, RING: tl.constexpr, BN_Q: tl.constexpr,
            BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK_D: tl.constexpr, BK_I: tl.constexpr,
            BK_A: tl.constexpr, BLOCK_D: tl.constexpr, SPIN: tl.constexpr, DT: tl.constexpr):
-    """One drafter layer (its arena lw: norms, scalar, q_norm, q, o, gate|up, down; see DraftLoop)
-    -> the barrier count. Its residual input: a (first layer, the pre-projection's z) or the
-    previous layer's (a, y = down, post = post_ffn norm, scale_ptr = its layer scalar)."""
+    """One drafter layer (its arena lw: norms, scalars, q_norm, q, o, gate|up, down; see DraftLoop),
+    from its q phase (ws_q: the first q tile, loaded ahead) to its down phase (the barrier after it
+    is the caller's) -> the barrier count. Its residual input: a (first layer, the pre-projection's
+    z) or the previous layer's (a, y = down, post = post_ffn norm, scale_ptr = its layer scalar).
+    Each GEMV phase's first tile is loaded before the barrier that opens the phase."""
     NQ: tl.constexpr = NH * HD
     ln_in = lw
     post_attn = lw + D
@@ -217,11 +271,11 @@ def _layer(pid, nprog, nb, lw, first: tl.constexpr, a_ptr, y_ptr, post_ptr, scal
     wgu = wo + D * NQ
     wdn = wgu + 2 * I * D
     if first:
-        _gemv(pid, nprog, 0, wq, a_ptr, a_ptr, a_ptr, a_ptr, ln_in, hq_ptr, q_ptr, eps, off,
+        _gemv(pid, nprog, 0, ws_q, wq, a_ptr, a_ptr, a_ptr, a_ptr, ln_in, hq_ptr, q_ptr, eps, off,
               NQ, D, BN_Q, BK_D, 1, True, 0, DT)
         h_ptr = a_ptr
     else:
-        _gemv(pid, nprog, 0, wq, a_ptr, y_ptr, post_ptr, scale_ptr, ln_in, hq_ptr, q_ptr, eps, off,
+        _gemv(pid, nprog, 0, ws_q, wq, a_ptr, y_ptr, post_ptr, scale_ptr, ln_in, hq_ptr, q_ptr, eps, off,
               NQ, D, BN_Q, BK_D, 2, True, 0, DT)
         h_ptr = hq_ptr
     nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
@@ -229,18 +283,33 @@ def _layer(pid, nprog, nb, lw, first: tl.constexpr, a_ptr, y_ptr, post_ptr, scal
             m_ptr, l_ptr, acc_ptr, eps, off, NH, HKV, HD, NSPL, BLOCK_T, RING, DT)
     nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
     _merge(pid, nprog, m_ptr, l_ptr, acc_ptr, att_ptr, NH, HD, NSPL, BLOCK_D, DT)
+    ws = _gemv_w(pid, nprog, 0, wo, D, NQ, BN_O, BK_A, 0)
     nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
-    _gemv(pid, nprog, 0, wo, att_ptr, att_ptr, att_ptr, att_ptr, att_ptr, att_ptr, o_ptr, eps, off,
+    _gemv(pid, nprog, 0, ws, wo, att_ptr, att_ptr, att_ptr, att_ptr, att_ptr, att_ptr, o_ptr, eps, off,
           D, NQ, BN_O, BK_A, 0, False, 0, DT)
+    ws = _gemv_w(pid, nprog, 0, wgu, 2 * I, D, BN_GU, BK_D, 1)
     nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
     # h2 = h + rmsnorm(o) * post_attn (no layer scalar: scale_ptr -> a 1), x = rmsnorm(h2) * pre_ffn
-    _gemv(pid, nprog, 0, wgu, h_ptr, o_ptr, post_attn, lw + 4 * D + 1, pre_ff, h2_ptr, act_ptr, eps, off,
+    _gemv(pid, nprog, 0, ws, wgu, h_ptr, o_ptr, post_attn, lw + 4 * D + 1, pre_ff, h2_ptr, act_ptr, eps, off,
           2 * I, D, BN_GU, BK_D, 2, True, 1, DT)
+    ws = _gemv_w(pid, nprog, 0, wdn, D, I, BN_DN, BK_I, 0)
     nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
-    _gemv(pid, nprog, 0, wdn, act_ptr, act_ptr, act_ptr, act_ptr, act_ptr, act_ptr, dn_ptr, eps, off,
+    _gemv(pid, nprog, 0, ws, wdn, act_ptr, act_ptr, act_ptr, act_ptr, act_ptr, act_ptr, dn_ptr, eps, off,
           D, I, BN_DN, BK_I, 0, False, 0, DT)
-    nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
     return nb
+
+
+@triton.jit
+def _pick(pmax, pord, ptok, NU: tl.constexpr):
+    """The step's token from the select units' maxima: the highest score, then the earliest (rank,
+    position) among equals (every program computes it)."""
+    uu = tl.arange(0, triton.next_power_of_2(NU))
+    u_ok = uu < NU
+    pv = tl.load(pmax + uu, mask=u_ok, other=float("-inf"))
+    po = tl.load(pord + uu, mask=u_ok, other=2147483647)
+    pt = tl.load(ptok + uu, mask=u_ok, other=0)
+    po = tl.where(pv == tl.max(pv, axis=0), po, 2147483647)
+    return tl.sum(tl.where(po == tl.min(po, axis=0), pt, 0), axis=0)
 
 
 @triton.jit
@@ -251,8 +320,8 @@ def _draft_loop_kernel(
         drafts, bar_ptr, err_ptr, nsteps, s_emb, eps, off,
         D: tl.constexpr, H: tl.constexpr, I: tl.constexpr, NH: tl.constexpr, HKV: tl.constexpr,
         HD_S: tl.constexpr, HD_F: tl.constexpr, NL: tl.constexpr, KINDS: tl.constexpr, LSZ_S: tl.constexpr,
-        LSZ_F: tl.constexpr, GSZ: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, TOP_K: tl.constexpr, TPC: tl.constexpr,
-        NSPL: tl.constexpr, BT_S: tl.constexpr, BT_F: tl.constexpr, BT_C: tl.constexpr,
+        LSZ_F: tl.constexpr, GSZ: tl.constexpr, C: tl.constexpr, CP: tl.constexpr, TOP_K: tl.constexpr,
+        TPC: tl.constexpr, NSPL: tl.constexpr, BT_S: tl.constexpr, BT_F: tl.constexpr, BT_C: tl.constexpr,
         BN_PRE: tl.constexpr, BK_PRE: tl.constexpr, BN_Q: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
         BN_DN: tl.constexpr, BN_POST: tl.constexpr, BK_D: tl.constexpr, BK_I: tl.constexpr, BK_AS: tl.constexpr,
         BK_AF: tl.constexpr, BLOCK_D: tl.constexpr, KEY_SHIFT: tl.constexpr, SPIN: tl.constexpr):
@@ -265,13 +334,23 @@ def _draft_loop_kernel(
     w_fin = arena + 2 * H * D
     w_post = w_fin + ALIGN * ((D + ALIGN - 1) // ALIGN)
     w_c = w_post + H * D
+    NT_POST: tl.constexpr = (H + BN_POST - 1) // BN_POST
     NU: tl.constexpr = TOP_K * (TPC // BT_C)
-    NUP: tl.constexpr = triton.next_power_of_2(NU)
     nb = 0
     for step in range(nsteps):
-        _pre(pid, nprog, arena, emb_t, tok, s_emb, hp, z, D, H, BN_PRE, BK_PRE, DT)
-        nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
+        ws = _gemv_w(pid, nprog, 0, arena, D, 2 * H, BN_PRE, BK_PRE, 0)
+        if step > 0:  # the previous step's token, while W_pre's tile loads
+            tok = _pick(pmax, pord, ptok, NU)
+            if pid == 0:
+                tl.store(drafts + step - 1, tok)
+        _pre(pid, nprog, ws, arena, emb_t, tok, s_emb, hp, z, D, H, BN_PRE, BK_PRE, DT)
         lw = arena + GSZ
+        lw_prev = lw
+        if KINDS & 1:
+            ws = _q_w(pid, nprog, lw, D, NH, HD_S, BN_Q, BK_D)
+        else:
+            ws = _q_w(pid, nprog, lw, D, NH, HD_F, BN_Q, BK_D)
+        nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
         for li in tl.static_range(NL):
             if li == 0:
                 a_ptr, y_ptr, post_ptr, scale_ptr = z, z, z, z
@@ -279,25 +358,34 @@ def _draft_loop_kernel(
                 # the previous layer's residual after attention, its down output, post_ffn norm, scalar
                 a_ptr, y_ptr, post_ptr, scale_ptr = h2 + (li - 1) * D, dn + (li - 1) * D, lw_prev + 3 * D, lw_prev + 4 * D
             if (KINDS >> li) & 1:
-                nb = _layer(pid, nprog, nb, lw, li == 0, a_ptr, y_ptr, post_ptr, scale_ptr, hq + li * D, h2 + li * D,
-                            q, att, o, act, dn + li * D, cos_s, sin_s, ks, vs, ring, S_s, ss_s, sh_s, qpos, window,
-                            m_buf, l_buf, acc_buf, bar_ptr, err_ptr, eps, off, D, I, NH, HKV, HD_S, NSPL, BT_S, True,
-                            BN_Q, BN_O, BN_GU, BN_DN, BK_D, BK_I, BK_AS, BLOCK_D, SPIN, DT)
+                nb = _layer(pid, nprog, nb, ws, lw, li == 0, a_ptr, y_ptr, post_ptr, scale_ptr, hq + li * D,
+                            h2 + li * D, q, att, o, act, dn + li * D, cos_s, sin_s, ks, vs, ring, S_s, ss_s, sh_s,
+                            qpos, window, m_buf, l_buf, acc_buf, bar_ptr, err_ptr, eps, off, D, I, NH, HKV, HD_S,
+                            NSPL, BT_S, True, BN_Q, BN_O, BN_GU, BN_DN, BK_D, BK_I, BK_AS, BLOCK_D, SPIN, DT)
                 lw_prev = lw
                 lw = lw + LSZ_S
             else:
-                nb = _layer(pid, nprog, nb, lw, li == 0, a_ptr, y_ptr, post_ptr, scale_ptr, hq + li * D, h2 + li * D,
-                            q, att, o, act, dn + li * D, cos_f, sin_f, kf, vf, ring, S_f, ss_f, sh_f, qpos, window * 0,
-                            m_buf, l_buf, acc_buf, bar_ptr, err_ptr, eps, off, D, I, NH, HKV, HD_F, NSPL, BT_F, False,
-                            BN_Q, BN_O, BN_GU, BN_DN, BK_D, BK_I, BK_AF, BLOCK_D, SPIN, DT)
+                nb = _layer(pid, nprog, nb, ws, lw, li == 0, a_ptr, y_ptr, post_ptr, scale_ptr, hq + li * D,
+                            h2 + li * D, q, att, o, act, dn + li * D, cos_f, sin_f, kf, vf, ring, S_f, ss_f, sh_f,
+                            qpos, window * 0, m_buf, l_buf, acc_buf, bar_ptr, err_ptr, eps, off, D, I, NH, HKV, HD_F,
+                            NSPL, BT_F, False, BN_Q, BN_O, BN_GU, BN_DN, BK_D, BK_I, BK_AF, BLOCK_D, SPIN, DT)
                 lw_prev = lw
                 lw = lw + LSZ_F
+            if li + 1 < NL:
+                if (KINDS >> (li + 1)) & 1:
+                    ws = _q_w(pid, nprog, lw, D, NH, HD_S, BN_Q, BK_D)
+                else:
+                    ws = _q_w(pid, nprog, lw, D, NH, HD_F, BN_Q, BK_D)
+            else:
+                ws = _gemv_w(pid, nprog, 0, w_post, H, D, BN_POST, BK_D, 0)
+                ws_c = _gemv_w(pid, nprog, NT_POST, w_c, C, D, BN_POST, BK_D, 0)
+            nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
         # post: the last update, the final norm, then h' = W_post g and the centroid scores W_c g
         la = h2 + (NL - 1) * D
         ly = dn + (NL - 1) * D
-        _gemv(pid, nprog, 0, w_post, la, ly, lw_prev + 3 * D, lw_prev + 4 * D, w_fin, hl, hp, eps, off,
+        _gemv(pid, nprog, 0, ws, w_post, la, ly, lw_prev + 3 * D, lw_prev + 4 * D, w_fin, hl, hp, eps, off,
               H, D, BN_POST, BK_D, 2, True, 0, DT)
-        _gemv(pid, nprog, (H + BN_POST - 1) // BN_POST, w_c, la, ly, lw_prev + 3 * D, lw_prev + 4 * D, w_fin, hl, cs,
+        _gemv(pid, nprog, NT_POST, ws_c, w_c, la, ly, lw_prev + 3 * D, lw_prev + 4 * D, w_fin, hl, cs,
               eps, off, C, D, BN_POST, BK_D, 2, True, 0, DT)
         nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
         # select: g from the residual hl, the top-k centroids, the candidates' scores per unit
@@ -329,16 +417,9 @@ def _draft_loop_kernel(
             tl.store(pord + u, rank * TPC + first)
             tl.store(ptok + u, tl.sum(tl.where(jj == first, ids, 0), axis=0))
         nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
-        # every program: the highest score, the earliest (rank, position) among equals
-        uu = tl.arange(0, NUP)
-        u_ok = uu < NU
-        pv = tl.load(pmax + uu, mask=u_ok, other=float("-inf"))
-        po = tl.load(pord + uu, mask=u_ok, other=2147483647)
-        pt = tl.load(ptok + uu, mask=u_ok, other=0)
-        po = tl.where(pv == tl.max(pv, axis=0), po, 2147483647)
-        tok = tl.sum(tl.where(po == tl.min(po, axis=0), pt, 0), axis=0)
-        if pid == 0:
-            tl.store(drafts + step, tok)
+    tok = _pick(pmax, pord, ptok, NU)
+    if pid == 0:
+        tl.store(drafts + nsteps - 1, tok)
     # the last program out resets the barrier (every program has passed the last barrier)
     left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
     if left == nprog - 1:
