@@ -10,7 +10,7 @@ import torch
 from conftest import TINY
 from fastgemma.engine.cache import KVCache
 from fastgemma.engine.generator import Generator
-from fastgemma.engine.speculative import Replay, SpecGenerator
+from fastgemma.engine.speculative import Replay, SpecGenerator, draft_steps
 from fastgemma.kernels.decode_attention import decode_attention_ref
 from fastgemma.kernels.draft_loop import DraftLoop, DraftLoopError
 from fastgemma.model.drafter import synthetic_drafter
@@ -42,15 +42,9 @@ def primed(target):
 
 
 def reference(d, emb, cache, tok, hid, pos, k):
-    """SpecGenerator._draft_loop's k steps through the drafter's own (unfused) step."""
-    rope = d.rope(pos, hid.dtype)
-    out = []
-    for _ in range(k):
-        x = torch.cat([d.embed_input(tok, emb), hid], -1)
-        g, hid = d(x, rope, pos - 1, cache, decode_attention_ref)
-        tok = d.next_token(g)
-        out.append(tok.item())
-    return out, hid
+    """The engine's draft loop through the drafter's own (unfused) step."""
+    drafts, h = draft_steps(d, emb, cache, decode_attention_ref, tok, hid, pos, k)
+    return drafts[0].tolist(), h
 
 
 def test_draft_loop_equals_the_drafter(target, drafter, primed):

@@ -76,6 +76,7 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
 
     from ..engine.cache import KVCache
     from ..engine.compile import compile_step
+    from ..engine.speculative import draft_steps
     from ..kernels.decode_attention import decode_attention_op
     from ..kernels.draft_head import draft_head_op
     from ..kernels.draft_loop import DraftLoop
@@ -110,14 +111,7 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
     pos = torch.full((1, 1), context, dtype=torch.long, device=dev)
 
     def fused_loop(tok, hid):
-        rope = d.rope(pos, hid.dtype)
-        out = []
-        for _ in range(depth):
-            x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)
-            g, hid = d(x, rope, pos - 1, cache, decode_attention_op)
-            tok = d.next_token(g)
-            out.append(tok)
-        return torch.cat(out, 1), hid
+        return draft_steps(d, emb, cache, decode_attention_op, tok, hid, pos, depth)
 
     ref_fn = compile_step(fused_loop) if compile else fused_loop
     inputs = [(torch.randint(0, cfg.vocab_size, (1, 1), generator=gen, device=dev),
@@ -160,6 +154,7 @@ def fp32_agreement(cfg, depth: int, context: int, window: int, checks: int, dev)
     """The kernel in fp32 against the drafter's own (unfused, torch) step in fp32 on the same GPU:
     the same arithmetic up to the order of fp32 sums, so every draft should agree."""
     from ..engine.cache import KVCache
+    from ..engine.speculative import draft_steps
     from ..kernels.decode_attention import decode_attention_ref
     from ..kernels.draft_loop import DraftLoop
     from ..model.drafter import synthetic_drafter
@@ -179,14 +174,8 @@ def fp32_agreement(cfg, depth: int, context: int, window: int, checks: int, dev)
         tok = torch.randint(0, cfg.vocab_size, (1, 1), generator=gen, device=dev)
         hid = torch.randn(1, 1, cfg.hidden_size, generator=gen, device=dev)
         out = loop(tok, hid, pos, depth)
-        rope = d.rope(pos, hid.dtype)
-        want = []
-        for _ in range(depth):
-            x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)
-            g, hid = d(x, rope, pos - 1, cache, decode_attention_ref)
-            tok = d.next_token(g)
-            want.append(tok)
-        agree = (out == torch.cat(want, 1)).long().cumprod(1).sum().item()
+        want, hid = draft_steps(d, emb, cache, decode_attention_ref, tok, hid, pos, depth)
+        agree = (out == want).long().cumprod(1).sum().item()
         eq += agree
         if agree == depth:
             hdiff = max(hdiff, (loop.hidden() - hid).abs().max().item())

@@ -114,6 +114,20 @@ class Replay:
         return {"profile": self.profile, "replay_seed": self.seed}
 
 
+def draft_steps(d, emb, cache, attn, tok, hid, pos, k: int):
+    """k drafter steps at the fixed position P: tok, pos [B, 1] (the last accepted token and P), hid
+    [B, 1, H] (the target's final-norm hidden state there) -> (drafts [B, k], the last h' [B, 1, H])."""
+    rope = d.rope(pos, hid.dtype)
+    q_pos = pos - 1  # keys strictly before P: P's own K/V is not computed yet
+    out = []
+    for _ in range(k):
+        x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)  # [B, 1, 2 H]
+        g, hid = d(x, rope, q_pos, cache, attn)
+        tok = d.next_token(g)  # [B, 1]
+        out.append(tok)
+    return torch.cat(out, 1), hid
+
+
 class SpecGenerator(Generator):
     """generate(prompt_ids, max_new_tokens, ignore_eos) -> SpecGeneration, greedy-identical to AR."""
 
@@ -188,17 +202,8 @@ class SpecGenerator(Generator):
     # ---- the three phases (graph-capturable: static buffers in, static buffers out) -------------
     def _draft_loop(self, tok, hid, pos):
         """tok, pos [B, 1], hid [B, 1, H] -> drafts [B, k]: k drafter steps at the fixed position."""
-        d = self.drafter
-        emb = self.model.embed_tokens.weight
-        rope = d.rope(pos, hid.dtype)
-        q_pos = pos - 1  # keys strictly before P: P's own K/V is not computed yet
-        out = []
-        for _ in range(self.k):
-            x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)  # [B, 1, 2 H]
-            g, hid = d(x, rope, q_pos, self.cache, self.attn)
-            tok = d.next_token(g)  # [B, 1]
-            out.append(tok)
-        return torch.cat(out, 1)
+        return draft_steps(self.drafter, self.model.embed_tokens.weight, self.cache, self.attn, tok, hid, pos,
+                           self.k)[0]
 
     def _replay_drafts(self, drafts):
         """drafts [B, k] -> the reference's tokens where the profile accepts, wrong after a miss."""
