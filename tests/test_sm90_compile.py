@@ -42,11 +42,12 @@ def test_gpu_only_variants_compile_for_sm90():
         before, after = l2[name]
         assert before > 0 and after == 0, (name, l2[name])
     # the persistent draft loop (E4B's drafter): 27 grid barriers per draft token, each one release
-    # arrival and one acquire poll, the exit counter the only other GPU-scope atomic; a few spilled
-    # registers at most (255 of them: one program per multiprocessor)
+    # arrival and one acquire poll, the exit counter the only other GPU-scope atomic; at 255 registers
+    # (one program per multiprocessor) it spills a few hundred bytes (384 with the first weight tiles
+    # loaded before each barrier), as the attention's split kernel does
     loop = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "loop"}
     regs, spills, arrivals, polls, other = loop["draft loop E4B"]
-    assert regs <= 255 and spills <= 256 and (arrivals, polls, other) == (27, 27, 1), loop
+    assert regs <= 255 and spills <= 512 and (arrivals, polls, other) == (27, 27, 1), loop
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}
