@@ -238,9 +238,7 @@ def draft_loop_line():
     ce = dict(D=D, H=H, I=I, NH=NH, HKV=2, HD_S=HDS, HD_F=HDF, NL=4, KINDS=0b0111, C=C, CP=C, TOP_K=32, TPC=128,
               NSPL=32, BT_S=16, BT_F=8, BT_C=32, BN_PRE=2, BK_PRE=512, BN_Q=8, BN_O=2, BN_GU=32, BN_DN=2, BN_POST=32,
               BK_D=D, BK_I=512, BK_AS=512, BK_AF=512, BLOCK_D=32, KEY_SHIFT=16, SPIN=dl.SPIN_LIMIT,
-              LSZ_S=dl._pad(4 * D + dl.ALIGN_N + HDS + 2 * NH * HDS * D + 3 * I * D),
-              LSZ_F=dl._pad(4 * D + dl.ALIGN_N + HDF + 2 * NH * HDF * D + 3 * I * D),
-              GSZ=2 * H * D + dl._pad(D) + H * D + dl._pad(C * D))
+              LSZ_S=dl.layer_size(D, NH, HDS, I), LSZ_F=dl.layer_size(D, NH, HDF, I), GSZ=dl.global_size(D, H, C))
     kinds = {"m_buf": "*fp32", "l_buf": "*fp32", "acc_buf": "*fp32", "pmax": "*fp32", "pord": "*i32", "ptok": "*i64",
              "drafts": "*i64", "bar_ptr": "*i32", "err_ptr": "*i32", "order": "*i64", "tok_ptr": "*i64",
              "qpos_ptr": "*i64", "ring": "*i32", "s_emb": "fp32", "eps": "fp32", "off": "fp32"}

@@ -23,22 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.draft_loop import SPIN_LIMIT, _sync
+from ..kernels.draft_loop import SPIN_LIMIT, _leave, _sync
 
 
 @triton.jit
 def _barrier_kernel(bar_ptr, err_ptr, n, SPIN: tl.constexpr):
-    pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nb = 0
     for _ in range(n):
         nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
-    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if left == nprog - 1:
-        tl.store(bar_ptr, 0)
-        tl.store(bar_ptr + 1, 0)
-    if pid < 0:
-        tl.store(err_ptr, nb)
+    _leave(bar_ptr, nprog)
 
 
 def barrier_us(programs: int, n: int, timer, device) -> float:
@@ -69,9 +63,9 @@ def _fill_cache(cache, sources, context: int, gen):
 def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, checks: int = 16,
                      programs=(None,), splits=(None,), barriers: int = 0, fp32_checks: int = 4, compile: bool = True,
                      model: str = "gemma4_e4b", device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
-    """Print the table; return one dict per loop: us per loop and per draft token, the checks'
-    agreement with the fused step (`positions_equal` of `positions`, `loops_equal` of `checks`),
-    `max_h_diff`; then one per barrier count."""
+    """Print the tables; return a dict per barrier program count (with `barriers`), the fp32 check's
+    (with `fp32_checks`), then one per loop: us per loop and per draft token, the checks' agreement
+    with the fused step (`positions_equal` of `positions`, `loops_equal` of `checks`), `max_h_diff`."""
     from triton.testing import do_bench_cudagraph
 
     from ..engine.cache import KVCache

@@ -21,7 +21,6 @@ pass as another and the accept bookkeeping as a third; on a CPU the same code ru
 from __future__ import annotations
 
 import functools
-
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -187,17 +186,18 @@ class SpecGenerator(Generator):
             self.uniform = torch.ones(L, k, dtype=torch.float32, device=dev)
             self.profile = torch.tensor(extend_profile(replay.profile, k), dtype=torch.float32, device=dev)
             self.mismatch = torch.zeros(B, **long)
-        self._draft_fn = self._draft_loop
-        self._verify_fn = self._verify_rows
-        if compile:
-            # dynamic=False: one specialisation per depth; the cache writes are traced like StaticStep's
-            self._draft_fn = compile_step(self._draft_loop)
-            self._verify_fn = compile_step(self._verify_rows)
         # fuse.draft_loop: the k draft steps of one row in one persistent kernel (nothing to compile)
         loop_kernel = getattr(drafter, "loop_kernel", None)
         self.draft_kernel = loop_kernel(drafter, w, cache) if loop_kernel is not None and B == 1 else None
+        self._draft_fn = self._draft_loop
+        self._verify_fn = self._verify_rows
         if self.draft_kernel is not None:
             self._draft_fn = functools.partial(self.draft_kernel, k=k)
+        elif compile:
+            # dynamic=False: one specialisation per depth; the cache writes are traced like StaticStep's
+            self._draft_fn = compile_step(self._draft_loop)
+        if compile:
+            self._verify_fn = compile_step(self._verify_rows)
 
     # ---- the three phases (graph-capturable: static buffers in, static buffers out) -------------
     def _draft_loop(self, tok, hid, pos):

@@ -62,6 +62,15 @@ def _sync(bar_ptr, err_ptr, nb, nprog, SPIN: tl.constexpr):
 
 
 @triton.jit
+def _leave(bar_ptr, nprog):
+    """The last program out of the launch resets the barrier (every program has passed the last one)."""
+    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == nprog - 1:
+        tl.store(bar_ptr, 0)
+        tl.store(bar_ptr + 1, 0)
+
+
+@triton.jit
 def _first_tile(pid, nprog, rot, NT: tl.constexpr):
     return (pid + nprog - rot % nprog) % nprog
 
@@ -420,11 +429,7 @@ def _draft_loop_kernel(
     tok = _pick(pmax, pord, ptok, NU)
     if pid == 0:
         tl.store(drafts + nsteps - 1, tok)
-    # the last program out resets the barrier (every program has passed the last barrier)
-    left = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if left == nprog - 1:
-        tl.store(bar_ptr, 0)
-        tl.store(bar_ptr + 1, 0)
+    _leave(bar_ptr, nprog)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,6 +442,18 @@ class DraftLoopError(ValueError):
 
 def _pad(n: int) -> int:
     return ALIGN_N * ((n + ALIGN_N - 1) // ALIGN_N)
+
+
+def global_size(D: int, H: int, C: int) -> int:
+    """The arena's head (the kernel's GSZ): W_pre [D, 2H], final norm [D] padded, W_post [H, D],
+    centroids [C, D] padded."""
+    return 2 * H * D + _pad(D) + H * D + _pad(C * D)
+
+
+def layer_size(D: int, NH: int, hd: int, I: int) -> int:
+    """One layer's arena (the kernel's LSZ_S / LSZ_F): 4 norms [D], a header of ALIGN_N (layer scalar,
+    a 1), q_norm [hd], q [NH hd, D], o [D, NH hd], gate|up [2I, D], down [D, I], padded."""
+    return _pad(4 * D + ALIGN_N + hd + 2 * NH * hd * D + 3 * I * D)
 
 
 def _pow2_block(n: int, parts: int, lo: int, hi: int) -> int:
@@ -465,6 +482,9 @@ class DraftLoop:
     def __init__(self, drafter, target_embed: torch.Tensor, cache, *, programs: int | None = None,
                  splits: int | None = None):
         from torch import nn
+
+        from ..model.config import FULL, SLIDING
+        from ..model.decoder import _rounded
 
         c = drafter.config
         dev = target_embed.device
@@ -497,8 +517,8 @@ class DraftLoop:
             if layer.self_attn.head_dim != (hd_s if layer.spec.sliding else hd_f):
                 raise DraftLoopError("fuse.draft_loop: a layer's head_dim differs from its kind's")
         src = drafter.sources
-        sl_src = src.get("sliding_attention")
-        fl_src = src.get("full_attention")
+        sl_src = src.get(SLIDING)
+        fl_src = src.get(FULL)
         if (any(kinds) and sl_src is None) or (not all(kinds) and fl_src is None):
             raise DraftLoopError("fuse.draft_loop: the target has no KV source for one of the drafter's layer kinds")
         n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if target_embed.is_cuda else 1
@@ -508,13 +528,9 @@ class DraftLoop:
         nspl = int(splits or max(1, min(32, P // HKV)))
         dt = target_embed.dtype
         self.drafter, self.cache, self.P, self.dtype = drafter, cache, P, dt
-        self.top_k = top_k
         self.emb_t = target_embed
         # the arena: W_pre, final norm, W_post, centroids; then per layer its norms, scalars, q_norm,
         # q, o, gate|up, down (the kernel's offsets)
-        one = torch.ones(1, dtype=dt, device=dev)
-        glob = [drafter.pre_projection.weight, drafter.model.norm.weight, drafter.post_projection.weight,
-                drafter.masked_embedding.centroids.weight]
         parts, sizes = [], []
 
         def put(t, pad=False):
@@ -523,10 +539,10 @@ class DraftLoop:
             if pad and flat.numel() % ALIGN_N:
                 parts.append(torch.zeros(ALIGN_N - flat.numel() % ALIGN_N, dtype=dt, device=dev))
 
-        put(glob[0])
-        put(glob[1], pad=True)
-        put(glob[2])
-        put(glob[3], pad=True)
+        put(drafter.pre_projection.weight)
+        put(drafter.model.norm.weight, pad=True)
+        put(drafter.post_projection.weight)
+        put(drafter.masked_embedding.centroids.weight, pad=True)
         gsz = sum(p.numel() for p in parts)
         for layer in layers:
             start = sum(p.numel() for p in parts)
@@ -535,7 +551,7 @@ class DraftLoop:
                 put(norm.weight)
             hdr = torch.zeros(ALIGN_N, dtype=dt, device=dev)
             hdr[0] = layer.layer_scalar.reshape(-1)[0].to(dt)
-            hdr[1] = one[0]
+            hdr[1] = 1.0
             put(hdr)
             at = layer.self_attn
             for t in (at.q_norm.weight, at.q_proj.weight, at.o_proj.weight, layer.mlp.gate_up_proj.weight,
@@ -546,12 +562,10 @@ class DraftLoop:
                 parts.append(torch.zeros(ALIGN_N - used % ALIGN_N, dtype=dt, device=dev))
             sizes.append(sum(p.numel() for p in parts) - start)
         self.arena = torch.cat(parts)
-
-        def lsz(hd):
-            return _pad(4 * D + ALIGN_N + hd + 2 * NH * hd * D + 3 * I * D)
-
+        # the kernel's offsets come from the layout's formulas
+        assert gsz == global_size(D, H, C), (gsz, global_size(D, H, C))
         for s, sliding in zip(sizes, kinds):
-            assert s == lsz(hd_s if sliding else hd_f), (s, lsz(hd_s if sliding else hd_f))
+            assert s == layer_size(D, NH, hd_s if sliding else hd_f, I), (s, sliding)
         hd_max = max(hd_s if any(kinds) else 0, hd_f if not all(kinds) else 0)
         nq_max = NH * hd_max
         bc = min(TPC, 32)
@@ -566,7 +580,6 @@ class DraftLoop:
         self.bar = torch.zeros(2, dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
         self.drafts = torch.zeros(1, 64, dtype=torch.long, device=dev)
-        self.sl_src, self.fl_src = sl_src, fl_src
         dummy_kv = self.ws["z"]
         self._kv = {}
         for key, s in (("s", sl_src), ("f", fl_src)):
@@ -581,7 +594,8 @@ class DraftLoop:
                 self._kv[key] = (k, v, k.shape[1], k.stride(1), k.stride(2))
         self.meta = dict(
             D=D, H=H, I=I, NH=NH, HKV=HKV, HD_S=hd_s, HD_F=hd_f, NL=L,
-            KINDS=sum(1 << i for i, s in enumerate(kinds) if s), LSZ_S=lsz(hd_s), LSZ_F=lsz(hd_f), GSZ=gsz,
+            KINDS=sum(1 << i for i, s in enumerate(kinds) if s), LSZ_S=layer_size(D, NH, hd_s, I),
+            LSZ_F=layer_size(D, NH, hd_f, I), GSZ=gsz,
             C=C, CP=triton.next_power_of_2(C), TOP_K=top_k, TPC=TPC, NSPL=nspl,
             BT_S=16 if target_embed.is_cuda else 4, BT_F=8 if target_embed.is_cuda else 4, BT_C=bc,
             BN_PRE=_pow2_block(D, P, 1, 16), BK_PRE=_divisor_block(H, 512),
@@ -591,8 +605,8 @@ class DraftLoop:
             BK_AS=min(512, triton.next_power_of_2(NH * hd_s)), BK_AF=min(512, triton.next_power_of_2(NH * hd_f)),
             BLOCK_D=min(32, hd_s, hd_f), KEY_SHIFT=16 if dt == torch.bfloat16 else 0, SPIN=SPIN_LIMIT)
         self.window = int(cache.window)
-        self.s_emb = _rounded_scale(H, dt)
-        self.eps, self.off = float(c.rms_eps), float(drafter.config.body_config().norm_offset)
+        self.s_emb = _rounded(H ** 0.5, dt)  # as Drafter.embed_input scales E_t[tok]
+        self.eps, self.off = float(c.rms_eps), float(c.body_config().norm_offset)
 
     def __call__(self, tok: torch.Tensor, hid: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
         if tok.shape[0] != 1 or hid.shape[0] != 1 or pos.shape[0] != 1:
@@ -623,9 +637,3 @@ class DraftLoop:
     def check(self) -> None:
         if int(self.err.item()):
             raise RuntimeError("fuse.draft_loop: a grid barrier gave up waiting (programs not all resident?)")
-
-
-def _rounded_scale(H: int, dtype) -> float:
-    from ..model.decoder import _rounded
-
-    return _rounded(H ** 0.5, dtype)

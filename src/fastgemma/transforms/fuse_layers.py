@@ -349,17 +349,12 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
     tiles per position with the one-row split count, the embedding's PLE path in kernels): the
     verify pass's rows equal the AR steps' bit for bit."""
-    from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
-
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
 
     def rn(a, y=None, post=None, scale=None, pre=None):
-        if triton_ops and norm_kernels:
-            h, x = residual_norm_op(a, y, post, scale, pre, eps, off, pdl)
-            return (h if y is not None else a), (x if pre is not None else None)
-        h, x = residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
-        return (h if y is not None else a), x
+        h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl)
+        return (h if y is not None else a), (x if pre is not None else None)
 
     def gemm(mod, x, epilogue="none", aux=None):
         return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl, int4_mma=int4_mma,
