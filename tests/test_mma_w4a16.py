@@ -231,6 +231,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sm90_compile import build
 from fastgemma.kernels.mma_w4a16 import _mma_stream_kernel, _mma_w4a16_kernel
+
+
+def mma_layouts(fn, sig, ce, aligned, warps):
+    # the layouts of every tensor the inline mma reads or makes: blocked ones as sizePerThread +
+    # threadsPerWarp, others (a linear layout) by name
+    src = ASTSource(fn, dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ttgir"]
+    pat = r"(#blocked\d*) = #ttg.blocked<\{sizePerThread = (\[[^]]*\]), threadsPerWarp = (\[[^]]*\])"
+    layouts = {m[0]: m[1] + m[2] for m in re.findall(pat, ttgir)}
+    used = set()
+    for m in re.finditer(r'tt\.elementwise_inline_asm "((?:[^"\\]|\\.)*)"[^\n]*', ttgir):
+        if "mma.sync" in m.group(1):
+            used |= {layouts.get(x, x) for x in re.findall(r"tensor<[0-9x]+x[a-z0-9]+, (#[a-z]+\d*)>", m.group(0))}
+    return sorted(used)
+
+
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
        "M": "i32", "N": "i32", "HALF": "i32", "stride_xm": "i32", "stride_om": "i32", "NPT": "i32"}
 aligned = (0, 1, 2, 3, 4, 5, 9, 10)
@@ -243,23 +260,15 @@ for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down d
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False,
               XR=32 * W * (T if HW > W else 1))
     ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, aligned, HW)
-    src = ASTSource(_mma_w4a16_kernel, dict(sig, **{k: "constexpr" for k in ce}), constexprs=ce,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": HW}).asm["ttgir"]
-    pat = r"(#blocked\d*) = #ttg.blocked<\{sizePerThread = (\[[^]]*\]), threadsPerWarp = (\[[^]]*\])"
-    layouts = {m[0]: m[1] + m[2] for m in re.findall(pat, ttgir)}
-    mma_layouts = set()
-    for m in re.finditer(r'tt\.elementwise_inline_asm "((?:[^"\\]|\\.)*)"[^\n]*', ttgir):
-        if "mma.sync" in m.group(1):
-            mma_layouts |= {layouts[x] for x in re.findall(r"tensor<[0-9x]+x[a-z0-9]+, (#blocked\d*)>", m.group(0))}
     print(f"mma\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('griddepcontrol.wait')}\t"
-          f"{sorted(mma_layouts)}")
+          f"{mma_layouts(_mma_w4a16_kernel, sig, ce, aligned, HW)}")
 ssig = {k: v for k, v in sig.items() if k not in ("ws_ptr", "cnt_ptr")}
 ssig["NITER"] = "i32"
 for name, K, T, W, EPI, D in [("gate|up", 2560, 2, 4, 1, 5), ("down", 10240, 2, 8, 0, 3)]:  # the table's one-row entries
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, XR=32 * W, PDL=True, EMU=False)
     ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)
-    print(f"stream\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('ld.global.v4')}")
+    print(f"stream\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('ld.global.v4')}\t"
+          f"{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
 '''
 
 
@@ -279,9 +288,12 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
     # words: 2 tiles x 2 blocks per group, for the groups in flight first and every group of the loop (the
     # last DEPTH of them the next tile's). No spills.
     stream = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "stream"}
+    # Every operand one lane per row with a lane's 4 values first in its registers (x's copies for the
+    # tiles after them: a copy first would pack two tiles' values into one mma operand).
     for name, blocks, depth in (("gate|up", 10, 5), ("down", 20, 3)):
         groups = blocks // 2
-        assert stream[name][1:] == ["0", str(blocks * 4 * 3), str(blocks * 2 + (depth + groups) * 4)], (name, stream)
+        assert stream[name][1:] == ["0", str(blocks * 4 * 3), str(blocks * 2 + (depth + groups) * 4),
+                                    "['[1, 4][32, 1]']"], (name, stream)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")

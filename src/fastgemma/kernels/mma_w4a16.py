@@ -233,14 +233,9 @@ def _bcast(v, T: tl.constexpr):
     rows, as `_tile_ptrs` orders them: on at most W hardware warps the copies are a thread's own
     registers); T = 1: v."""
     WR: tl.constexpr = v.shape[0]
-    if T == 1:
-        out = v
-    elif T == 2:
-        out = tl.reshape(tl.permute(tl.join(v, v), (2, 0, 1)), (2 * WR, 4))
-    else:
-        v2 = tl.join(v, v)
-        out = tl.reshape(tl.permute(tl.join(v2, v2), (3, 2, 0, 1)), (4 * WR, 4))
-    return out
+    # broadcast along a new leading axis: the copies become the last register index, after a lane's 4
+    # values, so the inline mma's 4-value packs stay one row's words (join / permute put the copy first)
+    return tl.reshape(tl.broadcast_to(tl.expand_dims(v, 0), (T, WR, 4)), (T * WR, 4))
 
 
 @triton.jit
