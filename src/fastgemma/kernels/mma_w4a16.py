@@ -492,8 +492,10 @@ class MmaConfig:
 
     @property
     def x_rows(self) -> int:
-        """Lane rows of x a program loads per 64-k block: one per K slice's lane (its tiles share it)
-        on at most `warps` hardware warps, else one per tile row."""
+        """Lane rows of x the persistent kernel loads per 64-k block: one per K slice's lane (its tiles
+        share it) on at most `warps` hardware warps, else one per tile row (the one-tile-per-program
+        kernel's way: it loads each block's x just before its use, and with the tiles sharing it ptxas
+        placed those loads later, run EN)."""
         return 32 * self.warps * (1 if self.num_warps <= self.warps else self.tiles)
 
 
@@ -670,7 +672,8 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
                             n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
-                            ITERS=cfg.iters, S=S, XR=cfg.x_rows, EMU=_INTERPRET, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
+                            ITERS=cfg.iters, S=S, XR=32 * cfg.warps * cfg.tiles, EMU=_INTERPRET, num_warps=cfg.num_warps,
+                            **pdl_args(pdl, x.device))
     return out
 
 
