@@ -230,7 +230,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sm90_compile import build
-from fastgemma.kernels.mma_w4a16 import X_BLOCKS, _mma_stream_kernel, _mma_w4a16_kernel
+from fastgemma.kernels.mma_w4a16 import _mma_stream_kernel, _mma_w4a16_kernel
 
 
 def mma_layouts(fn, sig, ce, aligned, warps):
@@ -257,18 +257,15 @@ for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down d
                                     ("down K over 4 programs", 10240, 1, 4, 0, 64, 1, 4),
                                     ("gate|up a lane row per thread", 2560, 2, 4, 1, 2, 1, 1)]:
     HW = W * T if "per thread" in name else W
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False,
-              XR=32 * W * (T if HW > W else 1))
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False)
     ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, aligned, HW)
     print(f"mma\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('griddepcontrol.wait')}\t"
           f"{mma_layouts(_mma_w4a16_kernel, sig, ce, aligned, HW)}")
 ssig = {k: v for k, v in sig.items() if k not in ("ws_ptr", "cnt_ptr")}
 ssig["NITER"] = "i32"
 for name, K, T, W, EPI, D in [("gate|up", 2560, 2, 4, 1, 5), ("down", 10240, 2, 8, 0, 3)]:  # the table's one-row entries
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False, XR=32 * W,
-              XD=min(K // W // 64, X_BLOCKS))
-    ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)
-    print(f"stream\t{name}\t{spills}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False)
+    print(f"stream\t{name}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
 '''
 
 
@@ -283,9 +280,9 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
         # every mma operand: one lane per row (threadsPerWarp [32, 1]), a lane's 4 values in its registers
         assert layouts == "['[1, 4][32, 1]']", (name, layouts)
         assert int(spills) == 0 and int(mmas) > 0 and int(waits) == 1, (name, regs, spills, mmas)
-    # the persistent kernel (the table's one-row entries) too, with its x blocks held ahead: no spills
+    # the persistent kernel (the table's one-row entries) too
     stream = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "stream"}
-    assert stream == {"gate|up": ["0", "['[1, 4][32, 1]']"], "down": ["0", "['[1, 4][32, 1]']"]}, stream
+    assert stream == {"gate|up": ["['[1, 4][32, 1]']"], "down": ["['[1, 4][32, 1]']"]}, stream
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
@@ -342,9 +339,6 @@ def test_table_from_text():
     (80, 512, 128, 8, "none", MmaConfig(1, 2, 1, persist=1)),  # 5 tiles, depth 1
     (160, 256, 64, 2, "none", MmaConfig(2, 1, 4, persist=9, fresh=True)),  # one tile per program
     (64, 512, 128, 4, "geglu", MmaConfig(2, 2, 2, persist=9, fresh=True, hw=4)),  # a lane row per thread
-    # 16 x blocks per K slice, X_BLOCKS (8) held ahead: the window turns, and wraps to the next tile's first
-    (64, 1024, 128, 2, "none", MmaConfig(1, 1, 2, persist=1)),
-    (128, 1024, 64, 3, "geglu", MmaConfig(2, 1, 3, persist=1, fresh=True)),
 ])
 def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     """The persistent kernel (`persist`, interpreter: 2 multiprocessors) with its loads crossing tile

@@ -41,8 +41,6 @@ from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
-# x blocks (64 k, 8 words a lane) the persistent kernel holds ahead of their use: all of a K slice up to this
-X_BLOCKS = 8
 MMA_GROUPS = (64, 128)  # a group spans whole 64-k word blocks
 EPILOGUES = {"none": 0, "geglu": 1}
 
@@ -199,13 +197,12 @@ def _group_loads(w_ptrs, sz_ptrs, g, ok, BG: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def _tile_ptrs(it, sp, w_ptr, sz_ptr, HALF, r, oj, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
                W: tl.constexpr, S: tl.constexpr, EPI: tl.constexpr):
-    """Program tile `it`'s word and scale / zero pointers in K split `sp` of S. [R, 4] tensors, tile-major:
-    row r is lane r % 32 of (tile, K slice) (r // 32) // W, (r // 32) % W, so a thread's rows are one
-    K slice's lane in each tile (with W hardware warps) and share its x (`_bcast`); a lane's 4 words
-    are one 16-byte load, so the words' layout puts lanes on rows and the 4 in one thread."""
+    """Program tile `it`'s word and scale / zero pointers in K split `sp` of S. [R, 4] tensors: row r
+    is lane r % 32 of (K slice, tile) (r // 32) // T, (r // 32) % T; a lane's 4 words are one 16-byte
+    load, so the words' layout puts lanes on rows and the 4 in one thread."""
     lane = r % 32
-    ow = sp * W + (r // 32) % W  # the warp's K slice of W * S
-    ot = (r // 32) // W
+    ow = sp * W + (r // 32) // T  # the warp's K slice of W * S
+    ot = (r // 32) % T
     if EPI == 1:  # the gate tile and its up tile
         tile = it + ot * (HALF // 16)
     else:
@@ -230,65 +227,33 @@ def _first_loads(w_ptrs, sz_ptrs, ok, NG: tl.constexpr, DEPTH: tl.constexpr, BG:
 
 
 @triton.jit
-def _bcast(v, T: tl.constexpr):
-    """One K slice's [W*32, 4] values -> [T*W*32, 4], the same for each of the T tiles (tile-major
-    rows, as `_tile_ptrs` orders them: on at most W hardware warps the copies are a thread's own
-    registers); T = 1: v."""
-    WR: tl.constexpr = v.shape[0]
-    # broadcast along a new leading axis: the copies become the last register index, after a lane's 4
-    # values, so the inline mma's 4-value packs stay one row's words (join / permute put the copy first)
-    return tl.reshape(tl.broadcast_to(tl.expand_dims(v, 0), (T, WR, 4)), (T * WR, 4))
-
-
-@triton.jit
-def _x_block(x_ptrs, b, ok=True):
-    """64-k block b's x words (xa, xb) of the K slice `x_ptrs` points at (nothing read where not ok)."""
-    return (tl.load(x_ptrs + b * 32, mask=ok, other=0), tl.load(x_ptrs + b * 32 + 4, mask=ok, other=0))
-
-
-@triton.jit
-def _group_acc(acc, grp, xg, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr):
-    """acc + group g's sums from its words `grp` (BG word blocks, then the scale / zero words) and its
-    blocks' x words `xg` ((xa, xb) per block, [XR, 4]): P = sum (128 + q) x by the tiles' mmas and sum x
-    by one more mma per k step, then s P + (z - 128 s) sum x. XR = R / T rows (at most W hardware
-    warps): the tiles share one K slice's x, summed once (`_bcast`); XR = R: a row's own. FRESH: each
-    64-k block's mmas start from zero and are added after (chains of 4 dependent mmas instead of one
-    through the group)."""
-    WR: tl.constexpr = xg[0][0].shape[0]
-    C: tl.constexpr = R // WR  # copies of a K slice's x
+def _group_acc(acc, grp, x_ptrs, g, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr):
+    """acc + group g's sums from its words `grp` (BG word blocks, then the scale / zero words): P = sum
+    (128 + q) x and sum x by the mmas, then s P + (z - 128 s) sum x. FRESH: each 64-k block's mmas
+    start from zero and are added after (chains of 4 dependent mmas instead of one through the group)."""
     p = tl.zeros((R, 4), dtype=tl.float32)
-    xs = tl.zeros((WR, 4), dtype=tl.float32)
+    xs = tl.zeros((R, 4), dtype=tl.float32)
     for i in tl.static_range(BG):
-        xa = xg[i][0]
-        xb = xg[i][1]
-        ta = _bcast(xa, C)
-        tb = _bcast(xb, C)
+        xa = tl.load(x_ptrs + (g * BG + i) * 32)
+        xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
         if FRESH:
-            xs += _ones_mma(xa, xb, tl.zeros((WR, 4), dtype=tl.float32), EMU)
-            p += _tile_mma(grp[i], ta, tb, tl.zeros((R, 4), dtype=tl.float32), EMU)
+            xs += _ones_mma(xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
+            p += _tile_mma(grp[i], xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
         else:
             xs = _ones_mma(xa, xb, xs, EMU)
-            p = _tile_mma(grp[i], ta, tb, p, EMU)
+            p = _tile_mma(grp[i], xa, xb, p, EMU)
     s, z = _bf16_pairs(grp[BG])
-    return acc + (s * p + (z - 128.0 * s) * _bcast(xs, C))
+    return acc + (s * p + (z - 128.0 * s) * xs)
 
 
 @triton.jit
-def _x_ptrs(x_ptr, oj, sp, M, stride_xm, K: tl.constexpr, W: tl.constexpr, S: tl.constexpr, XR: tl.constexpr):
-    """The B operand's x words [XR, 4], row r for lane r % 32 of K slice (r // 32) % W (XR = W*32: one
-    K slice's per row, `_bcast` gives each tile a copy; XR = R: each tile row its own): lane g*4 + tq
-    takes 16 consecutive x of row g per 64-k block of its warp's K slice in split sp (rows past M read
-    row M - 1; their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)."""
-    rx = tl.arange(0, XR)[:, None]
-    lane = rx % 32
+def _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K: tl.constexpr, T: tl.constexpr, W: tl.constexpr, S: tl.constexpr):
+    """The B operand's x words [R, 4]: lane g*4 + tq takes 16 consecutive x of row g per 64-k block of
+    its warp's K slice in split sp (rows past M read row M - 1; their columns are not stored): words
+    tq*8 + 0..3 (xa) and + 4..7 (xb)."""
+    lane = r % 32
     return (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
-            + (sp * W + (rx // 32) % W) * (K // (W * S) // 2) + (lane % 4) * 8 + oj)
-
-
-@triton.jit
-def _slice_sum(acc, W: tl.constexpr, T: tl.constexpr):
-    """[T*W*32, 4] tile-major partials -> the T tiles' sums [T*32, 4] over the W K slices."""
-    return tl.reshape(tl.sum(tl.reshape(acc, (T, W, 32, 4)), axis=1), (T * 32, 4))
+            + (sp * W + (r // 32) // T) * (K // (W * S) // 2) + (lane % 4) * 8 + oj)
 
 
 @triton.jit
@@ -307,11 +272,8 @@ def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexp
                 else:
                     ahead = ahead + (words[k],)
             words = ahead
-        xg = ()
-        for i in tl.static_range(BG):
-            xg = xg + (_x_block(x_ptrs, g * BG + i),)
-        acc = _group_acc(acc, words[g], xg, BG, R, False, EMU)
-    return _slice_sum(acc, W, T)
+        acc = _group_acc(acc, words[g], x_ptrs, g, BG, R, False, EMU)
+    return tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
 
 
 @triton.jit
@@ -358,8 +320,8 @@ def _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T: tl.conste
 @triton.jit
 def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF, stride_xm, stride_om, NPT,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                      DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, XR: tl.constexpr,
-                      PDL: tl.constexpr, EMU: tl.constexpr):
+                      DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
+                      EMU: tl.constexpr):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
     next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
     (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them."""
@@ -380,7 +342,7 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
     w_ptrs, sz_ptrs = _tile_ptrs(it0, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
     words = _first_loads(w_ptrs, sz_ptrs, True, NG, DEPTH, BG, R)
     _pdl_wait(PDL)
-    x_ptrs = _x_ptrs(x_ptr, oj, sp, M, stride_xm, K, W, S, XR)
+    x_ptrs = _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K, T, W, S)
     for j in tl.static_range(ITERS):
         it = it0 + j * nprog
         if j + 1 < ITERS:  # the next tile's words, in flight while this one is summed
@@ -398,8 +360,7 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
 @triton.jit
 def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT, NITER,
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                       DEPTH: tl.constexpr, FRESH: tl.constexpr, XR: tl.constexpr, XD: tl.constexpr,
-                       PDL: tl.constexpr, EMU: tl.constexpr):
+                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the next tile's first groups are loaded while the current
@@ -419,11 +380,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
     _pdl_wait(PDL)
-    x_ptrs = _x_ptrs(x_ptr, oj, 0, M, stride_xm, K, W, 1, XR)
-    NB: tl.constexpr = NG * BG  # 64-k blocks per K slice
-    xwin = ()  # x of the next XD blocks, in order (all NB: loaded once, every tile reads the same slice)
-    for xb in tl.static_range(XD):
-        xwin = xwin + (_x_block(x_ptrs, xb),)
+    x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     for j in range(0, NITER):
         it = pid + j * nprog
         nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
@@ -439,22 +396,8 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
             for d in tl.static_range(1, DEPTH):
                 nbuf = nbuf + (buf[d],)
             buf = nbuf + (grp,)
-            xg = ()
-            for i in tl.static_range(BG):
-                if XD == NB:
-                    xg = xg + (xwin[g * BG + i],)
-                else:  # take the oldest, load the block XD ahead (past the last: the next tile's first ones)
-                    xg = xg + (xwin[0],)
-                    nwin = ()
-                    for d in tl.static_range(1, XD):
-                        nwin = nwin + (xwin[d],)
-                    ahead = g * BG + i + XD
-                    if ahead < NB:
-                        xwin = nwin + (_x_block(x_ptrs, ahead),)
-                    else:
-                        xwin = nwin + (_x_block(x_ptrs, ahead - NB, more),)
-            acc = _group_acc(acc, cur, xg, BG, R, FRESH, EMU)
-        _tile_store(_slice_sum(acc, W, T), it, it < NPT, out_ptr, M, stride_om, T, EPI)
+            acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
+        _tile_store(tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0), it, it < NPT, out_ptr, M, stride_om, T, EPI)
         w_ptrs, sz_ptrs = nw_ptrs, nsz_ptrs
 
 
@@ -489,14 +432,6 @@ class MmaConfig:
     @property
     def num_warps(self) -> int:
         return self.hw or self.warps
-
-    @property
-    def x_rows(self) -> int:
-        """Lane rows of x the persistent kernel loads per 64-k block: one per K slice's lane (its tiles
-        share it) on at most `warps` hardware warps, else one per tile row (the one-tile-per-program
-        kernel's way: it loads each block's x just before its use, and with the tiles sharing it ptxas
-        placed those loads later, run EN)."""
-        return 32 * self.warps * (1 if self.num_warps <= self.warps else self.tiles)
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
@@ -665,15 +600,13 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
                                  triton.cdiv(n_tiles, grid[0]), K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
-                                 DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, XR=cfg.x_rows,
-                                 XD=min(K // cfg.warps // 64, X_BLOCKS), EMU=_INTERPRET,
+                                 DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                                  num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
                             n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
-                            ITERS=cfg.iters, S=S, XR=32 * cfg.warps * cfg.tiles, EMU=_INTERPRET, num_warps=cfg.num_warps,
-                            **pdl_args(pdl, x.device))
+                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
     return out
 
 
