@@ -230,7 +230,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sm90_compile import build
-from fastgemma.kernels.mma_w4a16 import _mma_pipe_kernel, _mma_stream_kernel, _mma_w4a16_kernel
+from fastgemma.kernels.mma_w4a16 import _mma_stream_kernel, _mma_w4a16_kernel
 
 
 def mma_layouts(fn, sig, ce, aligned, warps):
@@ -266,15 +266,6 @@ ssig["NITER"] = "i32"
 for name, K, T, W, EPI, D in [("gate|up", 2560, 2, 4, 1, 5), ("down", 10240, 2, 8, 0, 3)]:  # the table's one-row entries
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False)
     print(f"stream\t{name}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
-# the pipelined kernel: its loads as cp.async copies, the L2 prefetches before the PDL wait
-psig = {k: v for k, v in sig.items() if k != "NPT"}
-for name, K, T, W, EPI, S, C, L in [("gate|up", 2560, 2, 1, 1, 1, 4, 20), ("down K over 4", 10240, 2, 2, 0, 4, 4, 4)]:
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, S=S, STAGES=C, NPRE=L, PDL=True, EMU=False)
-    ptx, regs, spills = build(_mma_pipe_kernel, psig, ce, aligned, W * T, C)
-    wait = ptx.find("griddepcontrol.wait")
-    print(f"pipe\t{name}\t{regs}\t{spills}\t{len(re.findall(r'cp[.]async[.]c[ag][.]shared', ptx))}\t"
-          f"{ptx[:wait].count('prefetch.global.L2')}\t{len(re.findall(r'ld[.]global', ptx[:wait]))}\t"
-          f"{mma_layouts(_mma_pipe_kernel, psig, ce, aligned, W * T)}")
 '''
 
 
@@ -292,13 +283,6 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
     # the persistent kernel (the table's one-row entries) too
     stream = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "stream"}
     assert stream == {"gate|up": ["['[1, 4][32, 1]']"], "down": ["['[1, 4][32, 1]']"]}, stream
-    # the pipelined kernel: every group's loads are cp.async copies (none left as plain loads), its
-    # words prefetched into L2 before the PDL wait (nothing read there), the same operand layout
-    pipe = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "pipe"}
-    assert set(pipe) == {"gate|up", "down K over 4"}, r.stdout
-    for name, (regs, spills, copies, prefetches, loads, layouts) in pipe.items():
-        assert int(spills) == 0 and int(copies) > 0 and int(prefetches) > 0 and int(loads) == 0, (name, pipe[name])
-        assert layouts == "['[1, 4][32, 1]']", (name, layouts)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
@@ -365,37 +349,6 @@ def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     want = _exact(x, q, s, z, G, epilogue)
     tol = (2 ** -7 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
     assert got.shape == want.shape and (got - want).abs().max().item() <= tol
-
-
-@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
-@pytest.mark.parametrize("N,K,G,M,epilogue,cfg", [
-    (48, 512, 128, 1, "none", MmaConfig(1, 1, stages=3, l2=2)),  # 4 groups through a 3-stage loop
-    (96, 512, 64, 3, "geglu", MmaConfig(2, 2, stages=4, l2=9)),  # gate and up tiles; l2 past the groups
-    (64, 1024, 128, 8, "none", MmaConfig(2, 2, splits=2, stages=2)),  # K over 2 programs, the fixup
-    (32, 768, 64, 5, "none", MmaConfig(1, 1, splits=3, stages=5, hw=1)),  # more stages than groups
-])
-def test_pipelined_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
-    """The pipelined kernel (`stages`: the group loop streamed by cp.async on the GPU; the interpreter
-    runs the same loop) against exact sums, alone and with K split over programs."""
-    q, s, z = _weights(N, K, G, seed=N + K + M + 1)
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + 1)).bfloat16()
-    got = mma_w4a16(x, MmaWeight.from_codes(q, s, z, G), epilogue, cfg).double()
-    want = _exact(x, q, s, z, G, epilogue)
-    tol = (2 ** -7 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
-    assert got.shape == want.shape and (got - want).abs().max().item() <= tol
-
-
-def test_pipelined_config_text_and_refusals():
-    from fastgemma.kernels.mma_w4a16 import config_args, config_problem, parse_config, parse_table
-
-    assert parse_config("2x1c4l20") == MmaConfig(2, 1, stages=4, l2=20)
-    assert parse_config("1x2s4c3") == MmaConfig(1, 2, splits=4, stages=3)
-    assert parse_table("gate|up@1=2x1c6l8") == {(20480, 2560, False): MmaConfig(2, 1, stages=6, l2=8)}
-    assert config_args(MmaConfig(2, 1, stages=6, l2=8))[-2:] == (6, 8)
-    assert "stages" in config_problem(MmaConfig(2, 4, persist=1, stages=2), 64, 1024, 128, "none")
-    assert "stages" in config_problem(MmaConfig(2, 4, iters=2, stages=2), 64, 1024, 128, "none")
-    assert "l2" in config_problem(MmaConfig(2, 4, l2=2), 64, 1024, 128, "none")
-    assert config_problem(MmaConfig(2, 4, splits=2, stages=3, l2=1), 64, 1024, 128, "none") is None
 
 
 def test_persistent_config_text_and_refusals():

@@ -401,56 +401,6 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         w_ptrs, sz_ptrs = nw_ptrs, nsz_ptrs
 
 
-@triton.jit
-def _prefetch_words_l2(row_ptrs, r, NPRE: tl.constexpr, BG: tl.constexpr, EMU: tl.constexpr):
-    """The first NPRE groups of each warp slice's word blocks into L2 (`prefetch.global.L2`, one per
-    128-byte line: lane l takes line l % 4 of blocks l // 4, l // 4 + 8, ...), holding no registers;
-    row_ptrs [R, 1]: each lane row's first word. Issued before the PDL wait, so the weights stream in
-    while the kernel before is finishing (the interpreter: nothing)."""
-    if not EMU:
-        lane = r % 32
-        base = row_ptrs - lane * 4 + (lane % 4) * 32  # the slice's block 0, this lane's line
-        for i in tl.static_range(triton.cdiv(NPRE * BG, 8)):
-            b = i * 8 + lane // 4
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                                      "mov.u32 $0, 0; }", "=r,l,r", [base + b * 128, (b < NPRE * BG).to(tl.int32)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _mma_pipe_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF, stride_xm, stride_om,
-                     K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                     S: tl.constexpr, STAGES: tl.constexpr, NPRE: tl.constexpr, PDL: tl.constexpr,
-                     EMU: tl.constexpr):
-    """One program tile (S > 1: 1/S of its K, `_split_fixup` adds them) with its groups in a loop that
-    Triton's pipeliner streams: every load of a group (words, scale / zero words, x) becomes a cp.async
-    copy into shared memory STAGES - 1 groups ahead of its use, waited for by count (`cp.async.wait_group`)
-    instead of the register scoreboards that the unrolled kernels' loads share. The first NPRE groups'
-    words are prefetched into L2 before the PDL wait (the copies themselves read x, so they follow it).
-    Each 64-k block's mma chain starts from zero (`_group_acc`'s FRESH)."""
-    _pdl_trigger(PDL)
-    pid = tl.program_id(0)
-    it = pid // S
-    sp = pid % S
-    BG: tl.constexpr = GROUP // 64
-    NG: tl.constexpr = K // (W * S) // GROUP
-    R: tl.constexpr = W * T * 32
-    r = tl.arange(0, R)[:, None]
-    oj = tl.arange(0, 4)[None, :]
-    w_ptrs, sz_ptrs = _tile_ptrs(it, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
-    _prefetch_words_l2(_tile_ptrs(it, sp, w_ptr, sz_ptr, HALF, r, 0, K, GROUP, T, W, S, EPI)[0], r, NPRE, BG, EMU)
-    _pdl_wait(PDL)
-    x_ptrs = _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K, T, W, S)
-    acc = tl.zeros((R, 4), dtype=tl.float32)
-    for g in tl.range(0, NG, num_stages=STAGES):
-        acc = _group_acc(acc, _group_loads(w_ptrs, sz_ptrs, g, True, BG, R), x_ptrs, g, BG, R, True, EMU)
-    y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
-    if S > 1:
-        _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T, S, EPI)
-    else:
-        _tile_store(y, it, True, out_ptr, M, stride_om, T, EPI)
-
-
 # ---------------------------------------------------------------------------------------------
 # launch, twin, op
 
@@ -469,10 +419,7 @@ class MmaConfig:
     program (0: `warps`). The program's tensors hold warps x tiles lane rows of 32; with fewer hardware
     warps each thread holds several of them (more loads in flight per thread, more registers), with
     warps x tiles (the most allowed) one each. Timed slower than hw 0 on every E4B shape tried (run EB:
-    gate|up at one row 11.75 us, 13.69 on 8 hardware warps, 21.47 on 2; down 7.07, 9.08 on 16).
-    stages: S > 0 runs the pipelined kernel (`_mma_pipe_kernel`: one program tile per program, or 1/splits
-    of it; its group loop streamed through shared memory by cp.async, S - 1 groups ahead; depth unused),
-    with its first `l2` groups of words prefetched into L2 before the PDL wait."""
+    gate|up at one row 11.75 us, 13.69 on 8 hardware warps, 21.47 on 2; down 7.07, 9.08 on 16)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -481,8 +428,6 @@ class MmaConfig:
     persist: int = 0
     fresh: bool = False
     hw: int = 0
-    stages: int = 0
-    l2: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -530,22 +475,19 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:c(\d+))?(?:l(\d+))?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f][nH][cC][lL]' (T tiles, W warps, D depth, I iters, S K splits, R persistent
-    programs per multiprocessor, f fresh chains, H hardware warps, C pipeline stages, L groups prefetched into
-    L2; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x1c4l20') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains, H hardware warps; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][cC][lL], e.g. '1x4s4', '2x4d2', "
-                         "'2x4d3p1' or '2x1c4l8'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
-    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
-                     int(m.group(9) or 0), int(m.group(10) or 0))
+    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -571,7 +513,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
             continue
         m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][cC][lL] with CASE one of "
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH] with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
@@ -606,10 +548,6 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
         return f"persist must be >= 0, and > 0 only with iters 1 and splits 1, got {cfg}"
     if cfg.fresh and not cfg.persist:
         return f"fresh runs in the persistent kernel only (persist > 0), got {cfg}"
-    if cfg.stages < 0 or cfg.l2 < 0 or (cfg.stages and (cfg.persist or cfg.iters > 1)):
-        return f"stages and l2 must be >= 0, stages > 0 only with persist 0 and iters 1, got {cfg}"
-    if cfg.l2 and not cfg.stages:
-        return f"l2 (groups prefetched into L2) is the pipelined kernel's (stages > 0), got {cfg}"
     if cfg.depth < 1:
         return f"depth must be >= 1, got {cfg}"
     if cfg.hw < 0 or (cfg.hw and (cfg.warps * cfg.tiles) % cfg.hw):
@@ -658,13 +596,6 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         cnt = arrival_counters(x.device, n_tiles, "mma_w4a16 split-K")
     else:
         ws = cnt = out
-    if cfg.stages:
-        ng = K // (cfg.warps * S) // G
-        _mma_pipe_kernel[(n_tiles * S,)](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0),
-                                         out.stride(0), K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, S=S,
-                                         STAGES=cfg.stages, NPRE=min(cfg.l2, ng), EMU=_INTERPRET,
-                                         num_warps=cfg.num_warps, num_stages=cfg.stages, **pdl_args(pdl, x.device))
-        return out
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
@@ -703,22 +634,13 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 stages: int, l2: int, pdl: bool) -> torch.Tensor:
-    """The launch as an opaque op; its config as `config_args(cfg)` spreads it."""
+                 pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    cfg = MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, stages, l2)
-    return mma_w4a16(x, weight, epilogue, cfg, pdl)
-
-
-def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. l2 arguments)."""
-    return (cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.stages,
-            cfg.l2)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl)
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, stages, l2,
-      pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -781,8 +703,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
             runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
                      + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
-                     + (f", {c.hw} hw warps" if c.hw else "")
-                     + (f", {c.stages} stages, {c.l2} groups to L2" if c.stages else ""), mma,
+                     + (f", {c.hw} hw warps" if c.hw else ""), mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
