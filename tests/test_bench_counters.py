@@ -14,6 +14,7 @@ REPORT = """==PROF== Connected to process 691 (/usr/bin/python3.12)
     --------------------------------------------------------------------------- --------------- ------------
     dram__throughput.avg.pct_of_peak_sustained_elapsed                                        %        31.84
     gpu__time_duration.sum                                                                   us        18.30
+    l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum                                                     145,277
     launch__registers_per_thread                                                register/thread           96
     smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio               inst         2.80
     smsp__average_warps_issue_stalled_selected_per_issue_active.ratio                      inst            1
@@ -35,6 +36,7 @@ def test_parse_reads_every_launch_and_metric():
         ("_fused_w4a16_kernel", "1280,1,1", "64,1,1"), ("_group_mma_kernel", "40,8,1", "128,1,1")]
     assert rows[0]["gpu__time_duration.sum"] == 18.30 and rows[0]["smsp__inst_executed.sum"] == 9416288
     assert rows[0]["launch__registers_per_thread"] == 96
+    assert rows[0]["l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"] == 145277  # a unit-less count
     assert rows[0]["smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"] == 2.80
     assert rows[1]["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == 21.39
 

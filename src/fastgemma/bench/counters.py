@@ -32,6 +32,7 @@ METRICS = {
     "regs": "launch__registers_per_thread",
     "GHz": "sm__cycles_elapsed.avg.per_second",
     "inst": "smsp__inst_executed.sum",
+    "smem conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
 }
 STALLS = ("long_scoreboard", "wait", "barrier", "short_scoreboard", "math_pipe_throttle", "not_selected",
           "dispatch_stall", "mio_throttle", "lg_throttle", "no_instruction")
@@ -121,7 +122,7 @@ def parse(text: str) -> list[dict]:
     value by its full name (numbers; thousands separators dropped)."""
     rows = []
     head = re.compile(r"^\s+(\S+) \(([\d, ]+)\)x\(([\d, ]+)\), Context")
-    line = re.compile(r"^\s+([a-z_]+__[\w.]+)\s+(?:\S+\s+)?([\d,.]+)\s*$")
+    line = re.compile(r"^\s+([a-z0-9_]+__[\w.]+)\s+(?:\S+\s+)?([\d,.]+)\s*$")
     for t in text.splitlines():
         h = head.match(t)
         if h:
