@@ -200,6 +200,42 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     assert all(c.per_group for k, c in w4a16.CONFIGS.items() if k in w4a16.MMA_M16)
 
 
+def test_spec_bench_compares_each_prompt_path_with_its_own_ar_tokens(tmp_path, monkeypatch):
+    """--prefill graph,eager: a speculative row's identity and divergence are against the AR tokens of
+    its own prompt path. Here the eager path's tokens are made to differ from the graph path's for
+    every generator (as a path that rounds apart in bf16 would): its AR row has identity 0 against the
+    first path, its speculative row identity 1 against its own AR row."""
+    import json
+
+    from fastgemma.bench import spec
+
+    path = {}
+    use, timed = spec.use_prefill, spec.timed
+
+    def use_prefill(gen, name, prompt_len):
+        path["now"] = name
+        return use(gen, name, prompt_len)
+
+    def shifted(gen, prompts, new):
+        outs, wall = timed(gen, prompts, new)
+        if path["now"] == "eager":
+            for o in outs:
+                o.tokens = [t + 1 for t in o.tokens]
+        return outs, wall
+
+    monkeypatch.setattr(spec, "use_prefill", use_prefill)
+    monkeypatch.setattr(spec, "timed", shifted)
+    out = tmp_path / "spec.jsonl"
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
+               "--depths", "2", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
+               "--prefill", "graph,eager", "--no-agreement", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [(r["spec"], r["prefill"]) for r in rows] == [("none", "graph"), ("none", "eager"), ("replay", "graph"),
+                                                        ("replay", "eager")]
+    assert rows[1]["identity_rate"] == 0.0
+    assert all(r["identity_rate"] == 1.0 and r["diverge_at"] == [8] for r in rows[2:])
+
+
 def test_spec_bench_with_the_fused_one_row_step_on_the_cpu(tmp_path, wide_tiles):
     """--fuse layers: the AR rows take the fused one-row step (its torch twin here), the k+1-row passes
     the ordinary step with or without its GEMM epilogues, the drafter its fused step or the unfused

@@ -10,8 +10,9 @@ the cost floor, ~1 token per step), then `replay` for each depth and profile: th
 steps per verify (its cost counted) and its drafts follow the reference trace with the profile's
 per-position odds. Reference traces are primed once per (window, depth), untimed. Step time is
 split into draft / verify / accept with CUDA events between the three graphs (a separate pass).
-Speculative rows also carry `diverge_at` (per prompt, the first position where the tokens leave
-AR's; the length when equal) and the verify pass's teacher-forced top-1 agreement with the AR step
+Speculative rows also carry `identity_rate` and `diverge_at` (per prompt, the first position where
+the tokens leave AR's; the length when equal), against the AR tokens of the same prompt path (with
+several --prefill paths, a later path's AR row reports its identity against the first path's), and the verify pass's teacher-forced top-1 agreement with the AR step
 over AR's trace of the first prompt (`top1_agree`, `top1_agree_confident`, `max_abs_diff`; the
 issue's bf16 check, skipped with --no-agreement).
 Prints one JSON line per row (--out: JSONL), then a markdown table last.
@@ -310,14 +311,17 @@ def main(argv=None):
         ar = Generator(model, cache, step, sampler=sampler)
         step.prepare()
         base = ar_tokens = None
+        ar_by_prefill = {}  # each prompt path's AR tokens: a speculative row's reference (bf16 paths round apart)
         for pname in prefills:
             use_prefill(ar, pname, a.prompt_len)
             ar.generate(prompts[0][:32], 8)
             outs, wall = timed(ar, prompts, a.new)
+            # identity of a later prompt path's AR tokens against the first path's
             row = summarize("none", wlabel, 0, None, outs, wall, ar_tokens if base else None)
             row["prefill"] = pname
+            ar_by_prefill[pname] = [o.tokens for o in outs]
             if base is None:
-                base, ar_tokens = row, [o.tokens for o in outs]
+                base, ar_tokens = row, ar_by_prefill[pname]
                 ar_forced = ar.forced(prompts[0], ar_tokens[0]) if a.agreement else None
             emit(row)
         del step, ar, cache
@@ -361,11 +365,12 @@ def main(argv=None):
                     prime_s, primed = time.perf_counter() - t, pname
                 gen.generate(prompts[0], a.new)  # warm-up
                 outs, wall = timed(gen, prompts, a.new)
-                row = summarize(kind, wlabel, k, prof, outs, wall, ar_tokens)
+                ref = ar_by_prefill[pname]  # the AR tokens of the same prompt path
+                row = summarize(kind, wlabel, k, prof, outs, wall, ref)
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None, **sw, prefill=pname,
-                           diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ar_tokens)])
+                           diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ref)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
                 if ar_forced is not None and pname == prefills[0]:  # the k+1-row pass vs the AR step on AR's trace
