@@ -12,7 +12,8 @@ BENCH_METRICS = ("tps", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"
                  "vram_peak_gb", "weight_bytes_per_token", "mbu")
 
 
-def test_bench_smoke_writes_one_record(tmp_path, capsys):
+def test_bench_smoke_writes_one_record(tmp_path, capsys, caplog):
+    caplog.set_level("INFO", logger="fastgemma")
     rec = run_job(TINY + ["task=bench"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
     m = rec["metrics"]
@@ -32,6 +33,15 @@ def test_bench_smoke_writes_one_record(tmp_path, capsys):
     assert [r["run_id"] for r in results(tmp_path)] == [rec["run_id"]]
     out = capsys.readouterr().out
     assert "[bench]" in out and "tps=" in out
+    # each setup phase before the clock: logged as it starts and ends, its seconds recorded
+    setup = rec["details"]["setup_s"]
+    assert list(setup) == ["model (weights, transforms)", "engine (cache, step capture / compile)",
+                           "warm-up (1 request)", "prompt graphs (up to 40 tokens)"], setup
+    assert all(v >= 0 for v in setup.values())
+    logged = [r.getMessage() for r in caplog.records if r.name == "fastgemma"]
+    for name in setup:
+        assert f"{name} ..." in logged and any(m.startswith(f"{name}: ") and m.endswith(" s") for m in logged)
+    assert "timed: 3 prompts x 16 new tokens" in logged
 
 
 def test_weight_bytes_per_token_counts_the_head_and_one_ple_row(tmp_path):
@@ -89,6 +99,8 @@ def test_identity_of_nf4_runs_on_the_cpu(tmp_path):
 def test_generate_text_and_ids(tmp_path, capsys):
     rec = run_job(TINY + ["task=generate", "task.prompt=Hello", "task.max_new_tokens=5"], tmp_path, "a")
     assert rec["status"] == "ok" and len(rec["details"]["output_ids"]) == 5
+    assert list(rec["details"]["setup_s"]) == ["model (weights, transforms)", "engine (cache, step capture / compile)",
+                                               "prompt graphs (6 tokens)"]
     assert rec["details"]["prompt_ids"][0] == 2  # BOS from the byte tokenizer of synthetic weights
     rec = run_job(TINY + ["task=generate", "task.ids=[2,10,11,12]", "task.max_new_tokens=4", "tokenizer=none"],
                   tmp_path, "b")

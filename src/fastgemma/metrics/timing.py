@@ -1,9 +1,14 @@
-"""Step clocks: CUDA events on a GPU (no host sync inside the timed loop), perf_counter on a CPU."""
+"""Step clocks: CUDA events on a GPU (no host sync inside the timed loop), perf_counter on a CPU; and
+`phase`, the setup a run spends before its clock starts, logged and recorded."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 
 import torch
+
+log = logging.getLogger("fastgemma")
 
 
 class StepClock:
@@ -33,3 +38,17 @@ class StepClock:
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def phase(name: str, times: dict, device=None):
+    """Log `name ...` when a setup phase starts (weights, compile and graph capture, warm-up: minutes
+    on a GPU with torch.compile) and `name: X.X s` when it ends (after the device's queue drains),
+    and record its seconds in times[name]. A phase that raises records nothing."""
+    log.info("%s ...", name)
+    t = time.perf_counter()
+    yield
+    if device is not None:
+        sync(device)
+    times[name] = round(time.perf_counter() - t, 3)
+    log.info("%s: %.1f s", name, times[name])

@@ -3,17 +3,24 @@
 Warm-up requests (their own prompts, never the benchmark's) run first and are excluded; then the
 timed loop: wall time from the first prompt in to the last token out, prefill included.
 tps = output tokens / that wall time. With eval=ppl the same loaded model is scored afterwards.
+Each setup phase before the clock (the model: weights and transforms; the engine: cache, step
+capture and compile; warm-up requests; the prompt's graphs; replay traces) is logged as it starts
+and ends, and its seconds are recorded in details["setup_s"].
 """
 from __future__ import annotations
 
 import time
+
+import logging
 
 from tqdm.auto import tqdm
 
 from ..metrics.acceptance import acceptance_summary
 from ..metrics.latency import latency_summary
 from ..metrics.memory import copy_bandwidth_gbs, mbu, reset_peak, vram_peak_gb, weight_bytes_per_step
-from ..metrics.timing import sync
+from ..metrics.timing import phase, sync
+
+log = logging.getLogger("fastgemma")
 
 
 def workload_prompts(ctx, limit=None):
@@ -40,26 +47,33 @@ def check_context(ctx, prompts, max_new: int) -> int:
 
 def run(ctx):
     f, wl = ctx.factory, ctx.workload
-    model = f.model
+    dev = f.device
+    setup = {}  # seconds per setup phase, before the clock
+    with phase("model (weights, transforms)", setup, dev):
+        model = f.model
     c = model.config
     prompts = workload_prompts(ctx)
     warm = wl.warmup_prompts(c.vocab_size, c.bos_id, special=(c.pad_id, *c.eos_ids))
     max_ctx = check_context(ctx, prompts + warm, wl.max_new_tokens)
-    engine = f.engine(max_ctx)
+    with phase("engine (cache, step capture / compile)", setup, dev):
+        engine = f.engine(max_ctx)
     gen = engine.generator
-    for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
-        gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
+    with phase(f"warm-up ({len(warm)} request{'s' * (len(warm) != 1)})", setup, dev):
+        for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
+            gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
     # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled)
-    gen.warm_prefill(max(len(p.ids) for p in prompts))
+    with phase(f"prompt graphs (up to {max(len(p.ids) for p in prompts)} tokens)", setup, dev):
+        gen.warm_prefill(max(len(p.ids) for p in prompts))
     if hasattr(gen, "prime"):
         # spec=replay drafts follow each prompt's reference greedy trace: record it untimed (the
         # engine's own outputs are not cached; the timed run still decodes every token)
-        for p in prompts:
-            gen.prime(p.ids, wl.max_new_tokens)
+        with phase(f"replay traces ({len(prompts)} prompts)", setup, dev):
+            for p in prompts:
+                gen.prime(p.ids, wl.max_new_tokens)
 
-    dev = f.device
     reset_peak(dev)
     sync(dev)
+    log.info("timed: %d prompts x %d new tokens", len(prompts), wl.max_new_tokens)
     gens, out_tokens = [], 0
     bar = tqdm(prompts, desc=f"bench {wl.name}", unit="prompt", disable=_disable(ctx, len(prompts)), dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -81,6 +95,7 @@ def run(ctx):
     metrics.update(weight_bytes_per_token=int(per_token), copy_bw_gbs=copy, mbu=mbu(per_token, metrics["tps"], copy))
     details = {"workload": wl.describe(), "max_context": max_ctx, "kv_cache_bytes": engine.cache.nbytes(),
                "weight_bytes_per_step": per_step, "cdf": cdf, "step": engine.step.__class__.__name__,
+               "setup_s": setup,
                "mbu_note": None if copy else "vram_peak_gb, copy_bw_gbs, mbu: null, measured on a CUDA GPU only"}
     del engine
     if ctx.evaluation is not None:

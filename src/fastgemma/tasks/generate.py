@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from ..metrics.latency import latency_summary
+from ..metrics.timing import phase
 
 
 def run(ctx):
     f, p = ctx.factory, ctx.params
-    f.model  # built (and checked) first: a bad stack is reported before a missing prompt
+    setup = {}  # seconds per setup phase (logged as each starts and ends)
+    with phase("model (weights, transforms)", setup, f.device):
+        f.model  # built (and checked) first: a bad stack is reported before a missing prompt
     text, ids = p.get("prompt"), p.get("ids")
     if (text is None) == (ids is None):
         raise ValueError("task=generate needs exactly one of task.prompt=<text> or task.ids=[<int>, ...]")
@@ -20,9 +23,11 @@ def run(ctx):
         ids = encode(tok, text)
     ids = [int(t) for t in ids]
     n = int(p.get("max_new_tokens", 64))
-    engine = f.engine(len(ids) + n)
+    with phase("engine (cache, step capture / compile)", setup, f.device):
+        engine = f.engine(len(ids) + n)
     # graphs=cuda_graph / compiled: the prompt's padded length captured (and compiled) before the clock
-    engine.generator.warm_prefill(len(ids))
+    with phase(f"prompt graphs ({len(ids)} tokens)", setup, f.device):
+        engine.generator.warm_prefill(len(ids))
     g = engine.generator.generate(ids, n, ignore_eos=bool(p.get("ignore_eos", False)))
     metrics, _ = latency_summary([g], g.total_s)
     out = tok.decode(g.tokens, skip_special_tokens=True) if tok is not None else None
@@ -31,4 +36,4 @@ def run(ctx):
     print(out if out is not None else g.tokens)
     if out is not None and p.get("show_ids", False):
         print(g.tokens)
-    return metrics, {"prompt_ids": ids, "output_ids": g.tokens, "output_text": out}
+    return metrics, {"prompt_ids": ids, "output_ids": g.tokens, "output_text": out, "setup_s": setup}
