@@ -12,9 +12,10 @@ per-position odds. Reference traces are primed once per (window, depth), untimed
 split into draft / verify / accept with CUDA events between the three graphs (a separate pass).
 Speculative rows also carry `identity_rate` and `diverge_at` (per prompt, the first position where
 the tokens leave AR's; the length when equal), against the AR tokens of the same prompt path (with
-several --prefill paths, a later path's AR row reports its identity against the first path's), and the verify pass's teacher-forced top-1 agreement with the AR step
-over AR's trace of the first prompt (`top1_agree`, `top1_agree_confident`, `max_abs_diff`; the
-issue's bf16 check, skipped with --no-agreement).
+several --prefill paths, a later path's AR row reports its identity against the first path's), and
+the verify pass's teacher-forced top-1 agreement with the AR step over AR's trace of the first
+prompt (`top1_agree`, `top1_agree_confident`, `max_abs_diff`; the issue's bf16 check, skipped with
+--no-agreement).
 Prints one JSON line per row (--out: JSONL), then a markdown table last.
 """
 from __future__ import annotations

@@ -9,9 +9,8 @@ and ends, and its seconds are recorded in details["setup_s"].
 """
 from __future__ import annotations
 
-import time
-
 import logging
+import time
 
 from tqdm.auto import tqdm
 
