@@ -40,6 +40,8 @@
 #             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
 #             --shapes gate|up,down --separate"; --mma 2x4d2,2x4d5p9f: the tensor-core kernel per config)
 #   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
+#   cli       the CLI's bench task as a user runs it: `fastgemma $CLI_ARGS` (default: experiment=frontier on 8
+#             challenge prompts, 2 warm-up requests), JSONL logger, its setup phases' seconds and result line
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
 # COMPILE_CACHE=DIR keeps torch.compile's and Triton's caches in DIR/inductor and DIR/triton, so a later
 #   run on the same software skips most compiles (H200: compiling the prompt's forward took 177 s
@@ -63,7 +65,7 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
   mkdir -p "$COMPILE_CACHE/inductor" "$COMPILE_CACHE/triton"
   export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi
-part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -108,9 +110,12 @@ bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for 
     counters) run counters python3 -m fastgemma.bench.counters ${COUNTERS_ARGS:-} --out "$out" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
+    cli) run cli python3 -c "import sys; from fastgemma.cli import main; sys.argv[0] = 'fastgemma'; main()" \
+           ${CLI_ARGS:-experiment=frontier workload.num_prompts=8 workload.warmup=2} logger=jsonl progress=false \
+           task.table=true "hydra.run.dir=$out/cli" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, draftloop, prefill, invariance, spec, counters, agreement, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, draftloop, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
@@ -124,6 +129,7 @@ for p in "${parts[@]}"; do
     int4fused) grep -E "WRONG|skip" "$out/int4fused.log" | head; grep -A20 '^# TILES' "$out/int4fused.log" ;;
     mma) grep -E ' \| ' "$out/mma.log" | head -120 ;;
     draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;
+    cli) grep -E '^\[bench\]|^\||\.\.\.$|: [0-9.]+ s$|^timed:|error' "$out/cli.log" | tail -30 ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
   tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true
