@@ -61,8 +61,9 @@ def run(ctx):
         for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
             gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
     # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled)
-    with phase(f"prompt graphs (up to {max(len(p.ids) for p in prompts)} tokens)", setup, dev):
-        gen.warm_prefill(max(len(p.ids) for p in prompts))
+    longest = max(len(p.ids) for p in prompts)
+    with phase(f"prompt graphs (up to {longest} tokens)", setup, dev):
+        gen.warm_prefill(longest)
     if hasattr(gen, "prime"):
         # spec=replay drafts follow each prompt's reference greedy trace: record it untimed (the
         # engine's own outputs are not cached; the timed run still decodes every token)
