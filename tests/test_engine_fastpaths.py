@@ -73,3 +73,36 @@ def test_compiled_step_matches():
     err = (_forced(model, StaticStep, tokens, compile=True) - ref).abs().max().item()
     print(f"compiled static step: max abs diff {err:.2e}")
     assert err < 1e-4
+
+
+def test_compiled_step_with_the_fused_argmax_compiles_once(tmp_path):
+    """sampler=fused_argmax keeps a logits buffer per head; made while torch.compile traced the step,
+    it changed the dict the step's guards read and the second call recompiled the whole step (the
+    frontier's step on the H200: 2 graphs compiled, run EW). StaticStep makes it first: one graph
+    serves every step (a pruned head keeping every id, as the frontier's head: the full tied head's
+    pick reads a data pointer, a graph break), with eager AR's tokens."""
+    from torch._dynamo.utils import counters
+
+    from fastgemma.transforms.lm_head import PrunedHead
+    from fastgemma.transforms.sampler import FusedArgmax
+
+    cfg = dataclasses.replace(TINY, num_layers=2, num_kv_shared_layers=0, layer_types=(SLIDING, FULL))
+    model = synthetic_model(cfg, dtype=torch.float32, seed=4)
+    model.step_attention = decode_attention_ref
+    cache = KVCache(cfg, 1, 64, dtype=torch.float32)
+    want = Generator(model, cache, EagerStep(model, cache)).generate(PROMPT[:12], 5).tokens
+    keep = tmp_path / "all.txt"
+    keep.write_text("\n".join(map(str, range(cfg.vocab_size))) + "\n")
+    PrunedHead(rows=None, source="file", keepset=str(keep), tokenizer=None).apply(model)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    sampler = FusedArgmax("torch")
+    cache = KVCache(cfg, 1, 64, dtype=torch.float32)
+    step = StaticStep(model, cache, sampler, compile=True)
+    with torch.inference_mode():  # the step first, as GraphStep.prepare warms it before any prompt
+        for _ in range(2):
+            step._body()
+    cache.reset()
+    gen = Generator(model, cache, step, sampler=sampler)
+    assert gen.generate(PROMPT[:12], 5).tokens == want
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -1,14 +1,19 @@
 """Prefill, then greedy decode one step at a time from the static cache."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..metrics.timing import StepClock
+from ..metrics.timing import StepClock, compiled_graphs
 from .cache import KVCache
 from .compile import compile_step
 from .steps import EagerStep, argmax_sampler, warm_on_side_stream
+
+
+log = logging.getLogger("fastgemma")
 
 
 class GenerationError(ValueError):
@@ -62,9 +67,10 @@ class Generator:
         self.compile_prefill, self.prefill_bucket = bool(compile), bucket
         if compile and self._compiled_forward is None:
             self._compiled_forward = compile_step(self._forward, dynamic=True)
-        self._chunk_forward = self._compiled_forward if compile else self._forward
+        self._chunk_forward = self._dynamic_forward if compile else self._forward
         self.capture_prefill = bucket > 0 and self.device.type == "cuda"
         self._prefill_graphs: dict[int, tuple] = {}  # padded length -> (graph, ids, pos, hidden)
+        self.capture_s: dict[int, float] = {}  # padded length -> seconds its capture took (warm_prefill)
         # and a new pool for the next captures: torch releases a private pool with its last graph,
         # and capturing into the released pool's handle fails an allocator assert
         self._graph_pool = None
@@ -113,6 +119,14 @@ class Generator:
 
     def _forward(self, chunk, pos, start: int, need: str):
         return self.model(chunk, pos, self.cache, start=start, need=need)
+
+    def _dynamic_forward(self, chunk, pos, start: int, need: str):
+        # the prompt length marked dynamic from the first call: on the H200 the first compile (a
+        # 256-row prompt) had it static, and the next length (64 rows) recompiled the whole forward,
+        # 150 s (run EW)
+        torch._dynamo.maybe_mark_dynamic(chunk, 1)
+        torch._dynamo.maybe_mark_dynamic(pos, 1)
+        return self._compiled_forward(chunk, pos, start, need)
 
     def padded_length(self, T: int) -> int | None:
         """The length a T-token prompt is prefilled at: T rounded up to the bucket, within one chunk
@@ -177,7 +191,12 @@ class Generator:
         if self.capture_prefill:
             for n in sorted({self.padded_length(t) for t in range(1, max_len + 1)} - {None}):
                 if n not in self._prefill_graphs:
+                    t0, graphs = time.perf_counter(), compiled_graphs()
                     self._capture_prefill(n)
+                    torch.cuda.synchronize(self.device)
+                    self.capture_s[n] = round(time.perf_counter() - t0, 3)
+                    log.debug("prompt graph of %d rows: %.1f s, %d graphs compiled", n, self.capture_s[n],
+                              compiled_graphs() - graphs)
             self.cache.reset()
         return len(self._prefill_graphs)
 

@@ -68,6 +68,8 @@ class StaticStep:
 
     def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False):
         self.model, self.cache, self.sampler = model, cache, sampler
+        if hasattr(sampler, "prepare"):  # its buffers exist before the step is traced (no recompile)
+            sampler.prepare(model, cache.batch, cache.ring_pos.device)
         fwd = lambda ids, pos: sampler(model, model.step(ids, pos, cache))  # noqa: E731
         # torch.compile fuses the elementwise work between GEMVs (norms, RoPE, GeGLU, residuals);
         # the CUDA graph (GraphStep) then removes the launch gaps

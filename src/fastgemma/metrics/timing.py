@@ -40,15 +40,27 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's count; a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 @contextlib.contextmanager
-def phase(name: str, times: dict, device=None):
+def phase(name: str, times: dict, device=None, compiles: dict | None = None):
     """Log `name ...` when a setup phase starts (weights, compile and graph capture, warm-up: minutes
     on a GPU with torch.compile) and `name: X.X s` when it ends (after the device's queue drains),
-    and record its seconds in times[name]. A phase that raises records nothing."""
+    and record its seconds in times[name]; with `compiles`, also the number of graphs torch.compile
+    compiled meanwhile in compiles[name] (logged when there were any). A phase that raises records
+    nothing."""
     log.info("%s ...", name)
-    t = time.perf_counter()
+    t, graphs = time.perf_counter(), compiled_graphs()
     yield
     if device is not None:
         sync(device)
     times[name] = round(time.perf_counter() - t, 3)
-    log.info("%s: %.1f s", name, times[name])
+    n = compiled_graphs() - graphs
+    if compiles is not None:
+        compiles[name] = n
+    log.info("%s: %.1f s%s", name, times[name], f" ({n} graph{'s' * (n != 1)} compiled)" if n else "")

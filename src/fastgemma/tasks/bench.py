@@ -5,7 +5,9 @@ timed loop: wall time from the first prompt in to the last token out, prefill in
 tps = output tokens / that wall time. With eval=ppl the same loaded model is scored afterwards.
 Each setup phase before the clock (the model: weights and transforms; the engine: cache, step
 capture and compile; warm-up requests; the prompt's graphs; replay traces) is logged as it starts
-and ends, and its seconds are recorded in details["setup_s"].
+and ends, and its seconds are recorded in details["setup_s"], the graphs torch.compile compiled in it in
+details["setup_compiles"], and each prompt graph's capture seconds (by padded length) in
+details["prompt_graph_s"].
 """
 from __future__ import annotations
 
@@ -47,27 +49,27 @@ def check_context(ctx, prompts, max_new: int) -> int:
 def run(ctx):
     f, wl = ctx.factory, ctx.workload
     dev = f.device
-    setup = {}  # seconds per setup phase, before the clock
-    with phase("model (weights, transforms)", setup, dev):
+    setup, compiles = {}, {}  # seconds and torch.compile graphs per setup phase, before the clock
+    with phase("model (weights, transforms)", setup, dev, compiles):
         model = f.model
     c = model.config
     prompts = workload_prompts(ctx)
     warm = wl.warmup_prompts(c.vocab_size, c.bos_id, special=(c.pad_id, *c.eos_ids))
     max_ctx = check_context(ctx, prompts + warm, wl.max_new_tokens)
-    with phase("engine (cache, step capture / compile)", setup, dev):
+    with phase("engine (cache, step capture / compile)", setup, dev, compiles):
         engine = f.engine(max_ctx)
     gen = engine.generator
-    with phase(f"warm-up ({len(warm)} request{'s' * (len(warm) != 1)})", setup, dev):
+    with phase(f"warm-up ({len(warm)} request{'s' * (len(warm) != 1)})", setup, dev, compiles):
         for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
             gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
     # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled)
     longest = max(len(p.ids) for p in prompts)
-    with phase(f"prompt graphs (up to {longest} tokens)", setup, dev):
+    with phase(f"prompt graphs (up to {longest} tokens)", setup, dev, compiles):
         gen.warm_prefill(longest)
     if hasattr(gen, "prime"):
         # spec=replay drafts follow each prompt's reference greedy trace: record it untimed (the
         # engine's own outputs are not cached; the timed run still decodes every token)
-        with phase(f"replay traces ({len(prompts)} prompts)", setup, dev):
+        with phase(f"replay traces ({len(prompts)} prompts)", setup, dev, compiles):
             for p in prompts:
                 gen.prime(p.ids, wl.max_new_tokens)
 
@@ -95,7 +97,8 @@ def run(ctx):
     metrics.update(weight_bytes_per_token=int(per_token), copy_bw_gbs=copy, mbu=mbu(per_token, metrics["tps"], copy))
     details = {"workload": wl.describe(), "max_context": max_ctx, "kv_cache_bytes": engine.cache.nbytes(),
                "weight_bytes_per_step": per_step, "cdf": cdf, "step": engine.step.__class__.__name__,
-               "setup_s": setup,
+               "setup_s": setup, "setup_compiles": compiles,
+               "prompt_graph_s": {str(n): s for n, s in getattr(gen, "capture_s", {}).items()},
                "mbu_note": None if copy else "vram_peak_gb, copy_bw_gbs, mbu: null, measured on a CUDA GPU only"}
     del engine
     if ctx.evaluation is not None:

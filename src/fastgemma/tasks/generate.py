@@ -7,8 +7,8 @@ from ..metrics.timing import phase
 
 def run(ctx):
     f, p = ctx.factory, ctx.params
-    setup = {}  # seconds per setup phase (logged as each starts and ends)
-    with phase("model (weights, transforms)", setup, f.device):
+    setup, compiles = {}, {}  # seconds and torch.compile graphs per setup phase (logged as each starts and ends)
+    with phase("model (weights, transforms)", setup, f.device, compiles):
         f.model  # built (and checked) first: a bad stack is reported before a missing prompt
     text, ids = p.get("prompt"), p.get("ids")
     if (text is None) == (ids is None):
@@ -23,10 +23,10 @@ def run(ctx):
         ids = encode(tok, text)
     ids = [int(t) for t in ids]
     n = int(p.get("max_new_tokens", 64))
-    with phase("engine (cache, step capture / compile)", setup, f.device):
+    with phase("engine (cache, step capture / compile)", setup, f.device, compiles):
         engine = f.engine(len(ids) + n)
     # graphs=cuda_graph / compiled: the prompt's padded length captured (and compiled) before the clock
-    with phase(f"prompt graphs ({len(ids)} tokens)", setup, f.device):
+    with phase(f"prompt graphs ({len(ids)} tokens)", setup, f.device, compiles):
         engine.generator.warm_prefill(len(ids))
     g = engine.generator.generate(ids, n, ignore_eos=bool(p.get("ignore_eos", False)))
     metrics, _ = latency_summary([g], g.total_s)
@@ -36,4 +36,5 @@ def run(ctx):
     print(out if out is not None else g.tokens)
     if out is not None and p.get("show_ids", False):
         print(g.tokens)
-    return metrics, {"prompt_ids": ids, "output_ids": g.tokens, "output_text": out, "setup_s": setup}
+    return metrics, {"prompt_ids": ids, "output_ids": g.tokens, "output_text": out, "setup_s": setup,
+                     "setup_compiles": compiles}

@@ -50,15 +50,26 @@ class FusedArgmax:
         return self.backend == "triton"
 
     def _buffer(self, head, x):
+        return self._make_buffer(head, x.shape[0], x.device)
+
+    def _make_buffer(self, head, rows: int, device):
         per_head = self._bufs.get(head)
         if per_head is None:
             per_head = self._bufs[head] = {}
-        key = (x.shape[0], x.device)
+        key = (rows, device)
         buf = per_head.get(key)
         if buf is None:  # made once (warm-up, before any graph capture); -inf stays where no row writes
             with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
-                buf = per_head[key] = head.new_logits(x.shape[0], x.device)
+                buf = per_head[key] = head.new_logits(rows, device)
         return buf
+
+    def prepare(self, model, rows: int, device) -> None:
+        """Make the logits buffer of `rows` rows before a step is compiled: a buffer made while
+        torch.compile traces the step changes the dict its guards read, and the step's second call
+        recompiled it (the frontier's step: 2 graphs compiled instead of 1, run EW)."""
+        from .lm_head import decode_head
+
+        self._make_buffer(decode_head(model), rows, torch.device(device))
 
     def __call__(self, model, hidden):
         from .lm_head import decode_head
