@@ -89,22 +89,11 @@ def apply_variant(model, name, state):
     return cls, compiled
 
 
-def copy_bandwidth(device, nbytes=2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(10):
-        b.copy_(a)
-    e1.record()
-    e1.synchronize()
-    s = e0.elapsed_time(e1) / 1e3 / 10
-    del a, b
-    return 2 * (nbytes // 2) * 2 / s
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read + written per second (metrics.memory.copy_bandwidth_gbs)."""
+    from ..metrics.memory import copy_bandwidth_gbs
+
+    return copy_bandwidth_gbs(torch.device(device)) * 1e9
 
 
 def decode_bytes(model) -> int:
