@@ -19,6 +19,9 @@
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
 #             STACK_ARGS, e.g. "--bodies int4 --variants base,attn_pdl+qkv": the fused step's options per
 #             body); nf4 needs bitsandbytes (a wheel in .whl)
+#   attention a store layer's attention with its q/k/v work at one row by path and tiles, full layers at
+#             300-32k tokens of context (bench.attention; ATTENTION_ARGS, default --qkv; "" for the split
+#             kernel alone vs its twin)
 #   head      the LM head: full / int8 / int4 / pruned, fused argmax (bench.head)
 #   drafthead the MTP drafter's centroid-masked head: torch's path vs kernels/draft_head.py (bench.draft_head)
 #   draftloop the k-step draft loop: the fused drafter step vs kernels/draft_loop.py's persistent kernel, drafts
@@ -46,7 +49,7 @@
 # COMPILE_CACHE=DIR keeps torch.compile's and Triton's caches in DIR/inductor and DIR/triton, so a later
 #   run on the same software skips most compiles (H200: compiling the prompt's forward took 177 s
 #   fresh, 66 s with the caches of an earlier run).
-# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, PREFILL_ARGS, PROFILE_VARIANTS, COUNTERS_ARGS,
+# Environment: PART_S (seconds per part, default 420), LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, ATTENTION_ARGS, PREFILL_ARGS, PROFILE_VARIANTS, COUNTERS_ARGS,
 #   INT4_MS. The fused step: LADDER_VARIANTS=compiled_triton_merged_gemv,compiled_triton_fused_pdl,compiled_triton_fused
 #   LADDER_ARGS="--hf-new 0 --hf-check 0" (skip transformers' figure), PROFILE_VARIANTS=compiled_triton_fused_pdl.
 #   bash sweeps/h200.sh profile int4
@@ -92,6 +95,7 @@ sh = '${INT4_SHAPES:-}'
 bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh else None, sweep=True, rep_ms=10,
              per_group_only='${INT4_PER_GROUP:-0}' == '1', packed='${INT4_PACKED:-1}' == '1')" ;;
     stack) run stack python3 -m fastgemma.bench.stack ${STACK_ARGS:-} --out "$out/stack.jsonl" ;;
+    attention) run attention python3 -m fastgemma.bench.attention ${ATTENTION_ARGS---qkv} ;;
     int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles, E4B_CASES as C
 cs = '${INT4FUSED_CASES:-}'
 bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
@@ -115,7 +119,7 @@ bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for 
            task.table=true "hydra.run.dir=$out/cli" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, head, drafthead, draftloop, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, attention, head, drafthead, draftloop, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

@@ -115,3 +115,31 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="contiguous along the head dim"):
         da.decode_attention_qkv(qkv, qw, kw, cos, sin, k.transpose(2, 3).contiguous().transpose(2, 3), v, idx,
                                 q_pos, slot_pos, 16, heads=8, eps=1e-6)
+
+
+def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
+    """bench.attention --qkv's rows on a CPU (interpreter, fp32, small shapes): the plain path
+    (qkv_finish + split + combine) and the q/k/v mode with its default and other tiles all equal the
+    twin; tiles the kernel cannot take are refused by name."""
+    from fastgemma.bench.attention import main, qkv_paths, qkv_rows
+
+    assert [t for _, t in qkv_paths([(16, 4, 1), da._qkv_tiles(64)], 64)] == [da._qkv_tiles(64), (16, 4, 1)]
+    for D, S, ctx, ring, window in [(64, 24, 60, True, 20), (32, 80, 50, False, 0)]:
+        rows = qkv_rows(D, S, ctx, ring, window, [(16, 4, 1), (32, 2, 2)], dev="cpu", timer=lambda fn: 0.0,
+                        dtype=torch.float32)
+        assert [r[0].split(" (")[0] for r in rows] == ["qkv_finish + split + combine",
+                                                       f"q/k/v mode {'x'.join(map(str, da._qkv_tiles(D)[:2]))}s2",
+                                                       "q/k/v mode 16x4s1", "q/k/v mode 32x2s2"]
+        for path, splits, err, _ in rows:
+            print(f"D={D} ring={ring} {path}: splits {splits}, rel err {err:.1e}")
+            assert splits >= 1 and err < 1e-5, path
+    assert da.parse_tiles(" 32x8s2 ") == (32, 8, 2)
+    for bad in ("24x8s2", "8x8s2", "32x3s2", "32x8s0", "32x8"):
+        with pytest.raises(ValueError, match="tiles"):
+            da.parse_tiles(bad)
+    with pytest.raises(ValueError, match="tiles"):
+        da.check_tiles((32, 8))
+    with pytest.raises(SystemExit, match="BLOCKNxWARPSsSTAGES"):
+        main(["--qkv", "--tiles", "32x8"])
+    with pytest.raises(SystemExit, match="--contexts must lie"):
+        main(["--qkv", "--contexts", "300,99999"])

@@ -431,7 +431,8 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
 
 def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window: int, *,
                          heads: int, eps: float, offset: float = 0.0, v_norm: bool = True, scale: float = 1.0,
-                         num_splits: int | None = None, pdl: bool = False, merge: bool = False) -> torch.Tensor:
+                         num_splits: int | None = None, pdl: bool = False, merge: bool = False,
+                         tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """kernels/qkv_finish.py and `decode_attention` in one split kernel: qkv [B, T, (H + 2 Hkv) D], the
     merged projection's rows of a store layer (k_w given: its K / V rows are normed, rotated, written
     into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
@@ -440,7 +441,8 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     L2 before the PDL wait (the cache's rows at the step's positions are never read: a store layer
     makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a split of their
     own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
-    not bit for bit)."""
+    not bit for bit). tiles: (BLOCK_N, num_warps, num_stages) instead of `_qkv_tiles`' (bench.attention
+    times candidates; `check_tiles` refuses what the kernel cannot take)."""
     from .qkv_finish import _check as _check_qkv
 
     store = k_w is not None
@@ -457,12 +459,37 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
                  sid_b=idx.stride(0) if store else 0, sid_t=idx.stride(1) if store else 0, eps=float(eps),
                  norm_off=float(offset), QKV=2 if store else 1, V_NORM=bool(v_norm),
                  BLOCK_T=max(16, triton.next_power_of_2(T)), EMU=_INTERPRET)
+    if tiles is not None:
+        check_tiles(tiles)
     return _attention(qkv, (qkv.stride(0), qkv.stride(1), 0, 0), (B, T, heads, D), k_cache, v_cache, q_pos,
-                      slot_pos, window, scale, num_splits, pdl, merge, extra)
+                      slot_pos, window, scale, num_splits, pdl, merge, extra, tiles=tiles)
+
+
+def check_tiles(tiles) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) as the split kernel takes them: BLOCK_N a power of two >= 16
+    (tl.dot), warps a power of two 1..16, stages >= 1; else a ValueError naming the bad value."""
+    try:
+        bn, w, st = (int(t) for t in tiles)
+    except (TypeError, ValueError):
+        raise ValueError(f"attention tiles must be (BLOCK_N, num_warps, num_stages), got {tiles!r}") from None
+    if bn < 16 or bn & (bn - 1) or w not in (1, 2, 4, 8, 16) or st < 1:
+        raise ValueError(f"attention tiles (BLOCK_N, num_warps, num_stages) = {(bn, w, st)}: BLOCK_N a power of "
+                         "two >= 16, num_warps a power of two up to 16, num_stages >= 1")
+    return bn, w, st
+
+
+def parse_tiles(text: str) -> tuple[int, int, int]:
+    """'NxWsS' (e.g. '32x8s2': 32 keys per block, 8 warps, 2 stages) -> checked tiles."""
+    import re
+
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)", text.strip())
+    if not m:
+        raise ValueError(f"attention tiles {text!r}: BLOCKNxWARPSsSTAGES, e.g. '32x8s2'")
+    return check_tiles(tuple(int(g) for g in m.groups()))
 
 
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
-               extra: dict, per_position: bool = False) -> torch.Tensor:
+               extra: dict, per_position: bool = False, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`;
     per_position: a row tile per position, split as a one-row launch is (`decode_attention`)."""
     B, T, H, D = shape
@@ -476,7 +503,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     # per_position: the tile of a one-row launch (its R = G), once per position; tl.dot needs M >= 16
     block_m = min(64, max(16, triton.next_power_of_2(G if per_position else R)))
     row_tiles = T if per_position else triton.cdiv(R, block_m)
-    block_n, num_warps, num_stages = _qkv_tiles(D) if qkv else _tiles(D, block_m)
+    block_n, num_warps, num_stages = tiles or (_qkv_tiles(D) if qkv else _tiles(D, block_m))
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, block_n, _num_sms(q.device))
     # QKV 2: one split more, for the step's own rows
