@@ -153,6 +153,28 @@ def test_stack_bench_step_variants_on_the_cpu(tmp_path, capsys):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base,fast"])
 
 
+def test_stack_bench_several_prompt_lengths_in_one_process(tmp_path, capsys):
+    """bench.stack --prompt-len L1 L2: rows for each length from one engine whose cache holds the
+    longest (long context in one process), identity per length against the full head's tokens of the
+    same prompts; lengths past the model's positions are refused."""
+    from fastgemma.bench import stack
+
+    out = tmp_path / "stack.jsonl"
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "--heads", "full", "pruned:40",
+                "--prompts", "1", "--prompt-len", "12", "30", "12", "--new", "4", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["head"], r["prompt_len"]) for r in rows] == [("full", 12), ("full", 30), ("pruned:40", 12),
+                                                             ("pruned:40", 30)]
+    assert all(r["max_context"] == 30 + 4 + 16 and r["identity_rate"] == 1.0 and r["prefix_mean"] == 4 for r in rows)
+    assert [r["identity_vs_first"] for r in rows] == [1.0, 1.0, None, None]
+    table = capsys.readouterr().out.split("| prompt |")[1]
+    assert table.count(" | 12 |\n") == 2 and table.count(" | 30 |\n") == 2
+    with pytest.raises(SystemExit, match="exceeds"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompt-len", "10", "1000000"])
+    with pytest.raises(SystemExit, match=">= 1"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompt-len", "0"])
+
+
 def test_stack_bench_one_row_set_per_mma_table(tmp_path):
     """bench.stack --mma-table, repeated: variants with 'mma' built once per table in one process (rows
     labelled by the table's text, 'default' unlabelled), the others once; the shipped table restored

@@ -182,7 +182,9 @@ def main(argv=None):
     ap.add_argument("--heads", nargs="+", default=["full", "int8", "int4", "pruned:12288", "pruned:16384",
                                                    "pruned:32768"])
     ap.add_argument("--prompts", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[256],
+                    help="prompt tokens; several: rows for each, one cache sized for the longest (long context "
+                         "in one process)")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--variants", default="base",
                     help="fused-step variants per body, comma-separated: base, or options joined by '+' "
@@ -196,6 +198,9 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
+    lengths = list(dict.fromkeys(a.prompt_len))
+    if min(lengths) < 1 or a.new < 1:
+        raise SystemExit(f"--prompt-len and --new must be >= 1, got {a.prompt_len} and {a.new}")
     variants = [v for v in a.variants.split(",") if v]
     if not variants:
         raise SystemExit("--variants: at least one (base)")
@@ -219,8 +224,12 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     bw = copy_bandwidth(dev) if cuda else float("nan")
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
-    max_ctx = a.prompt_len + a.new + 16
+    prompts = {n: [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for _ in range(a.prompts)]
+               for n in lengths}
+    max_ctx = max(lengths) + a.new + 16
+    if max_ctx > cfg.max_position_embeddings:
+        raise SystemExit(f"--prompt-len {max(lengths)} + --new {a.new} exceeds {cfg.name}'s "
+                         f"{cfg.max_position_embeddings} positions")
     sampler = FusedArgmax("triton" if cuda else "torch")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
@@ -229,7 +238,7 @@ def main(argv=None):
     eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
     plan = [(b, v, t) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])
             for t in (tables if "mma" in v.split("+") else [""])]
-    first = {}  # body -> the first variant's full-head tokens
+    first = {}  # body -> prompt length -> the first variant's full-head tokens
     for body, variant, table in plan:
         mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
         label = f"{variant} [{table}]" if table else variant
@@ -249,7 +258,7 @@ def main(argv=None):
         if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles
             model.step = compile_step(step_fn)
         cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=dtype)
-        ref, full_tokens = None, []
+        refs, full_tokens = {}, []
         for kind, n in heads:
             name = kind if n is None else f"{kind}:{n}"
             try:
@@ -261,37 +270,41 @@ def main(argv=None):
                 t = time.perf_counter()
                 step.prepare()
                 prep_s = time.perf_counter() - t
-                gen.generate(prompts[0][:32], 8)  # warm-up
-                gen.warm_prefill(a.prompt_len)  # the prompt's graph (graphs: padded lengths)
+                gen.generate(prompts[lengths[0]][0][:32], 8)  # warm-up
+                gen.warm_prefill(max(lengths))  # the prompts' graphs (graphs: padded lengths)
                 sync()
-                t = time.perf_counter()
-                outs = [gen.generate(p, a.new) for p in prompts]
-                sync()
-                wall = time.perf_counter() - t
+                runs = {}
+                for L in lengths:
+                    t = time.perf_counter()
+                    outs = [gen.generate(p, a.new) for p in prompts[L]]
+                    sync()
+                    runs[L] = (outs, time.perf_counter() - t)
                 hus = head_us(model, sampler, dev)
             except Exception as e:
                 print(f"{body} {label} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
                 rows.append(dict(body=body, variant=label, head=name, error=f"{type(e).__name__}: {e}"))
                 continue
-            tokens = [o.tokens for o in outs]
-            if ref is None:
-                ref = tokens
-                full_tokens = [t for ts in tokens for t in ts]
-                first.setdefault(body, tokens)
-            step_ms = statistics.median(s for o in outs for s in o.step_s) * 1e3
-            per_tok = nbody + nhead
-            row = dict(body=body, variant=label, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
-                       tps=sum(len(t) for t in tokens) / wall, step_ms=step_ms,
-                       ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3,
-                       mbu=per_tok / (step_ms / 1e3) / bw if cuda else None, head_us=hus,
-                       identity_rate=sum(t == r for t, r in zip(tokens, ref)) / len(ref),
-                       prefix_mean=statistics.mean(common_prefix(t, r) for t, r in zip(tokens, ref)),
-                       identity_vs_first=(sum(t == r for t, r in zip(tokens, first[body])) / len(tokens)
-                                          if kind == "full" else None),  # the full head: against the first variant
-                       prepare_s=prep_s, compile=compiled, gpu=gpu, model=cfg.name, prompts=a.prompts,
-                       prompt_len=a.prompt_len, new=a.new, stack=desc, lm_head=hinfo)
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head")}), flush=True)
+            for L, (outs, wall) in runs.items():
+                tokens = [o.tokens for o in outs]
+                if L not in refs:
+                    refs[L] = tokens
+                    full_tokens += [t for ts in tokens for t in ts]
+                    first.setdefault(body, {}).setdefault(L, tokens)
+                ref = refs[L]
+                step_ms = statistics.median(s for o in outs for s in o.step_s) * 1e3
+                per_tok = nbody + nhead
+                row = dict(body=body, variant=label, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
+                           tps=sum(len(t) for t in tokens) / wall, step_ms=step_ms,
+                           ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3,
+                           mbu=per_tok / (step_ms / 1e3) / bw if cuda else None, head_us=hus,
+                           identity_rate=sum(t == r for t, r in zip(tokens, ref)) / len(ref),
+                           prefix_mean=statistics.mean(common_prefix(t, r) for t, r in zip(tokens, ref)),
+                           identity_vs_first=(sum(t == r for t, r in zip(tokens, first[body][L])) / len(tokens)
+                                              if kind == "full" else None),  # the full head: against the first variant
+                           prepare_s=prep_s, compile=compiled, gpu=gpu, model=cfg.name, prompts=a.prompts,
+                           prompt_len=L, max_context=max_ctx, new=a.new, stack=desc, lm_head=hinfo)
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head")}), flush=True)
             del step, gen
         model.step = step_fn
         del model, cache
@@ -309,17 +322,18 @@ def main(argv=None):
         return "" if x is None else f"{x:.{nd}f}"
 
     print(f"\n{cfg.name} synthetic, merged + Triton attention + CUDA graphs{' + compile' if compiled else ''}, "
-          f"fused argmax; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}, copy bw {bw / 1e12:.2f} TB/s")
+          f"fused argmax; {a.prompts} prompts x {'/'.join(map(str, lengths))} -> {a.new} new (cache {max_ctx}); "
+          f"{gpu}, copy bw {bw / 1e12:.2f} TB/s")
     print("| body | variant | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | "
-          "prefix | identity vs first variant |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "prefix | identity vs first variant | prompt |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['body']} | {r['variant']} | {r['head']} | failed: {r['error'][:80]} | | | | | | | | |")
+            print(f"| {r['body']} | {r['variant']} | {r['head']} | failed: {r['error'][:80]} | | | | | | | | | |")
             continue
         print(f"| {r['body']} | {r['variant']} | {r['head']} | {r['gb_per_token']:.3f} | {r['head_mb']:.1f} | "
               f"{r['tps']:.1f} | {r['step_ms']:.3f} | {f(r['mbu'])} | {r['head_us']:.1f} | {r['identity_rate']:.2f} | "
-              f"{r['prefix_mean']:.0f} | {f(r['identity_vs_first'])} |")
+              f"{r['prefix_mean']:.0f} | {f(r['identity_vs_first'])} | {r['prompt_len']} |")
 
 
 if __name__ == "__main__":
