@@ -187,7 +187,8 @@ class Generator:
     @torch.inference_mode()
     def warm_prefill(self, max_len: int) -> int:
         """Capture the prefill graph of every padded length up to max_len's (the warm-up: no prompt
-        pays a capture later). Returns the number of graphs held."""
+        pays a capture later). Each capture's seconds go to capture_s, logged at debug level with the
+        graphs torch.compile compiled meanwhile. Returns the number of graphs held."""
         if self.capture_prefill:
             for n in sorted({self.padded_length(t) for t in range(1, max_len + 1)} - {None}):
                 if n not in self._prefill_graphs:
@@ -195,8 +196,9 @@ class Generator:
                     self._capture_prefill(n)
                     torch.cuda.synchronize(self.device)
                     self.capture_s[n] = round(time.perf_counter() - t0, 3)
-                    log.debug("prompt graph of %d rows: %.1f s, %d graphs compiled", n, self.capture_s[n],
-                              compiled_graphs() - graphs)
+                    k = compiled_graphs() - graphs
+                    log.debug("prompt graph of %d rows: %.1f s, %d graph%s compiled", n, self.capture_s[n], k,
+                              "s" * (k != 1))
             self.cache.reset()
         return len(self._prefill_graphs)
 
