@@ -65,10 +65,12 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, iters: int =
     in runs EV-EX, where the benchmarks' back-to-back copies of 2 GiB read 4.27 the same day)."""
     if torch.device(device).type != "cuda":
         return None
+    src = dst = None
     try:
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
     except torch.OutOfMemoryError:
+        src = dst = None  # nothing of this size held while the smaller one is tried
         if nbytes <= 1 << 26:
             raise
         return copy_bandwidth_gbs(device, nbytes // 4, iters)
