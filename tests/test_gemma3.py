@@ -67,7 +67,6 @@ def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return math.exp(F.cross_entropy(logits[:-1].float(), ids[1:]).item())
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_config_resolved_for_gemma3(ours):
     c = ours.config
     assert (c.family, c.norm_offset, c.v_norm, c.layer_scalar, c.ple_dim, c.num_kv_shared_layers) == \
@@ -78,7 +77,6 @@ def test_config_resolved_for_gemma3(ours):
     assert all(s.stores_kv for s in c.layer_specs())
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_logits_match_transformers_gguf_load(ours, ref_logits, text_ids):
     """Chunked prefill (the ring buffer wraps at 512) vs transformers' one forward, same GGUF."""
     ids = text_ids[:, :N_TOKENS]
@@ -99,7 +97,6 @@ def test_logits_match_transformers_gguf_load(ours, ref_logits, text_ids):
     assert f"{a:.4g}" == f"{b:.4g}" and abs(a - b) / b < 1e-5
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_greedy_continuation_identical(ours, gemma3_hf_pair, text_ids, gemma3_tokenizer):
     """32 greedy tokens after a 490-token prompt (decode crosses the 512-key window): transformers'
     generate() with its own cache, and ours with the eager and the static step."""
@@ -115,7 +112,6 @@ def test_greedy_continuation_identical(ours, gemma3_hf_pair, text_ids, gemma3_to
     print(f"\n...{gemma3_tokenizer.decode(prompt[0, -12:])!r} -> {gemma3_tokenizer.decode(want)!r}")
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_quickstart_on_cached_weights_matches_transformers(gemma3_gguf, ref_logits, text_ids, tmp_path, capsys,
                                                          monkeypatch):
     """The embedded default (experiment=quickstart), shrunk: bench + ppl + the result table. Its

@@ -44,7 +44,6 @@ def tokenizer(gemma3_tokenizer):
 # ---------------------------------------------------------------- real model
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_converted_equals_transformers_gguf_load(real, models, tokenizer):
     _, out, seconds = real
     ours, ref = models
@@ -67,7 +66,6 @@ def test_converted_equals_transformers_gguf_load(real, models, tokenizer):
     assert diff <= 1e-5
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_cache_reused(real, monkeypatch):
     src, out, _ = real
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
@@ -87,7 +85,6 @@ def test_cache_reused(real, monkeypatch):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temp dirs left behind"
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_directory_contract(real, tokenizer):
     from transformers import AutoConfig
 
@@ -106,7 +103,6 @@ def test_directory_contract(real, tokenizer):
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (2, 1, 0)
 
 
-@pytest.mark.xdist_group("gemma3_270m")  # one worker converts and loads the 270M once
 def test_perplexity_sanity(models, tokenizer):
     ours, _ = models
     text = corpus.read_corpus(corpus.default_corpus_path())
