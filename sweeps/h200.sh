@@ -68,7 +68,7 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
   mkdir -p "$COMPILE_CACHE/inductor" "$COMPILE_CACHE/triton"
   export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi
-part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -133,7 +133,7 @@ for p in "${parts[@]}"; do
     int4fused) grep -E "WRONG|skip" "$out/int4fused.log" | head; grep -A20 '^# TILES' "$out/int4fused.log" ;;
     mma) grep -E ' \| ' "$out/mma.log" | head -120 ;;
     draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;
-    cli) grep -E '^\[bench\]|^\||\.\.\.$|: [0-9.]+ s$|^timed:|error' "$out/cli.log" | tail -30 ;;
+    cli) grep -E '^\[bench\]|^\||\.\.\.$|: [0-9.]+ s( \([0-9]+ graphs? compiled\))?$|^timed:|error' "$out/cli.log" | tail -30 ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
   tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true

@@ -352,9 +352,10 @@ def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
 
 
 def test_persistent_config_text_and_refusals():
-    from fastgemma.kernels.mma_w4a16 import config_problem, parse_config
+    from fastgemma.kernels.mma_w4a16 import config_args, config_problem, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
+    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8)  # mma_w4a16_op's order
     assert parse_config("2x4d5p9fn8") == MmaConfig(2, 4, 5, persist=9, fresh=True, hw=8)
     assert parse_config("2x4n8").num_warps == 8 and parse_config("2x4").num_warps == 4
     assert "hw" in config_problem(MmaConfig(2, 4, hw=3), 64, 1024, 128, "none")

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from ..kernels.decode_attention import (
-    _qkv_tiles, decode_attention, decode_attention_qkv, decode_attention_qkv_ref, decode_attention_ref, parse_tiles,
+    _qkv_tiles, _tiles, decode_attention, decode_attention_qkv, decode_attention_qkv_ref, decode_attention_ref, parse_tiles,
 )
 
 H, HKV = 8, 2  # E4B's query and KV heads
@@ -95,7 +95,7 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
         return decode_attention(q, k, v, q_pos, slot_pos, window)
 
     sms = _num_sms(torch.device(dev))
-    rows = [("qkv_finish + split + combine", pick_num_splits(1, HKV, 1, S, 32 if D > 256 else 64, sms),
+    rows = [("qkv_finish + split + combine", pick_num_splits(1, HKV, 1, S, _tiles(D, 16)[0], sms),
              err(plain()), timer(plain))]
     for name, t in qkv_paths(tiles, D):
         def fn(t=t):

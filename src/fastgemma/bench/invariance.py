@@ -145,8 +145,7 @@ def kernel_times(M: int, dev: str) -> list[dict]:
 
             def mma(cfg, x=x):
                 return rotating(mma_bufs, lambda w, sz: mma_w4a16.mma_w4a16_op(
-                    x, w, sz, N, 128, epi, cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist,
-                    cfg.fresh, cfg.hw, False))
+                    x, w, sz, N, 128, epi, *mma_w4a16.config_args(cfg), False))
             inv = mma_w4a16.mma_config(N, K, m, epi, invariant=True)
             cfg = mma_w4a16.mma_config(N, K, m, epi)
             if cfg is not None:

@@ -639,6 +639,11 @@ def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int,
     return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl)
 
 
+def config_args(cfg: MmaConfig) -> tuple:
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. hw arguments)."""
+    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw
+
+
 @mma_w4a16_op.register_fake
 def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))

@@ -98,7 +98,7 @@ def run(ctx):
     details = {"workload": wl.describe(), "max_context": max_ctx, "kv_cache_bytes": engine.cache.nbytes(),
                "weight_bytes_per_step": per_step, "cdf": cdf, "step": engine.step.__class__.__name__,
                "setup_s": setup, "setup_compiles": compiles,
-               "prompt_graph_s": {str(n): s for n, s in getattr(gen, "capture_s", {}).items()},
+               "prompt_graph_s": {str(n): s for n, s in gen.capture_s.items()},
                "mbu_note": None if copy else "vram_peak_gb, copy_bw_gbs, mbu: null, measured on a CUDA GPU only"}
     del engine
     if ctx.evaluation is not None:

@@ -90,13 +90,13 @@ def _no_invariant_config(mod, epilogue: str) -> ValueError:
 
 def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = False):
     """x [M, K] through kernels/mma_w4a16.py with `cfg` (None: `_mma_cfg`'s); None where it has none."""
-    from ..kernels.mma_w4a16 import mma_w4a16_op
+    from ..kernels.mma_w4a16 import config_args, mma_w4a16_op
 
     cfg = cfg or _mma_cfg(mod, x.shape[0], epilogue, x.dtype, invariant)
     if cfg is None:
         return None
-    return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, cfg.tiles,
-                        cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, pdl)
+    return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, *config_args(cfg),
+                        pdl)
 
 
 def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool):
