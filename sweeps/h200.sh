@@ -53,7 +53,7 @@
 #   INT4_MS. The fused step: LADDER_VARIANTS=compiled_triton_merged_gemv,compiled_triton_fused_pdl,compiled_triton_fused
 #   LADDER_ARGS="--hf-new 0 --hf-check 0" (skip transformers' figure), PROFILE_VARIANTS=compiled_triton_fused_pdl.
 #   bash sweeps/h200.sh profile int4
-# On a GPU box without a registry, wheels in ./.whl (tools/device-wheels.sh of the steering repo,
+# On a GPU box without a registry, wheels in ./.whl (downloaded beforehand on a machine with one,
 # e.g. with bitsandbytes for the stack part's nf4 body) are installed first into /tmp/site.
 set -u
 cd "$(dirname "$0")/.."

@@ -126,10 +126,11 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
     assert [t for _, t in qkv_paths([(16, 4, 1), da._qkv_tiles(64)], 64)] == [da._qkv_tiles(64), (16, 4, 1)]
     for D, S, ctx, ring, window in [(64, 24, 60, True, 20), (32, 80, 50, False, 0)]:
         rows = qkv_rows(D, S, ctx, ring, window, [(16, 4, 1), (32, 2, 2)], dev="cpu", timer=lambda fn: 0.0,
-                        dtype=torch.float32)
-        assert [r[0].split(" (")[0] for r in rows] == ["qkv_finish + split + combine",
-                                                       f"q/k/v mode {'x'.join(map(str, da._qkv_tiles(D)[:2]))}s2",
-                                                       "q/k/v mode 16x4s1", "q/k/v mode 32x2s2"]
+                        dtype=torch.float32, splits=(None, 3))
+        paths = ["qkv_finish + split + combine", f"q/k/v mode {'x'.join(map(str, da._qkv_tiles(D)[:2]))}s2",
+                 "q/k/v mode 16x4s1", "q/k/v mode 32x2s2"]
+        assert [r[0].split(" (")[0] for r in rows] == paths * 2
+        assert [r[1] for r in rows[4:]] == [3, 4, 4, 4]  # the q/k/v mode: one split more, for its own rows
         for path, splits, err, _ in rows:
             print(f"D={D} ring={ring} {path}: splits {splits}, rel err {err:.1e}")
             assert splits >= 1 and err < 1e-5, path
@@ -141,5 +142,7 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
         da.check_tiles((32, 8))
     with pytest.raises(SystemExit, match="BLOCKNxWARPSsSTAGES"):
         main(["--qkv", "--tiles", "32x8"])
+    with pytest.raises(SystemExit, match="--splits"):
+        main(["--qkv", "--splits", "auto,0"])
     with pytest.raises(SystemExit, match="--contexts must lie"):
         main(["--qkv", "--contexts", "300,99999"])

@@ -4,7 +4,8 @@ E4B shapes: sliding ring (D=256, S=window+16) and full layers (D=512) at several
 `--qkv`: a store layer's whole attention at one row, the q/k/v work included, by path: qkv_finish +
 the split kernel + the combine (`fuse.qkv_kernel`), and the split kernel's q/k/v mode
 (`fuse.attn_qkv`) with its default tiles and with each of `--tiles` (BLOCK_N x warps, stages), at
-each of `--contexts` on a full layer and once on the frontier's sliding ring (window 188)."""
+each of `--contexts` on a full layer (with each of `--splits`) and once on the frontier's sliding ring
+(window 188)."""
 from __future__ import annotations
 
 import argparse
@@ -77,8 +78,10 @@ def _name(t) -> str:
     return f"{t[0]}x{t[1]}s{t[2]}"
 
 
-def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=torch.bfloat16):
-    """-> [(path, splits, rel err vs the twin, us)] for one layer and context (`timer(fn)` -> us)."""
+def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=torch.bfloat16, splits=(None,)):
+    """-> [(path, splits, rel err vs the twin, us)] for one layer and context (`timer(fn)` -> us), each
+    path once per entry of `splits`: the cache's split count (None: the kernels' own pick; the q/k/v
+    mode adds its own-rows split to it)."""
     from ..kernels.decode_attention import pick_num_splits, _num_sms
     from ..kernels.qkv_finish import qkv_finish
 
@@ -90,17 +93,20 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
     def err(out):
         return ((out.float() - ref).norm() / ref.norm()).item()
 
-    def plain():
-        q = qkv_finish(qkv, q_w, k_w, cos, sin, k, v, idx, **kw)
-        return decode_attention(q, k, v, q_pos, slot_pos, window)
-
     sms = _num_sms(torch.device(dev))
-    rows = [("qkv_finish + split + combine", pick_num_splits(1, HKV, 1, S, _tiles(D, 16)[0], sms),
-             err(plain()), timer(plain))]
-    for name, t in qkv_paths(tiles, D):
-        def fn(t=t):
-            return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k, v, idx, q_pos, slot_pos, window, tiles=t, **kw)
-        rows.append((name, pick_num_splits(1, HKV, 1, S, t[0], sms) + 1, err(fn()), timer(fn)))
+    rows = []
+    for n in splits:
+        def plain(n=n):
+            q = qkv_finish(qkv, q_w, k_w, cos, sin, k, v, idx, **kw)
+            return decode_attention(q, k, v, q_pos, slot_pos, window, num_splits=n)
+
+        rows.append(("qkv_finish + split + combine", n or pick_num_splits(1, HKV, 1, S, _tiles(D, 16)[0], sms),
+                     err(plain()), timer(plain)))
+        for name, t in qkv_paths(tiles, D):
+            def fn(t=t, n=n):
+                return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k, v, idx, q_pos, slot_pos, window, tiles=t,
+                                            num_splits=n, **kw)
+            rows.append((name, (n or pick_num_splits(1, HKV, 1, S, t[0], sms)) + 1, err(fn()), timer(fn)))
     return rows
 
 
@@ -110,15 +116,20 @@ def main(argv=None):
     ap.add_argument("--contexts", default="300,4096,16384,32768", help="full-layer contexts of --qkv (tokens)")
     ap.add_argument("--tiles", default="32x8s2,16x8s3,32x16s2",
                     help="q/k/v-mode tiles to time beside the default, BLOCKNxWARPSsSTAGES joined by ','")
+    ap.add_argument("--splits", default="auto",
+                    help="full-layer split counts of --qkv, joined by ',': 'auto' (the kernels' pick) or a number")
     ap.add_argument("--max-context", type=int, default=32784, help="full-layer cache slots (S)")
     a = ap.parse_args(argv)
     try:
         tiles = [parse_tiles(t) for t in a.tiles.split(",") if t.strip()]
         contexts = [int(c) for c in a.contexts.split(",") if c.strip()]
+        splits = [None if n.strip() == "auto" else int(n) for n in a.splits.split(",") if n.strip()]
     except ValueError as e:
         raise SystemExit(str(e)) from e
     if any(c < 2 or c > a.max_context for c in contexts):
         raise SystemExit(f"--contexts must lie in 2..--max-context ({a.max_context}), got {contexts}")
+    if not splits or any(n is not None and not 1 <= n <= 1024 for n in splits):
+        raise SystemExit(f"--splits: 'auto' or counts in 1..1024, got {a.splits!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention times Triton kernels on a CUDA GPU; none is visible")
     if not a.qkv:
@@ -138,8 +149,8 @@ def main(argv=None):
     layers = [("sliding D=256 ring 189, window 188", 256, 189, 800, True, 188)]
     layers += [(f"full D=512 S={a.max_context}", 512, a.max_context, c, False, 0) for c in contexts]
     for name, D, S, ctx, ring, window in layers:
-        for path, splits, err, us in qkv_rows(D, S, ctx, ring, window, tiles):
-            print(f"| {name} | {ctx} | {path} | {splits} | {err:.2e} | {us:.1f} |", flush=True)
+        for path, n, err, us in qkv_rows(D, S, ctx, ring, window, tiles, splits=[None] if ring else splits):
+            print(f"| {name} | {ctx} | {path} | {n} | {err:.2e} | {us:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
