@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fastgemma.kernels.decode_attention import _combine_kernel, _split_kernel
+from fastgemma.kernels.decode_attention import _combine_kernel, _qkv_tiles, _split_kernel
 from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
 from fastgemma.kernels import draft_loop as dl
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
@@ -185,18 +185,19 @@ def main():
     # and stored), a query-only one; the positions and the first K / V block loaded before the wait
     # ("prefetch" lines as the pdl ones: name, registers, spills, waits, triggers, loads before the wait,
     # mma before the trigger, registers and spill bytes without PDL)
-    for name, D, bn, slot, bm, qkv in [("attention qkv store sliding", 256, 32, True, 16, 2),
-                                       ("attention qkv store full", 512, 16, False, 16, 2),
-                                       ("attention qkv store sliding 8 rows", 256, 32, True, 32, 2),
-                                       ("attention qkv store full 8 rows", 512, 16, False, 32, 2),
-                                       ("attention qkv query-only sliding", 256, 32, True, 16, 1),
-                                       ("attention qkv query-only full", 512, 16, False, 16, 1)]:
+    for name, D, slot, bm, qkv in [("attention qkv store sliding", 256, True, 16, 2),
+                                   ("attention qkv store full", 512, False, 16, 2),
+                                   ("attention qkv store sliding 8 rows", 256, True, 32, 2),
+                                   ("attention qkv store full 8 rows", 512, False, 32, 2),
+                                   ("attention qkv query-only sliding", 256, True, 16, 1),
+                                   ("attention qkv query-only full", 512, False, 16, 1)]:
+        bn, warps, stages = _qkv_tiles(D, bm)  # the tiles the kernel launches with
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
                   FIXUP=False, BLOCK_S=1, QKV=qkv, V_NORM=True, BLOCK_T=16, EMU=False, POS_TILE=False)
-        with contextlib.redirect_stdout(io.StringIO()) as buf:  # decode_attention._qkv_tiles: 8 warps
-            pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 8, 2)
+        with contextlib.redirect_stdout(io.StringIO()) as buf:
+            pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), warps, stages)
         print(buf.getvalue().replace("pdl\t", "prefetch\t", 1), end="")
-        ptx, _, _ = build(_split_kernel, split_sig, dict(ce, PDL=True), tuple(range(8)), 8, 2)
+        ptx, _, _ = build(_split_kernel, split_sig, dict(ce, PDL=True), tuple(range(8)), warps, stages)
         wait = ptx.find("griddepcontrol.wait")
         print(f"l2\t{name}\t{ptx[:wait].count('prefetch.global.L2')}\t{ptx[wait:].count('prefetch.global.L2')}")
     comb_sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "G": "i32", "Hkv": "i32", "R": "i32",

@@ -134,6 +134,12 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
         for path, splits, err, _ in rows:
             print(f"D={D} ring={ring} {path}: splits {splits}, rel err {err:.1e}")
             assert splits >= 1 and err < 1e-5, path
+    # a query-only layer (q rows alone, the cache only read), merged: no own-rows split, no combine
+    rows = qkv_rows(32, 80, 50, False, 0, [(16, 4, 1)], dev="cpu", timer=lambda fn: 0.0, dtype=torch.float32,
+                    splits=(3,), store=False, merge=True)
+    assert [r[:2] for r in rows] == [("qkv_finish + split", 3), (rows[1][0], 3), ("q/k/v mode 16x4s1", 3)]
+    assert all(r[2] < 1e-5 for r in rows), rows
+    assert da._qkv_tiles(512) == (32, 4, 2) and da._qkv_tiles(512, 32) == (16, 8, 2)  # one row / 8 rows
     assert da.parse_tiles(" 32x8s2 ") == (32, 8, 2)
     for bad in ("24x8s2", "8x8s2", "32x3s2", "32x8s0", "32x8"):
         with pytest.raises(ValueError, match="tiles"):

@@ -33,12 +33,16 @@ def test_gpu_only_variants_compile_for_sm90():
         gemm = "int4" in name or "skinny" in name
         assert mma_before > 0 if gemm else mma_before == 0, (name, pdl[name])
     # the attention's q/k/v mode: one wait and one trigger, the positions read and the first K / V
-    # block prefetched into L2 before the wait (all the L2 prefetches there), no spills
+    # block prefetched into L2 before the wait (all the L2 prefetches there), no spills but one row of a
+    # full layer: its 32-key, 4-warp tiles spill a few hundred bytes (384-464 measured), which ran
+    # faster than the spill-free 16-key, 8-warp tiles at every context (decode_attention._qkv_tiles)
     pre = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "prefetch"}
     l2 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "l2"}
     assert len(pre) == 6 and set(l2) == set(pre), (pre, l2)
     for name, (regs, spills, waits, triggers, loads, mma_before, regs_plain, spills_plain) in pre.items():
-        assert (waits, triggers, spills, spills_plain) == (1, 1, 0, 0) and loads > 0, (name, pre[name])
+        budget = 512 if name.endswith(" full") else 0
+        assert (waits, triggers) == (1, 1) and loads > 0, (name, pre[name])
+        assert spills <= budget and spills_plain <= budget, (name, pre[name])
         before, after = l2[name]
         assert before > 0 and after == 0, (name, l2[name])
     # the persistent draft loop (E4B's drafter): 27 grid barriers per draft token, each one release

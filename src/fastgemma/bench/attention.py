@@ -5,7 +5,8 @@ E4B shapes: sliding ring (D=256, S=window+16) and full layers (D=512) at several
 the split kernel + the combine (`fuse.qkv_kernel`), and the split kernel's q/k/v mode
 (`fuse.attn_qkv`) with its default tiles and with each of `--tiles` (BLOCK_N x warps, stages), at
 each of `--contexts` on a full layer (with each of `--splits`) and once on the frontier's sliding ring
-(window 188)."""
+(window 188); `--query-only` adds the KV-shared layers (q rows alone, the cache only read), `--merge`
+times every path without its combine launch (`fuse.attn_merge`)."""
 from __future__ import annotations
 
 import argparse
@@ -78,14 +79,18 @@ def _name(t) -> str:
     return f"{t[0]}x{t[1]}s{t[2]}"
 
 
-def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=torch.bfloat16, splits=(None,)):
+def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=torch.bfloat16, splits=(None,),
+             store: bool = True, merge: bool = False):
     """-> [(path, splits, rel err vs the twin, us)] for one layer and context (`timer(fn)` -> us), each
     path once per entry of `splits`: the cache's split count (None: the kernels' own pick; the q/k/v
-    mode adds its own-rows split to it)."""
+    mode adds its own-rows split to it). store=False: a KV-shared (query-only) layer, its q rows
+    alone, the cache only read. merge: the split tile's last program merges (no combine launch)."""
     from ..kernels.decode_attention import pick_num_splits, _num_sms
     from ..kernels.qkv_finish import qkv_finish
 
     qkv, q_w, k_w, cos, sin, k, v, idx, q_pos, slot_pos = qkv_inputs(D, S, ctx, ring, dev, dtype)
+    if not store:
+        qkv, k_w, idx = qkv[..., :H * D].contiguous(), None, None
     kw = dict(heads=H, eps=EPS)
     k2, v2 = k.clone(), v.clone()
     ref = decode_attention_qkv_ref(qkv, q_w, k_w, cos, sin, k2, v2, idx, q_pos, slot_pos, window, **kw).float()
@@ -94,19 +99,20 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
         return ((out.float() - ref).norm() / ref.norm()).item()
 
     sms = _num_sms(torch.device(dev))
+    own = 1 if store else 0  # the store layer's own-rows split
     rows = []
     for n in splits:
         def plain(n=n):
-            q = qkv_finish(qkv, q_w, k_w, cos, sin, k, v, idx, **kw)
-            return decode_attention(q, k, v, q_pos, slot_pos, window, num_splits=n)
+            q = qkv_finish(qkv, q_w, k_w, cos, sin, *((k, v, idx) if store else ()), **kw)
+            return decode_attention(q, k, v, q_pos, slot_pos, window, num_splits=n, merge=merge)
 
-        rows.append(("qkv_finish + split + combine", n or pick_num_splits(1, HKV, 1, S, _tiles(D, 16)[0], sms),
-                     err(plain()), timer(plain)))
+        rows.append(("qkv_finish + split" + ("" if merge else " + combine"),
+                     n or pick_num_splits(1, HKV, 1, S, _tiles(D, 16)[0], sms), err(plain()), timer(plain)))
         for name, t in qkv_paths(tiles, D):
             def fn(t=t, n=n):
                 return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k, v, idx, q_pos, slot_pos, window, tiles=t,
-                                            num_splits=n, **kw)
-            rows.append((name, (n or pick_num_splits(1, HKV, 1, S, t[0], sms)) + 1, err(fn()), timer(fn)))
+                                            num_splits=n, merge=merge, **kw)
+            rows.append((name, (n or pick_num_splits(1, HKV, 1, S, t[0], sms)) + own, err(fn()), timer(fn)))
     return rows
 
 
@@ -118,6 +124,9 @@ def main(argv=None):
                     help="q/k/v-mode tiles to time beside the default, BLOCKNxWARPSsSTAGES joined by ','")
     ap.add_argument("--splits", default="auto",
                     help="full-layer split counts of --qkv, joined by ',': 'auto' (the kernels' pick) or a number")
+    ap.add_argument("--query-only", action="store_true",
+                    help="--qkv on KV-shared layers too: their q rows alone, the cache only read")
+    ap.add_argument("--merge", action="store_true", help="--qkv: no combine launch (fuse.attn_merge)")
     ap.add_argument("--max-context", type=int, default=32784, help="full-layer cache slots (S)")
     a = ap.parse_args(argv)
     try:
@@ -148,9 +157,12 @@ def main(argv=None):
     print("|---|---|---|---|---|---|")
     layers = [("sliding D=256 ring 189, window 188", 256, 189, 800, True, 188)]
     layers += [(f"full D=512 S={a.max_context}", 512, a.max_context, c, False, 0) for c in contexts]
-    for name, D, S, ctx, ring, window in layers:
-        for path, n, err, us in qkv_rows(D, S, ctx, ring, window, tiles, splits=[None] if ring else splits):
-            print(f"| {name} | {ctx} | {path} | {n} | {err:.2e} | {us:.1f} |", flush=True)
+    for store in (True, False) if a.query_only else (True,):
+        for name, D, S, ctx, ring, window in layers:
+            name = name if store else name.replace(" ", " query-only ", 1)
+            for path, n, err, us in qkv_rows(D, S, ctx, ring, window, tiles, splits=[None] if ring else splits,
+                                             store=store, merge=a.merge):
+                print(f"| {name} | {ctx} | {path} | {n} | {err:.2e} | {us:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

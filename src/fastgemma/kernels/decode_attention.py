@@ -376,11 +376,16 @@ def _tiles(D: int, block_m: int) -> tuple[int, int, int]:
     return block_n, num_warps, 2
 
 
-def _qkv_tiles(D: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the q/k/v mode, whose q is made in registers: half
-    `_tiles`' key block and 8 warps. Compiled for sm_90a, 1 and 8 rows, D=256 and 512, store and
-    query-only layers: 211-255 registers, no spills (`_tiles`' 64 / 32 keys at 4 warps spilled
-    1,308 / 2,292 bytes at one row with the own rows in the same program)."""
+def _qkv_tiles(D: int, block_m: int = 16) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the q/k/v mode, whose q is made in registers. One row of a
+    full layer (D=512, block_m 16) takes 32 keys at 4 warps: it spills 384-464 bytes (sm_90a, store and
+    query-only, merged) yet beat 16 keys at 8 warps at every context on the H200 (store layer, alone,
+    run FA: 12.6 vs 14.0 us at 300 tokens, 12.8 vs 16.2 at 4k, 50.5 vs 83.5 at 32k). Otherwise half
+    `_tiles`' key block and 8 warps: compiled for sm_90a, 1 and 8 rows, D=256 and 512, store and
+    query-only layers, no spills at one row (`_tiles`' 64 / 32 keys at 4 warps spilled 1,308 / 2,292
+    bytes at one row with the own rows in the same program)."""
+    if D > 256 and block_m <= 16:
+        return 32, 4, 2
     return (32 if D <= 256 else 16), 8, 2
 
 
@@ -503,7 +508,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     # per_position: the tile of a one-row launch (its R = G), once per position; tl.dot needs M >= 16
     block_m = min(64, max(16, triton.next_power_of_2(G if per_position else R)))
     row_tiles = T if per_position else triton.cdiv(R, block_m)
-    block_n, num_warps, num_stages = tiles or (_qkv_tiles(D) if qkv else _tiles(D, block_m))
+    block_n, num_warps, num_stages = tiles or (_qkv_tiles(D, block_m) if qkv else _tiles(D, block_m))
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, block_n, _num_sms(q.device))
     # QKV 2: one split more, for the step's own rows
