@@ -9,8 +9,9 @@
 #                                      this checkout; h200.sh's variables (STACK_ARGS, SPEC_ARGS, MMA_TRY,
 #                                      <PART>_S, ...) apply to both
 #
-# AB_DIR (default .ab) is where revisions are kept. Two processes per part on one machine: the order
-# is fixed (base first), so repeat a part or swap the roles when its rows are close.
+# AB_DIR (default .ab) is where revisions are kept. Two processes per part on one machine, base first
+# (AB_FIRST=new: this checkout first): the first process also fills the compile caches and meets a
+# cold GPU, so repeat a part with the order swapped when its rows are close.
 set -u
 cd "$(dirname "$0")/.."
 ab_dir="${AB_DIR:-.ab}"
@@ -38,9 +39,18 @@ if [ ! -f "$base_src/fastgemma/__init__.py" ]; then
   exit 2
 fi
 out="${OUT:-$PWD/results/h200}"
+base() {
+  echo "########## $1: base ($rev)"
+  PYTHONPATH="$base_src${PYTHONPATH:+:$PYTHONPATH}" OUT="$out/base" bash sweeps/h200.sh "$1"
+}
+new() {
+  echo "########## $1: new (this checkout)"
+  OUT="$out/new" bash sweeps/h200.sh "$1"
+}
+case "${AB_FIRST:-base}" in
+  base|new) ;;
+  *) echo "ab.sh: AB_FIRST is base or new, got '$AB_FIRST'" >&2; exit 2 ;;
+esac
 for p in "$@"; do
-  echo "########## $p: base ($rev)"
-  PYTHONPATH="$base_src${PYTHONPATH:+:$PYTHONPATH}" OUT="$out/base" bash sweeps/h200.sh "$p"
-  echo "########## $p: new (this checkout)"
-  OUT="$out/new" bash sweeps/h200.sh "$p"
+  if [ "${AB_FIRST:-base}" = new ]; then new "$p"; base "$p"; else base "$p"; new "$p"; fi
 done

@@ -43,3 +43,9 @@ def test_each_part_runs_for_the_base_then_this_checkout(tmp_path):
     assert [lines[i] for i in heads] == [f"########## nosuchpart: base ({sha})", "########## nosuchpart: new (this checkout)"]
     assert r.stdout.count("unknown part nosuchpart") == 2
     assert (tmp_path / "out" / "base").is_dir() and (tmp_path / "out" / "new").is_dir()
+    # AB_FIRST=new swaps the order; anything else is refused before a part runs
+    r = _ab(sha, "nosuchpart", env={"AB_DIR": str(tmp_path / "ab"), "OUT": str(tmp_path / "out"), "AB_FIRST": "new"})
+    heads = [line for line in r.stdout.splitlines() if line.startswith("##########")]
+    assert heads == ["########## nosuchpart: new (this checkout)", f"########## nosuchpart: base ({sha})"]
+    r = _ab(sha, "nosuchpart", env={"AB_DIR": str(tmp_path / "ab"), "AB_FIRST": "old"})
+    assert r.returncode == 2 and "AB_FIRST is base or new" in r.stderr and "##########" not in r.stdout
