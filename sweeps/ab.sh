@@ -10,8 +10,9 @@
 #                                      <PART>_S, ...) apply to both
 #
 # AB_DIR (default .ab) is where revisions are kept. Two processes per part on one machine, base first
-# (AB_FIRST=new: this checkout first): the first process also fills the compile caches and meets a
-# cold GPU, so repeat a part with the order swapped when its rows are close.
+# (AB_FIRST=new: this checkout first). The first process also fills the compile caches, and the order
+# can show in the figures (runs FB / FC: the second int4 step 0.02-0.03 ms faster whichever code it
+# ran), so repeat a part with the order swapped when its rows are close.
 set -u
 cd "$(dirname "$0")/.."
 ab_dir="${AB_DIR:-.ab}"
