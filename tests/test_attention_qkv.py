@@ -104,6 +104,21 @@ def test_merge_pdl_and_no_v_norm(v_norm):
     q_only = da.decode_attention_qkv_op(qkv[..., : 8 * 32], qw, cos, sin, kc, vc, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
                                         1.0, False, False)
     assert q_only.shape == (1, 4, 8, 32) and torch.isfinite(q_only).all()
+    # their `tiles` (fuse.attn_tiles' per-kind value): the same output on other tiles, and the fakes
+    # (what torch.compile traces) take it
+    kc, vc = k.clone(), v.clone()
+    tiled = da.decode_attention_qkv_store_op(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
+                                             v_norm, 1.0, False, False, "16x2s1")
+    torch.testing.assert_close(tiled, ref, **TOL[torch.float32])
+    torch.testing.assert_close(da.decode_attention_qkv_op(qkv[..., : 8 * 32], qw, cos, sin, kc, vc, q_pos, slot_pos,
+                                                          24, 8, 1e-6, 1.0, 1.0, False, False, "32x4s2"),
+                               q_only, **TOL[torch.float32])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = da.decode_attention_qkv_store_op(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
+                                                v_norm, 1.0, False, False, "16x2s1")
+    assert fake.shape == ref.shape
 
 
 def test_bad_inputs_are_refused():

@@ -195,6 +195,26 @@ def test_stack_bench_one_row_set_per_mma_table(tmp_path):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "mma", "--mma-table", "down@1=4"])
 
 
+def test_stack_bench_one_row_set_per_attention_tiles(tmp_path):
+    """bench.stack --attn-tiles, repeated: variants with 'attn_qkv' built once per tile choice in one
+    process (rows labelled by the choice, 'default' unlabelled, the choice in the row's FuseLayers),
+    the others once; bad entries and tiles without an attn_qkv variant refused."""
+    from fastgemma.bench import stack
+
+    out = tmp_path / "stack.jsonl"
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "--variants", "base,attn_qkv",
+                "--attn-tiles", "default", "--attn-tiles", "full_store=32x16s2", "--heads", "full", "--prompts", "1",
+                "--prompt-len", "12", "--new", "4", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["base", "attn_qkv", "attn_qkv {full_store=32x16s2}"]
+    assert [r["stack"]["FuseLayers"]["attn_tiles"] for r in rows] == ["", "", "full_store=32x16s2"]
+    assert [r["identity_vs_first"] for r in rows] == [1.0, 1.0, 1.0]
+    with pytest.raises(SystemExit, match="--attn-tiles: .*KIND"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "attn_qkv", "--attn-tiles", "full=32x4s2"])
+    with pytest.raises(SystemExit, match="give a variant with attn_qkv"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base", "--attn-tiles", "full_store=32x4s2"])
+
+
 def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     """bench.spec's CPU smoke run with a pruned head: the AR row, then replay rows for each verify
     tile table, identical tokens to AR (no divergence, teacher-forced top-1 agreement 1), and the

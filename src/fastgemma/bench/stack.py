@@ -10,7 +10,8 @@ Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.
 `--variants base,attn_pdl,attn_pdl+qkv` builds each fused body once per variant of the step (`fuse.attn_pdl`:
 the attention kernels under PDL too; `fuse.qkv_kernel`: kernels/qkv_finish.py), each compiled on its own;
 the full head's tokens of each variant are compared with the first variant's (`identity vs first variant`:
-launch options must give 1.00).
+launch options must give 1.00). `--attn-tiles` (repeated) builds the variants with `attn_qkv` once per
+tile choice of the attention's q/k/v mode (`fuse.attn_tiles`), in the same process.
 The body is compiled once; each head is then swapped in and the step re-captured, the head's pick
 (`sampler=fused_argmax`) outside the compiled region, so a head costs seconds, not a compile.
 Pruned heads keep N rows: the eos ids, the full head's greedy tokens on these prompts, then seeded
@@ -90,9 +91,9 @@ def mma_table_arg(text: str) -> dict:
         raise SystemExit(str(e)) from e
 
 
-def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str = "base"):
+def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str = "base", attn_tiles: str = ""):
     """Synthetic weights -> the body's transforms (fuse: the fused one-row step, bf16 and int4
-    bodies, with the options of `variant`). -> (model, {transform: describe()})."""
+    bodies, with the options of `variant`; `attn_tiles`: fuse.attn_tiles). -> (model, {transform: describe()})."""
     from ..transforms.attention import TorchAttention, TritonAttention
     from ..transforms.fuse import MergeProjections
     from ..transforms.fuse_layers import FuseLayers
@@ -110,7 +111,7 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str 
     elif body != "bf16":
         raise SystemExit(f"unknown body {body!r}; known: {', '.join(BODIES)}")
     if fuse and body != "nf4":
-        parts.append(FuseLayers(backend=backend, pdl=cuda, **parse_variant(variant)))
+        parts.append(FuseLayers(backend=backend, pdl=cuda, attn_tiles=attn_tiles, **parse_variant(variant)))
     parts.append(TritonAttention() if cuda else TorchAttention())
     model = synthetic_model(cfg, dev, dtype, seed=0)
     for t in parts:
@@ -194,6 +195,10 @@ def main(argv=None):
                          "CASE@ROWS=TxW[dD][sS][pR][f][nH] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), 'none', or "
                          "'default' (its own); repeated: one row set per table, in one process. A one-row GEMV with a prologue "
                          "(q|k|v, gate|up) runs it in kernels/residual_norm.py first")
+    ap.add_argument("--attn-tiles", action="append", default=[],
+                    help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "
+                         "KIND=NxWsS joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
+                         "'default' (the kernel's own); repeated: one row set per value, in one process")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
@@ -212,6 +217,18 @@ def main(argv=None):
     # text -> table; '' is the shipped one
     tables = {"" if t == "default" else t: shipped if t == "default" else mma_table_arg(t)
               for t in a.mma_table or ["default"]}
+    from ..kernels.decode_attention import parse_qkv_tiles
+
+    attn_tiles = []  # '' is the kernel's own
+    for t in a.attn_tiles or ["default"]:
+        try:
+            tiles = "" if t == "default" else ",".join(f"{k}={v}" for k, v in parse_qkv_tiles(t).items())
+        except ValueError as e:
+            raise SystemExit(f"--attn-tiles: {e}") from e
+        if tiles not in attn_tiles:
+            attn_tiles.append(tiles)
+    if a.attn_tiles and not any("attn_qkv" in v.split("+") for v in variants):
+        raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give a variant with attn_qkv")
     # the full head first: the reference of identity, and the pruned keepsets' first ids
     heads = [("full", None)] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads) if h != ("full", None)]
     dev = a.device
@@ -236,15 +253,16 @@ def main(argv=None):
     print(f"{gpu} | {cfg.name} synthetic | copy bw {bw / 1e12:.2f} TB/s | compile {compiled}", flush=True)
     workdir = tempfile.mkdtemp(prefix="fastgemma-stack-")  # the pruned heads' keepset files
     eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
-    plan = [(b, v, t) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])
-            for t in (tables if "mma" in v.split("+") else [""])]
+    plan = [(b, v, t, at) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])
+            for t in (tables if "mma" in v.split("+") else [""])
+            for at in (attn_tiles if "attn_qkv" in v.split("+") else [""])]
     first = {}  # body -> prompt length -> the first variant's full-head tokens
-    for body, variant, table in plan:
+    for body, variant, table, tiles in plan:
         mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
-        label = f"{variant} [{table}]" if table else variant
+        label = (f"{variant} [{table}]" if table else variant) + (f" {{{tiles}}}" if tiles else "")
         t0 = time.perf_counter()
         try:
-            model, desc = build_body(cfg, dev, body, dtype, variant=variant)
+            model, desc = build_body(cfg, dev, body, dtype, variant=variant, attn_tiles=tiles)
         except Exception as e:  # nf4 without bitsandbytes, ...: report and go on
             print(f"{body} {label}: FAILED to build: {type(e).__name__}: {e}", flush=True)
             rows.append(dict(body=body, variant=label, head="*", error=f"{type(e).__name__}: {e}"))

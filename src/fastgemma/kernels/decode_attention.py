@@ -495,6 +495,35 @@ def parse_tiles(text: str) -> tuple[int, int, int]:
     return check_tiles(tuple(int(g) for g in m.groups()))
 
 
+QKV_TILE_KINDS = ("full_store", "full_query", "sliding_store", "sliding_query")  # the q/k/v mode's layer kinds
+
+
+def parse_qkv_tiles(text: str) -> dict[str, str]:
+    """`fuse.attn_tiles`: 'KIND=NxWsS' joined by ',' (KIND: full / sliding layer, store / query-only:
+    QKV_TILE_KINDS), '' for none -> {kind: 'NxWsS'}, each checked; the kinds not named keep
+    `_qkv_tiles`' choice. A ValueError names a bad entry."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        kind, eq, tiles = item.partition("=")
+        kind = kind.strip()
+        if not eq or kind not in QKV_TILE_KINDS:
+            raise ValueError(f"attention tiles entry {item.strip()!r}: KIND=BLOCKNxWARPSsSTAGES with KIND one of "
+                             f"{', '.join(QKV_TILE_KINDS)}, e.g. 'full_store=32x16s2'")
+        if kind in out:
+            raise ValueError(f"attention tiles: {kind} given twice in {text!r}")
+        bn, w, st = parse_tiles(tiles)
+        out[kind] = f"{bn}x{w}s{st}"
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles_arg(text: str) -> tuple[int, int, int] | None:
+    """An op's `tiles` string ('' : the kernel's own) -> tiles, parsed once per string."""
+    return parse_tiles(text) if text else None
+
+
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
                extra: dict, per_position: bool = False, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`;
@@ -612,14 +641,16 @@ def decode_attention_qkv_ref(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_p
 def decode_attention_qkv_op(qkv: torch.Tensor, q_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
                             slot_pos: torch.Tensor | None, window: int, heads: int, eps: float, offset: float,
-                            scale: float, pdl: bool, merge: bool) -> torch.Tensor:
-    """A query-only layer (KV-shared, the drafter): q made from the merged projection, the caches read."""
+                            scale: float, pdl: bool, merge: bool, tiles: str = "") -> torch.Tensor:
+    """A query-only layer (KV-shared, the drafter): q made from the merged projection, the caches read.
+    tiles: 'NxWsS' instead of the kernel's own ('')."""
     return decode_attention_qkv(qkv, q_w, None, cos, sin, k_cache, v_cache, None, q_pos, slot_pos, window,
-                                heads=heads, eps=eps, offset=offset, scale=scale, pdl=pdl, merge=merge)
+                                heads=heads, eps=eps, offset=offset, scale=scale, pdl=pdl, merge=merge,
+                                tiles=_tiles_arg(tiles))
 
 
 @decode_attention_qkv_op.register_fake
-def _(qkv, q_w, cos, sin, k_cache, v_cache, q_pos, slot_pos, window, heads, eps, offset, scale, pdl, merge):
+def _(qkv, q_w, cos, sin, k_cache, v_cache, q_pos, slot_pos, window, heads, eps, offset, scale, pdl, merge, tiles=""):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads, q_w.shape[0])
 
 
@@ -629,13 +660,14 @@ def decode_attention_qkv_store_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: tor
                                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor,
                                   q_pos: torch.Tensor, slot_pos: torch.Tensor | None, window: int, heads: int,
                                   eps: float, offset: float, v_norm: bool, scale: float, pdl: bool,
-                                  merge: bool) -> torch.Tensor:
+                                  merge: bool, tiles: str = "") -> torch.Tensor:
     """A store layer: its K / V rows written into the caches at idx, then attended with the rest."""
     return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window,
-                                heads=heads, eps=eps, offset=offset, v_norm=v_norm, scale=scale, pdl=pdl, merge=merge)
+                                heads=heads, eps=eps, offset=offset, v_norm=v_norm, scale=scale, pdl=pdl, merge=merge,
+                                tiles=_tiles_arg(tiles))
 
 
 @decode_attention_qkv_store_op.register_fake
 def _(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window, heads, eps, offset, v_norm, scale,
-      pdl, merge):
+      pdl, merge, tiles=""):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads, q_w.shape[0])

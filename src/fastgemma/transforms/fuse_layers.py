@@ -33,7 +33,9 @@ steps the GEMMs, norm kernels and the q/k/v kernel; `attn_pdl=True` the attentio
 combine kernels as well (without it they launch plainly, and so does the kernel after them);
 `attn_merge=True` drops the combine launch (the split tile's last program merges the partials);
 `attn_qkv=True` does the q/k/v norms, RoPE and cache writes inside the attention's split kernel
-(kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step.
+(kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step;
+`attn_tiles` (e.g. "full_store=32x16s2") sets that mode's tiles per layer kind instead of the
+kernel's own choice (`decode_attention.parse_qkv_tiles`), so tile choices compare in one process.
 """
 from __future__ import annotations
 
@@ -157,16 +159,17 @@ def _finish_q(at, q, cos, sin, kernel: bool, pdl: bool = False):
     return qkv_finish_op(q, qn.weight, cos, sin, at.num_heads, qn.eps, qn.offset, pdl)
 
 
-def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False, attn_qkv: bool = False):
+def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False, attn_qkv: bool = False,
+                attn_tiles: dict | None = None):
     """The attention output [B, T, H*D] from the merged projection's qkv [B, T, N]. kernel: q/k/v
     norms, RoPE and the cache writes in one launch (kernels/qkv_finish.py), then the attention
-    alone; attn_qkv: all of it in the attention's split kernel (`_attend_qkv`); else `split_qkv` and
-    the static step's own writes (the twin)."""
+    alone; attn_qkv: all of it in the attention's split kernel (`_attend_qkv`, with `attn_tiles`);
+    else `split_qkv` and the static step's own writes (the twin)."""
     at, s = layer.self_attn, layer.spec
     cos, sin = store_attend.rope[s.sliding]
     if attn_qkv:
         return _attend_qkv(at, s, qkv, cos, sin, cache, store_attend.pos, store_attend.slots[s.sliding],
-                           store_attend.options, store_attend.scale)
+                           store_attend.options, store_attend.scale, attn_tiles)
     if not s.stores_kv:  # a KV-shared layer: q only
         return store_attend.attend(layer, _finish_q(at, qkv, cos, sin, kernel, pdl))
     if not kernel:
@@ -181,17 +184,21 @@ def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False
     return store_attend.attend(layer, q)
 
 
-def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale: float = 1.0):
+def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale: float = 1.0,
+                tiles: dict | None = None):
     """kernels/decode_attention.py's q/k/v mode: q [B, T, H*D] (a query-only layer, s.stores_kv False:
     KV-shared, or the drafter) or q|k|v rows [B, T, (H + 2 Hkv) D] (a store layer: its K / V written at
     `slots`) -> the attention output [B, T, H*D] over the cache of s.kv_source; `options`: the
-    attention's pdl / merge."""
+    attention's pdl / merge; `tiles`: {layer kind: 'NxWsS'} (`fuse.attn_tiles`, parse_qkv_tiles)
+    for the kinds whose tiles are not the kernel's own."""
     from ..kernels.decode_attention import decode_attention_qkv_op, decode_attention_qkv_store_op
     from ..model.layers import RMSNorm
 
     qn, src = at.q_norm, s.kv_source
     ring, window = (cache.ring_pos, cache.window) if s.sliding else (None, 0)
-    common = dict(window=window, heads=at.num_heads, eps=qn.eps, offset=qn.offset, scale=scale, **options)
+    kind = f"{'sliding' if s.sliding else 'full'}_{'store' if s.stores_kv else 'query'}"
+    common = dict(window=window, heads=at.num_heads, eps=qn.eps, offset=qn.offset, scale=scale,
+                  tiles=(tiles or {}).get(kind, ""), **options)
     if not s.stores_kv:
         o = decode_attention_qkv_op(qkv, qn.weight, cos, sin, cache.k[src], cache.v[src], q_pos, ring, **common)
     else:
@@ -232,14 +239,15 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, triton_ops: bool = True):
+                 batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
     combine launch (kernels/decode_attention.py); int4_mma: int4 GEMVs on the tensor-core kernel where
     its table has their shape at one row (kernels/mma_w4a16.py; a prologue then runs on its own in
     kernels/residual_norm.py); attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split
-    kernel (kernels/decode_attention.py's q/k/v mode, no qkv_finish launch); batch_invariant: every
+    kernel (kernels/decode_attention.py's q/k/v mode, no qkv_finish launch; its tiles per layer kind
+    from `attn_tiles`, else the kernel's own); batch_invariant: every
     row computed as `fused_verify` computes it with the same switch (the embedding's PLE path, each
     linear, the attention's tiles and splits, the last norm), so a verify pass's rows equal the AR
     steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend)."""
@@ -257,7 +265,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
             qkv, _ = call(h, lin["in"], pre=pre)
         else:
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
-        attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv)
+        attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv, attn_tiles)
         o, _ = call(attn.reshape(1, -1), lin["o"])
         act, h = call(h, lin["gate_up"], o, layer.post_attention_layernorm.weight, None,
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
@@ -330,7 +338,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
                  qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
-                 attn_qkv: bool = False, batch_invariant: bool = False):
+                 attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -344,7 +352,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     dependent launch: each waits for the kernel before it first, and lets the next one launch after
     its main loop (`bench.spec --verify-pdl`). attn_pdl: the attention kernels too (each waits first
     and lets the next launch at once; `bench.spec --attn-pdl`); attn_merge: no combine launch;
-    attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split kernel (`--verify-attn-qkv`).
+    attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split kernel (`--verify-attn-qkv`;
+    its tiles per layer kind from `attn_tiles`).
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
     tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
     tiles per position with the one-row split count, the embedding's PLE path in kernels): the
@@ -373,7 +382,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         else:
             h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
         qkv = gemm(lin["in"], xin.reshape(*lead, -1))
-        attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv)
+        attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
+                           attn_tiles)
         o = gemm(lin["o"], attn).reshape(h.shape)
         h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
         act = gemm(lin["gate_up"], xff, "geglu")
@@ -389,7 +399,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
 
 
 def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, attn_pdl: bool = False,
-                qkv_kernel: bool = False, attn_merge: bool = False, attn_qkv: bool = False):
+                qkv_kernel: bool = False, attn_merge: bool = False, attn_qkv: bool = False,
+                attn_tiles: dict | None = None):
     """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
     -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
     previous layer's residual update with its layer scalar, then input_layernorm), o, gate|up (+ the
@@ -413,7 +424,7 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
             q, h = call(pend[0], at.q_proj, pend[1], pend[2].weight, pend[3], pre)
         if attn_qkv:
             a = _attend_qkv(at, layer.spec, q.reshape(1, 1, -1), *rope[layer.spec.sliding], cache, q_pos, None,
-                            dict(pdl=attn_pdl, merge=attn_merge))
+                            dict(pdl=attn_pdl, merge=attn_merge), tiles=attn_tiles)
         else:
             q = _finish_q(at, q.reshape(1, 1, -1), *rope[layer.spec.sliding], qkv_kernel, pdl)
             a = d.attend_target(layer, q, q_pos, cache, attn)
@@ -429,7 +440,8 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
 
 
 def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False,
-                 attn_merge: bool = False, attn_qkv: bool = False, draft_loop: bool = False):
+                 attn_merge: bool = False, attn_qkv: bool = False, draft_loop: bool = False,
+                 attn_tiles: dict | None = None):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
     `head` replaces its centroid-masked head (FuseLayers passes `model.draft_head`; None: torch's
     topk path). Dense bias-free linears only (a quantized drafter keeps the unfused step).
@@ -443,7 +455,8 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: b
                                  f"layers.{i}.{name} is {type(mod).__name__}")
     MergeProjections(qkv=False).apply(drafter.model)
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl, attn_pdl=attn_pdl,
-                                              qkv_kernel=qkv_kernel, attn_merge=attn_merge, attn_qkv=attn_qkv)
+                                              qkv_kernel=qkv_kernel, attn_merge=attn_merge, attn_qkv=attn_qkv,
+                                              attn_tiles=attn_tiles)
     drafter.head_fn = head
     if draft_loop:
         from ..kernels.draft_loop import DraftLoop
@@ -458,7 +471,9 @@ class FuseLayers:
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, draft_loop: bool = False):
+                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles: str = ""):
+        from ..kernels.decode_attention import parse_qkv_tiles
+
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
         if draft_loop and backend != "triton":
@@ -472,6 +487,13 @@ class FuseLayers:
         self.int4_mma = bool(int4_mma)
         self.attn_qkv = bool(attn_qkv)
         self.draft_loop = bool(draft_loop)
+        try:
+            self.attn_tiles = parse_qkv_tiles(attn_tiles or "")
+        except ValueError as e:
+            raise ValueError(f"fuse.attn_tiles: {e}") from None
+        if self.attn_tiles and not self.attn_qkv:
+            raise ValueError("fuse.attn_tiles sets the tiles of the attention's q/k/v mode: it needs "
+                             "fuse.attn_qkv=true")
         self.merge = MergeProjections()
 
     def apply(self, model):
@@ -492,7 +514,8 @@ class FuseLayers:
                                        epilogue=epilogue)
         # the q/k/v kernel and the attention's q/k/v mode are Triton's: the torch backend keeps the twin's ops
         step = dict(pdl=self.pdl, attn_pdl=self.attn_pdl, qkv_kernel=self.qkv_kernel and self.backend == "triton",
-                    attn_merge=self.attn_merge, attn_qkv=self.attn_qkv and self.backend == "triton")
+                    attn_merge=self.attn_merge, attn_qkv=self.attn_qkv and self.backend == "triton",
+                    attn_tiles=self.attn_tiles)
         # the tensor-core int4 kernel is Triton's (its copy of the weights is made once quant ran: here
         # when it ran before, else in validate)
         # batch_invariant: attn_qkv serves the drafter alone (it sums a step's own rows in a split of their
@@ -566,5 +589,5 @@ class FuseLayers:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
-                "draft_loop": self.draft_loop,
+                "draft_loop": self.draft_loop, "attn_tiles": ",".join(f"{k}={v}" for k, v in self.attn_tiles.items()),
                 "verify_epilogues": True}
