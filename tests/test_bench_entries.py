@@ -203,16 +203,16 @@ def test_stack_bench_one_row_set_per_attention_tiles(tmp_path):
 
     out = tmp_path / "stack.jsonl"
     stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "--variants", "base,attn_qkv",
-                "--attn-tiles", "default", "--attn-tiles", "full_store=32x16s2", "--heads", "full", "--prompts", "1",
+                "--attn-tiles", "default", "--attn-tiles", "full_store:32x16s2", "--heads", "full", "--prompts", "1",
                 "--prompt-len", "12", "--new", "4", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["base", "attn_qkv", "attn_qkv {full_store=32x16s2}"]
-    assert [r["stack"]["FuseLayers"]["attn_tiles"] for r in rows] == ["", "", "full_store=32x16s2"]
+    assert [r["variant"] for r in rows] == ["base", "attn_qkv", "attn_qkv {full_store:32x16s2}"]
+    assert [r["stack"]["FuseLayers"]["attn_tiles"] for r in rows] == ["", "", "full_store:32x16s2"]
     assert [r["identity_vs_first"] for r in rows] == [1.0, 1.0, 1.0]
     with pytest.raises(SystemExit, match="--attn-tiles: .*KIND"):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "attn_qkv", "--attn-tiles", "full=32x4s2"])
     with pytest.raises(SystemExit, match="give a variant with attn_qkv"):
-        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base", "--attn-tiles", "full_store=32x4s2"])
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base", "--attn-tiles", "full_store:32x4s2"])
 
 
 def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):

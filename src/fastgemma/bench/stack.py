@@ -197,7 +197,7 @@ def main(argv=None):
                          "(q|k|v, gate|up) runs it in kernels/residual_norm.py first")
     ap.add_argument("--attn-tiles", action="append", default=[],
                     help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "
-                         "KIND=NxWsS joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
+                         "KIND:NxWsS joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
                          "'default' (the kernel's own); repeated: one row set per value, in one process")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")
@@ -222,7 +222,7 @@ def main(argv=None):
     attn_tiles = []  # '' is the kernel's own
     for t in a.attn_tiles or ["default"]:
         try:
-            tiles = "" if t == "default" else ",".join(f"{k}={v}" for k, v in parse_qkv_tiles(t).items())
+            tiles = "" if t == "default" else ",".join(f"{k}:{v}" for k, v in parse_qkv_tiles(t).items())
         except ValueError as e:
             raise SystemExit(f"--attn-tiles: {e}") from e
         if tiles not in attn_tiles:

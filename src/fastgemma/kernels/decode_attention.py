@@ -498,19 +498,20 @@ def parse_tiles(text: str) -> tuple[int, int, int]:
 QKV_TILE_KINDS = ("full_store", "full_query", "sliding_store", "sliding_query")  # the q/k/v mode's layer kinds
 
 
-def parse_qkv_tiles(text: str) -> dict[str, str]:
-    """`fuse.attn_tiles`: 'KIND=NxWsS' joined by ',' (KIND: full / sliding layer, store / query-only:
-    QKV_TILE_KINDS), '' for none -> {kind: 'NxWsS'}, each checked; the kinds not named keep
-    `_qkv_tiles`' choice. A ValueError names a bad entry."""
+def parse_qkv_tiles(text) -> dict[str, str]:
+    """`fuse.attn_tiles`: 'KIND:NxWsS' entries joined by ',' or as a list (KIND: full / sliding layer,
+    store / query-only: QKV_TILE_KINDS), '' / [] for none -> {kind: 'NxWsS'}, each checked; the kinds
+    not named keep `_qkv_tiles`' choice. A ValueError names a bad entry."""
+    items = text.split(",") if isinstance(text, str) else [str(t) for t in (text or ())]
     out = {}
-    for item in (text or "").split(","):
+    for item in items:
         if not item.strip():
             continue
-        kind, eq, tiles = item.partition("=")
+        kind, eq, tiles = item.partition(":")
         kind = kind.strip()
         if not eq or kind not in QKV_TILE_KINDS:
-            raise ValueError(f"attention tiles entry {item.strip()!r}: KIND=BLOCKNxWARPSsSTAGES with KIND one of "
-                             f"{', '.join(QKV_TILE_KINDS)}, e.g. 'full_store=32x16s2'")
+            raise ValueError(f"attention tiles entry {item.strip()!r}: KIND:BLOCKNxWARPSsSTAGES with KIND one of "
+                             f"{', '.join(QKV_TILE_KINDS)}, e.g. 'full_store:32x16s2'")
         if kind in out:
             raise ValueError(f"attention tiles: {kind} given twice in {text!r}")
         bn, w, st = parse_tiles(tiles)

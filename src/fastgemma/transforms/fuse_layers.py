@@ -34,7 +34,7 @@ combine kernels as well (without it they launch plainly, and so does the kernel 
 `attn_merge=True` drops the combine launch (the split tile's last program merges the partials);
 `attn_qkv=True` does the q/k/v norms, RoPE and cache writes inside the attention's split kernel
 (kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step;
-`attn_tiles` (e.g. "full_store=32x16s2") sets that mode's tiles per layer kind instead of the
+`attn_tiles` (e.g. "full_store:32x16s2") sets that mode's tiles per layer kind instead of the
 kernel's own choice (`decode_attention.parse_qkv_tiles`), so tile choices compare in one process.
 """
 from __future__ import annotations
@@ -471,7 +471,7 @@ class FuseLayers:
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles: str = ""):
+                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles=""):
         from ..kernels.decode_attention import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -488,7 +488,7 @@ class FuseLayers:
         self.attn_qkv = bool(attn_qkv)
         self.draft_loop = bool(draft_loop)
         try:
-            self.attn_tiles = parse_qkv_tiles(attn_tiles or "")
+            self.attn_tiles = parse_qkv_tiles(attn_tiles)  # 'KIND:NxWsS,...' or a list of entries
         except ValueError as e:
             raise ValueError(f"fuse.attn_tiles: {e}") from None
         if self.attn_tiles and not self.attn_qkv:
@@ -589,5 +589,5 @@ class FuseLayers:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
-                "draft_loop": self.draft_loop, "attn_tiles": ",".join(f"{k}={v}" for k, v in self.attn_tiles.items()),
+                "draft_loop": self.draft_loop, "attn_tiles": ",".join(f"{k}:{v}" for k, v in self.attn_tiles.items()),
                 "verify_epilogues": True}
