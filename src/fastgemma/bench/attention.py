@@ -15,6 +15,7 @@ import torch
 
 from ..kernels.decode_attention import (
     _qkv_tiles, _tiles, decode_attention, decode_attention_qkv, decode_attention_qkv_ref, decode_attention_ref, parse_tiles,
+    tiles_text,
 )
 
 H, HKV = 8, 2  # E4B's query and KV heads
@@ -71,12 +72,8 @@ def qkv_inputs(D: int, S: int, ctx: int, ring: bool, dev: str, dtype=torch.bfloa
 def qkv_paths(tiles: list[tuple[int, int, int]], D: int) -> list[tuple[str, object]]:
     """(name, tiles) of the q/k/v mode's rows: its default first, then the others given."""
     default = _qkv_tiles(D)
-    rows = [(f"q/k/v mode {_name(default)} (default)", default)]
-    return rows + [(f"q/k/v mode {_name(t)}", t) for t in tiles if t != default]
-
-
-def _name(t) -> str:
-    return f"{t[0]}x{t[1]}s{t[2]}"
+    rows = [(f"q/k/v mode {tiles_text(default)} (default)", default)]
+    return rows + [(f"q/k/v mode {tiles_text(t)}", t) for t in tiles if t != default]
 
 
 def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=torch.bfloat16, splits=(None,),

@@ -217,12 +217,12 @@ def main(argv=None):
     # text -> table; '' is the shipped one
     tables = {"" if t == "default" else t: shipped if t == "default" else mma_table_arg(t)
               for t in a.mma_table or ["default"]}
-    from ..kernels.decode_attention import parse_qkv_tiles
+    from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
 
     attn_tiles = []  # '' is the kernel's own
     for t in a.attn_tiles or ["default"]:
         try:
-            tiles = "" if t == "default" else ",".join(f"{k}:{v}" for k, v in parse_qkv_tiles(t).items())
+            tiles = "" if t == "default" else qkv_tiles_text(parse_qkv_tiles(t))
         except ValueError as e:
             raise SystemExit(f"--attn-tiles: {e}") from e
         if tiles not in attn_tiles:

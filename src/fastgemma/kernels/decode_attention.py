@@ -495,6 +495,16 @@ def parse_tiles(text: str) -> tuple[int, int, int]:
     return check_tiles(tuple(int(g) for g in m.groups()))
 
 
+def tiles_text(tiles) -> str:
+    """(BLOCK_N, num_warps, num_stages) -> 'NxWsS', the form `parse_tiles` reads."""
+    return "{}x{}s{}".format(*tiles)
+
+
+def qkv_tiles_text(tiles: dict[str, str]) -> str:
+    """`parse_qkv_tiles`' {kind: 'NxWsS'} -> 'KIND:NxWsS,...' ('' for none), the form it reads."""
+    return ",".join(f"{k}:{v}" for k, v in tiles.items())
+
+
 QKV_TILE_KINDS = ("full_store", "full_query", "sliding_store", "sliding_query")  # the q/k/v mode's layer kinds
 
 
@@ -514,8 +524,7 @@ def parse_qkv_tiles(text) -> dict[str, str]:
                              f"{', '.join(QKV_TILE_KINDS)}, e.g. 'full_store:32x16s2'")
         if kind in out:
             raise ValueError(f"attention tiles: {kind} given twice in {text!r}")
-        bn, w, st = parse_tiles(tiles)
-        out[kind] = f"{bn}x{w}s{st}"
+        out[kind] = tiles_text(parse_tiles(tiles))
     return out
 
 

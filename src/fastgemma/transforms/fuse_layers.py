@@ -586,8 +586,10 @@ class FuseLayers:
                 mod.enable_mma()
 
     def describe(self) -> dict:
+        from ..kernels.decode_attention import qkv_tiles_text
+
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
-                "draft_loop": self.draft_loop, "attn_tiles": ",".join(f"{k}:{v}" for k, v in self.attn_tiles.items()),
+                "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
                 "verify_epilogues": True}
