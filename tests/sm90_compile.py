@@ -174,12 +174,14 @@ def main():
     split_sig.update({n: "*bf16" for n in ("qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr")}, idx_ptr="*i64")
     split_sig.update({n: "i32" for n in ("scs_b", "scs_t", "sid_b", "sid_t")}, eps="fp32", norm_off="fp32")
     units = dict(sq_d=1, sk_d=1, sv_d=1, so_d=1, ssp_s=1)
+    # (merged: the largest merges MERGE_MAX_ELEMS allows, 8 splits x 4 rows at D 256, 4 x 4 at 512)
     for name, D, bn, slot, merge in [("attention split sliding", 256, 64, True, False),
                                      ("attention split full", 512, 32, False, False),
                                      ("attention split sliding merged", 256, 64, True, True),
                                      ("attention split full merged", 512, 32, False, True)]:
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=16, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
-                  FIXUP=merge, BLOCK_S=16 if merge else 1, QKV=0, V_NORM=False, BLOCK_T=16, EMU=False, POS_TILE=False)
+                  FIXUP=merge, BLOCK_S=(8 if D == 256 else 4) if merge else 1, MERGE_M=4 if merge else 1, QKV=0,
+                  V_NORM=False, BLOCK_T=16, EMU=False, POS_TILE=False)
         pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
     # the q/k/v mode (decode_attention_qkv): a store layer at 1 and 8 rows (its own K / V rows made
     # and stored), a query-only one; the positions and the first K / V block loaded before the wait
@@ -190,10 +192,14 @@ def main():
                                    ("attention qkv store sliding 8 rows", 256, True, 32, 2),
                                    ("attention qkv store full 8 rows", 512, False, 32, 2),
                                    ("attention qkv query-only sliding", 256, True, 16, 1),
-                                   ("attention qkv query-only full", 512, False, 16, 1)]:
+                                   ("attention qkv query-only full", 512, False, 16, 1),
+                                   ("attention qkv store sliding merged", 256, True, 16, 2),
+                                   ("attention qkv query-only sliding merged", 256, True, 16, 1)]:
         bn, warps, stages = _qkv_tiles(D, bm)  # the tiles the kernel launches with
+        merge = name.endswith("merged")  # E4B's sliding layers at one row: 7 / 6 splits of 4 rows, merged
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
-                  FIXUP=False, BLOCK_S=1, QKV=qkv, V_NORM=True, BLOCK_T=16, EMU=False, POS_TILE=False)
+                  FIXUP=merge, BLOCK_S=8 if merge else 1, MERGE_M=4 if merge else 1, QKV=qkv, V_NORM=True,
+                  BLOCK_T=16, EMU=False, POS_TILE=False)
         with contextlib.redirect_stdout(io.StringIO()) as buf:
             pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), warps, stages)
         print(buf.getvalue().replace("pdl\t", "prefetch\t", 1), end="")

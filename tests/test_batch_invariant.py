@@ -21,12 +21,13 @@ from fastgemma.model.config import FULL, SLIDING
 SMALL = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
 
 
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("ring,S,window,splits", [(True, 40, 24, None), (False, 256, 0, None), (False, 256, 0, 3)])
-def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits):
+def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, merge):
     """T = 8 rows of positions last-7..last (their K / V in the cache, as the verify pass writes them
     first): with per_position each row's output is the one-row call's at its position, bit for bit;
     both equal the twin. Full layer: the split count the one-row launch picks (4 over 256 slots),
-    and a forced 3."""
+    and a forced 3; merge: the partials merged in the split kernel, in both."""
     gen = torch.Generator().manual_seed(0)
     B, T, Hkv, G, D, last = 1, 8, 2, 4, 64, 200 if not ring else 70
     q = torch.randn(B, T, Hkv * G, D, generator=gen)
@@ -38,9 +39,10 @@ def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits):
         slot_pos = torch.full((B, S), -1, dtype=torch.int32)
         for p in range(last + 1):
             slot_pos[0, p % S] = p
-    rows = da.decode_attention(q, k, v, q_pos, slot_pos, window, num_splits=splits, per_position=True)
+    rows = da.decode_attention(q, k, v, q_pos, slot_pos, window, num_splits=splits, per_position=True, merge=merge)
     for t in range(T):
-        one = da.decode_attention(q[:, t:t + 1], k, v, q_pos[:, t:t + 1], slot_pos, window, num_splits=splits)
+        one = da.decode_attention(q[:, t:t + 1], k, v, q_pos[:, t:t + 1], slot_pos, window, num_splits=splits,
+                                  merge=merge)
         assert torch.equal(rows[:, t:t + 1], one), t
     ref = da.decode_attention_ref(q, k, v, q_pos, slot_pos, window)
     assert (rows - ref).abs().max().item() < 1e-5

@@ -131,11 +131,12 @@ def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
 def test_stack_bench_step_variants_on_the_cpu(tmp_path, capsys):
     """bench.stack --variants: the body built once per fused-step variant, its FuseLayers options in the
     row's stack, the variants' full-head tokens equal to the first's (launch options change no
-    arithmetic); nf4 would take the first only; a bad variant is refused in one line."""
+    arithmetic); nf4 would take the first only; a bad variant is refused in one line. --window: the
+    sliding layers' window, in every row; a bad one refused."""
     from fastgemma.bench import stack
 
     out = tmp_path / "stack.jsonl"
-    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4",
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--window", "8",
                 "--variants", "base,attn_pdl+qkv+attn_merge",
                 "--heads", "full", "pruned:40", "--prompts", "1", "--prompt-len", "12", "--new", "6",
                 "--out", str(out)])
@@ -151,6 +152,10 @@ def test_stack_bench_step_variants_on_the_cpu(tmp_path, capsys):
     assert stack.parse_variant("base") == {}
     with pytest.raises(SystemExit, match="bad variant"):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "base,fast"])
+    assert {r["window"] for r in rows} == {8}
+    for bad in ("0", "wide"):
+        with pytest.raises(SystemExit, match="--window: native or a positive number"):
+            stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--window", bad])
 
 
 def test_stack_bench_several_prompt_lengths_in_one_process(tmp_path, capsys):

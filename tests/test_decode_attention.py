@@ -194,3 +194,35 @@ def test_merge_in_split_matches_combine(case):
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     assert torch.allclose(merged.float(), combined.float(), rtol=tol, atol=tol)
     assert int(arrival_counters(q.device, 1).count_nonzero()) == 0
+
+
+class _Launches:
+    """Stands in for a kernel (`kernel[grid](...)`), counting its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("splits,D,merged", [(7, 256, True), (8, 256, True), (9, 256, False), (4, 512, True),
+                                             (5, 512, False)])
+def test_merge_only_where_the_partials_are_few(monkeypatch, splits, D, merged):
+    """merge=True merges in the split kernel where a tile's partials (splits rounded up to a power of
+    two x the tile's rows x head dim) are at most MERGE_MAX_ELEMS values: E4B's sliding layers at one
+    row (7 splits of 4 rows, D 256); beyond that (a full layer's 35-65 splits) the combine launches.
+    Either way the output is the combine's to fp32 rounding."""
+    gen = torch.Generator().manual_seed(splits)
+    B, Hkv, G, S = 1, 2, 4, 96
+    q = torch.randn(B, 1, Hkv * G, D, generator=gen)
+    k = torch.randn(B, S, Hkv, D, generator=gen) * D ** -0.25
+    v = torch.randn(B, S, Hkv, D, generator=gen)
+    q_pos = torch.tensor([[90]])
+    combined = da.decode_attention(q, k, v, q_pos, None, 0, num_splits=splits)
+    launches = _Launches(da._combine_kernel)
+    monkeypatch.setattr(da, "_combine_kernel", launches)
+    got = da.decode_attention(q, k, v, q_pos, None, 0, num_splits=splits, merge=True)
+    assert launches.n == (0 if merged else 1)
+    torch.testing.assert_close(got, combined, rtol=1e-6, atol=1e-6)

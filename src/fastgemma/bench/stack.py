@@ -11,7 +11,8 @@ Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.
 the attention kernels under PDL too; `fuse.qkv_kernel`: kernels/qkv_finish.py), each compiled on its own;
 the full head's tokens of each variant are compared with the first variant's (`identity vs first variant`:
 launch options must give 1.00). `--attn-tiles` (repeated) builds the variants with `attn_qkv` once per
-tile choice of the attention's q/k/v mode (`fuse.attn_tiles`), in the same process.
+tile choice of the attention's q/k/v mode (`fuse.attn_tiles`), in the same process. `--window 188`:
+the sliding layers' window (`window=w188`, the frontier's; default the model's own).
 The body is compiled once; each head is then swapped in and the step re-captured, the head's pick
 (`sampler=fused_argmax`) outside the compiled region, so a head costs seconds, not a compile.
 Pruned heads keep N rows: the eos ids, the full head's greedy tokens on these prompts, then seeded
@@ -41,6 +42,7 @@ from ..engine.generator import Generator
 from ..engine.steps import GraphStep, StaticStep
 from ..metrics.identity import common_prefix
 from ..model.config import preset
+from ..transforms.window import SlidingWindow
 from ..weights.synthetic import synthetic_model
 from .ladder import copy_bandwidth, decode_bytes
 
@@ -199,11 +201,17 @@ def main(argv=None):
                     help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "
                          "KIND:NxWsS joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
                          "'default' (the kernel's own); repeated: one row set per value, in one process")
+    ap.add_argument("--window", default="native",
+                    help="the sliding layers' window: native (the model's) or a number of keys (the frontier: 188)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
     lengths = list(dict.fromkeys(a.prompt_len))
+    try:
+        window = None if a.window == "native" else SlidingWindow(int(a.window)).size
+    except ValueError as e:
+        raise SystemExit(f"--window: native or a positive number of keys, got {a.window!r}") from e
     if min(lengths) < 1 or a.new < 1:
         raise SystemExit(f"--prompt-len and --new must be >= 1, got {a.prompt_len} and {a.new}")
     variants = [v for v in a.variants.split(",") if v]
@@ -275,7 +283,7 @@ def main(argv=None):
         step_fn = model.step
         if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles
             model.step = compile_step(step_fn)
-        cache = KVCache(cfg, 1, max_ctx, device=dev, dtype=dtype)
+        cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
         refs, full_tokens = {}, []
         for kind, n in heads:
             name = kind if n is None else f"{kind}:{n}"
@@ -320,7 +328,7 @@ def main(argv=None):
                            identity_vs_first=(sum(t == r for t, r in zip(tokens, first[body][L])) / len(tokens)
                                               if kind == "full" else None),  # the full head: against the first variant
                            prepare_s=prep_s, compile=compiled, gpu=gpu, model=cfg.name, prompts=a.prompts,
-                           prompt_len=L, max_context=max_ctx, new=a.new, stack=desc, lm_head=hinfo)
+                           prompt_len=L, max_context=max_ctx, window=window or cfg.sliding_window, new=a.new, stack=desc, lm_head=hinfo)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head")}), flush=True)
             del step, gen
@@ -340,7 +348,8 @@ def main(argv=None):
         return "" if x is None else f"{x:.{nd}f}"
 
     print(f"\n{cfg.name} synthetic, merged + Triton attention + CUDA graphs{' + compile' if compiled else ''}, "
-          f"fused argmax; {a.prompts} prompts x {'/'.join(map(str, lengths))} -> {a.new} new (cache {max_ctx}); "
+          f"fused argmax; {a.prompts} prompts x {'/'.join(map(str, lengths))} -> {a.new} new (cache {max_ctx}, "
+          f"window {window or cfg.sliding_window}); "
           f"{gpu}, copy bw {bw / 1e12:.2f} TB/s")
     print("| body | variant | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | "
           "prefix | identity vs first variant | prompt |")

@@ -33,6 +33,10 @@ from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
+# merge=True merges a row tile's partials in its last split program only up to this many fp32 values
+# (splits x rows x head dim, all loaded at once: 32 registers a thread at 8 warps): E4B's sliding
+# layers at one row (8 x 4 x 256); the full layers' 35-65 splits keep the combine launch
+MERGE_MAX_ELEMS = 8192
 _DEFAULT_SMS = 132  # H200; used when q is not on a CUDA device (interpreter tests)
 
 
@@ -192,7 +196,7 @@ def _split_kernel(
     so_b, so_t, so_h, so_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SLOT_POS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr,
+    FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr, MERGE_M: tl.constexpr,
     qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, scs_b, scs_t, sid_b, sid_t, eps, norm_off,
     QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr, POS_TILE: tl.constexpr,
 ):
@@ -300,8 +304,14 @@ def _split_kernel(
             tile = pid_bh * tl.num_programs(2) + pid_m
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                _merge_tile(o_ptr, lse_ptr, out_ptr, pid_bh, r, row_ok, t, g, kvh, G, b64, d, d_ok, num_splits, R,
-                            so_b, so_t, so_h, so_d, D, BLOCK_S)
+                if POS_TILE:
+                    r0 = pid_m * G
+                    lim = G
+                else:
+                    r0 = pid_m * BLOCK_M
+                    lim = BLOCK_M
+                _merge_tile(o_ptr, lse_ptr, out_ptr, pid_bh, r0, lim, G, R, kvh, b64, num_splits,
+                            so_b, so_t, so_h, so_d, D, BLOCK_D, BLOCK_S, MERGE_M)
                 tl.store(cnt_ptr + tile, 0)
     else:
         tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + (kvh * G + g)[:, None] * so_h + d[None, :] * so_d,
@@ -309,29 +319,42 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_tile(o_ptr, lse_ptr, out_ptr, bh, r, row_ok, t, g, kvh, G, b64, d, d_ok, num_splits, R,
-                so_b, so_t, so_h, so_d, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """A row tile's num_splits partials (o normalised, lse log2) -> out, as `_combine_kernel` weighs
-    them: w_s = 2^(lse_s - max lse), out = sum w_s o_s / sum w_s; empty splits (lse -inf) skipped.
-    The partials are read from L2 (.cg), where the other programs wrote them."""
-    s = tl.arange(0, BLOCK_S)
-    rows = (bh * num_splits + s[:, None]) * R + r[None, :]  # [BLOCK_S, BLOCK_M]
-    lse = tl.load(lse_ptr + rows, mask=(s[:, None] < num_splits) & row_ok[None, :], other=float("-inf"),
-                  cache_modifier=".cg")
-    mx = tl.max(lse, axis=0)
+def _merge_tile(o_ptr, lse_ptr, out_ptr, bh, r0, lim, G, R, kvh, b64, num_splits, so_b, so_t, so_h, so_d,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_M: tl.constexpr):
+    """A row tile's num_splits partials (o normalised, lse log2) -> out, weighed as `_combine_kernel`
+    weighs them: w_s = 2^(lse_s - max lse), out = sum w_s o_s / sum w_s; empty splits (lse -inf, o
+    never written) count as zero. The tile's rows r0 .. r0 + MERGE_M - 1 (those below r0 + lim and R):
+    every split's lse and o are loaded first, all in flight at once from L2 (.cg, where the other
+    programs wrote them; an empty split's o is read and dropped, so no load waits for an lse), then
+    added in split order, elementwise: the same bits at any tile shape or warp count."""
+    lane = tl.arange(0, MERGE_M)
+    r = r0 + lane
+    ok = (lane < lim) & (r < R)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    lses = ()
+    parts = ()
+    for s in tl.static_range(BLOCK_S):
+        row = (bh * num_splits + s) * R + r
+        s_ok = ok & (s < num_splits)
+        lses = lses + (tl.load(lse_ptr + row, mask=s_ok, other=float("-inf"), cache_modifier=".cg"),)
+        parts = parts + (tl.load(o_ptr + row[:, None] * D + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                                 other=0.0, cache_modifier=".cg"),)
+    mx = lses[0]
+    for s in tl.static_range(1, BLOCK_S):
+        mx = tl.maximum(mx, lses[s])
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w_sum = tl.sum(tl.exp2(lse - mx[None, :]), axis=0)
-    acc = tl.zeros([r.shape[0], d.shape[0]], dtype=tl.float32)
-    for sp in range(num_splits):
-        row = (bh * num_splits + sp) * R + r
-        lse_s = tl.load(lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        live = lse_s > float("-inf")
-        o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
-        acc += o * tl.exp2(lse_s - mx)[:, None]
+    w_sum = tl.zeros([MERGE_M], dtype=tl.float32)
+    acc = tl.zeros([MERGE_M, BLOCK_D], dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        w = tl.exp2(lses[s] - mx)  # 0 for an empty split
+        w_sum += w
+        acc += tl.where((lses[s] > float("-inf"))[:, None], parts[s], 0.0) * w[:, None]
     res = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    t = r // G
+    g = r % G
     tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + (kvh * G + g)[:, None] * so_h + d[None, :] * so_d,
-             res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+             res.to(out_ptr.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -379,7 +402,7 @@ def _tiles(D: int, block_m: int) -> tuple[int, int, int]:
 def _qkv_tiles(D: int, block_m: int = 16) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the q/k/v mode, whose q is made in registers. One row of a
     full layer (D=512, block_m 16) takes 32 keys at 4 warps: it spills (sm_90a: 88 / 208 bytes on a
-    store / query-only layer, 384 / 464 with the in-kernel merge) yet beat 16 keys at 8 warps on the
+    store / query-only layer) yet beat 16 keys at 8 warps on the
     H200 at every context of a store layer and from 4k tokens of a query-only one (alone, runs FA /
     FC, us; store: 12.6 vs 14.0 at 300, 12.8 vs 16.2 at 4k, 50.5 vs 83.5 at 32k; query-only: 12.4 vs
     15.4 at 4k, 50.7 vs 79.9 at 32k, at most 0.7 us slower below). The bf16 decode step at 32k: 3.963
@@ -424,7 +447,8 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
     pdl (sm90+): both kernels launch with programmatic dependent launch, wait for the kernel before
     them at their start and let the next one launch at once (gemv.pdl_args). merge: the row tile's
     last split program to arrive merges the partials (arrival counters of kernels/counters.py)
-    instead of a second launch; the counters need one eager call of the shape before a CUDA graph
+    instead of a second launch, where a tile's partials are at most MERGE_MAX_ELEMS values (else
+    the combine launch stays); the counters need one eager call of the shape before a CUDA graph
     captures it. per_position: each row tile holds one position's G query heads and the split count
     is the one-row launch's, so each row is summed exactly as a one-row call at its position sums it
     (its keys cut into the same splits and blocks, the same tile shape), bit for bit whatever rows
@@ -564,7 +588,11 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
         o_part = lse_part = out  # unused
     spos = slot_pos if slot_pos is not None else q_pos  # dummy pointer when HAS_SLOT_POS is off
     launch = pdl_args(pdl, q.device)
-    merge = split and merge
+    # merge: the tile's valid rows of every split in flight at once, where they are few (the sliding
+    # layers' splits at one row); more go through the combine launch
+    merge_m = min(block_m, triton.next_power_of_2(G if per_position else R))
+    block_s = triton.next_power_of_2(num_splits)
+    merge = split and merge and block_s * merge_m * triton.next_power_of_2(D) <= MERGE_MAX_ELEMS
     cnt = arrival_counters(q.device, B * Hkv * row_tiles, "attention split-KV") if merge else out
     ssp = (slot_pos.stride(0), slot_pos.stride(1)) if slot_pos is not None else (0, 0)
     if not extra:  # QKV 0: the other pointers are not read
@@ -579,11 +607,10 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
         *out.stride(),
         D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SLOT_POS=slot_pos is not None, SPLIT=split, IEEE=q.dtype == torch.float32,
-        FIXUP=merge, cnt_ptr=cnt, BLOCK_S=triton.next_power_of_2(num_splits) if merge else 1,
+        FIXUP=merge, cnt_ptr=cnt, BLOCK_S=block_s if merge else 1, MERGE_M=merge_m if merge else 1,
         num_warps=num_warps, num_stages=num_stages, **extra, **launch,
     )
     if split and not merge:
-        block_s = triton.next_power_of_2(num_splits)
         block_dc = min(triton.next_power_of_2(D), max(16, 4096 // block_s))  # <= 16 KiB fp32 tile
         _combine_kernel[(B * Hkv * R, triton.cdiv(D, block_dc))](
             o_part, lse_part, out, G, Hkv, R, num_splits, *out.stride(),
