@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fastgemma.kernels.decode_attention import _combine_kernel, _qkv_tiles, _split_kernel
+from fastgemma.kernels.decode_attention import SHORT_CACHE, _combine_kernel, _qkv_tiles, _split_kernel
 from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
 from fastgemma.kernels import draft_loop as dl
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
@@ -193,9 +193,11 @@ def main():
                                    ("attention qkv store full 8 rows", 512, False, 32, 2),
                                    ("attention qkv query-only sliding", 256, True, 16, 1),
                                    ("attention qkv query-only full", 512, False, 16, 1),
+                                   ("attention qkv store full short cache", 512, False, 16, 2),
                                    ("attention qkv store sliding merged", 256, True, 16, 2),
                                    ("attention qkv query-only sliding merged", 256, True, 16, 1)]:
-        bn, warps, stages = _qkv_tiles(D, bm)  # the tiles the kernel launches with
+        # the tiles the kernel launches with (a cache of 32k slots, or SHORT_CACHE)
+        bn, warps, stages = _qkv_tiles(D, bm, SHORT_CACHE if "short" in name else 32784, qkv == 2)
         merge = name.endswith("merged")  # E4B's sliding layers at one row: 7 / 6 splits of 4 rows, merged
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
                   FIXUP=merge, BLOCK_S=8 if merge else 1, MERGE_M=4 if merge else 1, QKV=qkv, V_NORM=True,

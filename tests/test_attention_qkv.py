@@ -155,6 +155,12 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
     assert [r[:2] for r in rows] == [("qkv_finish + split", 3), (rows[1][0], 3), ("q/k/v mode 16x4s1", 3)]
     assert all(r[2] < 1e-5 for r in rows), rows
     assert da._qkv_tiles(512) == (32, 4, 2) and da._qkv_tiles(512, 32) == (16, 8, 2)  # one row / 8 rows
+    # one row of a store full layer over a short cache: 16 warps (not a query-only layer, not 8 rows)
+    short = da.SHORT_CACHE
+    assert da._qkv_tiles(512, 16, short) == (32, 16, 2) and da._qkv_tiles(512, 16, short + 1) == (32, 4, 2)
+    assert da._qkv_tiles(512, 16, short, store=False) == (32, 4, 2) and da._qkv_tiles(512, 32, short) == (16, 8, 2)
+    assert da._qkv_tiles(256, 16, short) == (32, 8, 2)
+    assert qkv_paths([], 512, short)[0] == ("q/k/v mode 32x16s2 (default)", (32, 16, 2))
     assert da.parse_tiles(" 32x8s2 ") == (32, 8, 2)
     for bad in ("24x8s2", "8x8s2", "32x3s2", "32x8s0", "32x8"):
         with pytest.raises(ValueError, match="tiles"):

@@ -69,9 +69,11 @@ def qkv_inputs(D: int, S: int, ctx: int, ring: bool, dev: str, dtype=torch.bfloa
     return qkv, q_w, k_w, cos, sin, k, v, idx, q_pos, slot_pos
 
 
-def qkv_paths(tiles: list[tuple[int, int, int]], D: int) -> list[tuple[str, object]]:
-    """(name, tiles) of the q/k/v mode's rows: its default first, then the others given."""
-    default = _qkv_tiles(D)
+def qkv_paths(tiles: list[tuple[int, int, int]], D: int, S: int | None = None,
+              store: bool = True) -> list[tuple[str, object]]:
+    """(name, tiles) of the q/k/v mode's rows: its default (for S cache slots, a store or query-only
+    layer) first, then the others given."""
+    default = _qkv_tiles(D, 16, S, store)
     rows = [(f"q/k/v mode {tiles_text(default)} (default)", default)]
     return rows + [(f"q/k/v mode {tiles_text(t)}", t) for t in tiles if t != default]
 
@@ -105,7 +107,7 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
 
         rows.append(("qkv_finish + split" + ("" if merge else " + combine"),
                      n or pick_num_splits(1, HKV, 1, S, _tiles(D, 16)[0], sms), err(plain()), timer(plain)))
-        for name, t in qkv_paths(tiles, D):
+        for name, t in qkv_paths(tiles, D, S, store):
             def fn(t=t, n=n):
                 return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k, v, idx, q_pos, slot_pos, window, tiles=t,
                                             num_splits=n, merge=merge, **kw)

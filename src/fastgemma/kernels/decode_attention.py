@@ -399,7 +399,11 @@ def _tiles(D: int, block_m: int) -> tuple[int, int, int]:
     return block_n, num_warps, 2
 
 
-def _qkv_tiles(D: int, block_m: int = 16) -> tuple[int, int, int]:
+# a cache of at most this many slots (static: the CUDA graph's) counts as short for `_qkv_tiles`
+SHORT_CACHE = 2048
+
+
+def _qkv_tiles(D: int, block_m: int = 16, S: int | None = None, store: bool = True) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the q/k/v mode, whose q is made in registers. One row of a
     full layer (D=512, block_m 16) takes 32 keys at 4 warps: it spills (sm_90a: 88 / 208 bytes on a
     store / query-only layer) yet beat 16 keys at 8 warps on the
@@ -408,9 +412,12 @@ def _qkv_tiles(D: int, block_m: int = 16) -> tuple[int, int, int]:
     15.4 at 4k, 50.7 vs 79.9 at 32k, at most 0.7 us slower below). The bf16 decode step at 32k: 3.963
     -> 3.658 ms (run FB). Otherwise half `_tiles`' key block and 8 warps: compiled for sm_90a, 1 and
     8 rows, D=256 and 512, store and query-only layers, no spills (`_tiles`' 64 / 32 keys at 4 warps
-    spilled 1,308 / 2,292 bytes at one row with the own rows in the same program)."""
+    spilled 1,308 / 2,292 bytes at one row with the own rows in the same program). A store layer's
+    one row over a short cache (S <= SHORT_CACHE slots) takes 16 warps: alone 10.4-10.7 against
+    12.8-13.3 us at S 1,088 (runs FC, FF), slower from ~4k tokens of context (14.5 vs 12.9 at 4k, run
+    FC); in the int4 step at S 528, window 188: 1.893 -> 1.869 ms (run FF, one process)."""
     if D > 256 and block_m <= 16:
-        return 32, 4, 2
+        return (32, 16, 2) if store and S is not None and S <= SHORT_CACHE else (32, 4, 2)
     return (32 if D <= 256 else 16), 8, 2
 
 
@@ -573,7 +580,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     # per_position: the tile of a one-row launch (its R = G), once per position; tl.dot needs M >= 16
     block_m = min(64, max(16, triton.next_power_of_2(G if per_position else R)))
     row_tiles = T if per_position else triton.cdiv(R, block_m)
-    block_n, num_warps, num_stages = tiles or (_qkv_tiles(D, block_m) if qkv else _tiles(D, block_m))
+    block_n, num_warps, num_stages = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv else _tiles(D, block_m))
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, block_n, _num_sms(q.device))
     # QKV 2: one split more, for the step's own rows
