@@ -194,9 +194,10 @@ def main(argv=None):
                          f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--mma-table", action="append", default=[],
                     help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
-                         "CASE@ROWS=TxW[dD][sS][pR][f][nH] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), 'none', or "
-                         "'default' (its own); repeated: one row set per table, in one process. A one-row GEMV with a prologue "
-                         "(q|k|v, gate|up) runs it in kernels/residual_norm.py first")
+                         "CASE@ROWS=TxW[dD][sS][pR][f][nH][l][aA] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), "
+                         "'none', 'default' (its own), or '+' then entries (its own with those changed, e.g. "
+                         "'+down@1=2x8d3p1l'); repeated: one row set per table, in one process. A one-row GEMV with "
+                         "a prologue (q|k|v, gate|up) runs it in kernels/residual_norm.py first")
     ap.add_argument("--attn-tiles", action="append", default=[],
                     help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "
                          "KIND:NxWsS joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
@@ -223,7 +224,8 @@ def main(argv=None):
 
     shipped = dict(mma_w4a16.MMA_CONFIGS)
     # text -> table; '' is the shipped one
-    tables = {"" if t == "default" else t: shipped if t == "default" else mma_table_arg(t)
+    tables = {"" if t == "default" else t: shipped if t == "default" else
+              {**shipped, **mma_table_arg(t[1:])} if t.startswith("+") else mma_table_arg(t)
               for t in a.mma_table or ["default"]}
     from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
 
