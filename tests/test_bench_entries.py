@@ -200,17 +200,17 @@ def test_stack_bench_one_row_set_per_mma_table(tmp_path):
     mp.setattr(mma_w4a16, "set_table", spy)
     try:
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--variants", "base,mma",
-                    "--mma-table", "default", "--mma-table", "down@1=1x4s4", "--mma-table", "+down@1=2x8d3p1l",
+                    "--mma-table", "default", "--mma-table", "down@1=1x4s4", "--mma-table", "+down@1=2x8d2p1",
                     "--heads", "full", "--prompts", "1", "--prompt-len", "12", "--new", "4", "--out", str(out)])
     finally:
         mp.undo()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["base", "mma", "mma [down@1=1x4s4]", "mma [+down@1=2x8d3p1l]"]
+    assert [r["variant"] for r in rows] == ["base", "mma", "mma [down@1=1x4s4]", "mma [+down@1=2x8d2p1]"]
     assert [r["stack"]["FuseLayers"]["int4_mma"] for r in rows] == [False, True, True, True]
     down = (2560, 10240, False)
     # '+': the shipped table with the entry changed; without it: that entry alone
     assert seen[2] == {down: mma_w4a16.MmaConfig(1, 4, splits=4)}
-    assert seen[3] == {**shipped, down: mma_w4a16.MmaConfig(2, 8, 3, persist=1, l2=True)}
+    assert seen[3] == {**shipped, down: mma_w4a16.MmaConfig(2, 8, 2, persist=1)}
     assert mma_w4a16.MMA_CONFIGS == shipped
     with pytest.raises(SystemExit, match="CASE@ROWS=TxW"):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "mma", "--mma-table", "down@1=4"])

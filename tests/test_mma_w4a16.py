@@ -99,8 +99,6 @@ def _exact(x, q, s, z, G, epilogue):
     (32, 1024, 128, 1, "none", MmaConfig(1, 2, splits=4)),  # K over 4 programs per tile, one group per warp
     (64, 512, 128, 8, "none", MmaConfig(2, 2, splits=2)),  # 2 tiles per program, K over 2 programs
     (64, 512, 64, 3, "geglu", MmaConfig(2, 1, splits=2)),  # GeGLU after the partials are added
-    (64, 512, 128, 2, "none", MmaConfig(1, 2, splits=2, l2=True, ahead=1)),  # K splits' tiles into L2, and ahead
-    (96, 256, 64, 2, "geglu", MmaConfig(2, 2, iters=2, l2=True)),
 ])
 def test_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     q, s, z = _weights(N, K, G, seed=N + K + M)
@@ -251,7 +249,7 @@ def mma_layouts(fn, sig, ce, aligned, warps):
 
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-       "M": "i32", "N": "i32", "HALF": "i32", "stride_xm": "i32", "stride_om": "i32", "NPT": "i32", "AHEAD": "i32"}
+       "M": "i32", "N": "i32", "HALF": "i32", "stride_xm": "i32", "stride_om": "i32", "NPT": "i32"}
 aligned = (0, 1, 2, 3, 4, 5, 9, 10)
 for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down depth 8", 10240, 1, 4, 0, 8, 1, 1),
                                     ("gate|up geglu", 2560, 2, 4, 1, 64, 1, 1), ("o", 2048, 2, 8, 0, 64, 1, 1),
@@ -259,22 +257,15 @@ for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down d
                                     ("down K over 4 programs", 10240, 1, 4, 0, 64, 1, 4),
                                     ("gate|up a lane row per thread", 2560, 2, 4, 1, 2, 1, 1)]:
     HW = W * T if "per thread" in name else W
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False, L2=False)
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False)
     ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, aligned, HW)
     print(f"mma\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('griddepcontrol.wait')}\t"
           f"{mma_layouts(_mma_w4a16_kernel, sig, ce, aligned, HW)}")
 ssig = {k: v for k, v in sig.items() if k not in ("ws_ptr", "cnt_ptr")}
 ssig["NITER"] = "i32"
 for name, K, T, W, EPI, D in [("gate|up", 2560, 2, 4, 1, 5), ("down", 10240, 2, 8, 0, 3)]:  # the table's one-row entries
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False, L2=False)
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False)
     print(f"stream\t{name}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
-    # with the tiles into L2 first (l2): the prefetches all before the PDL wait ("l2" lines: name,
-    # registers, spills, prefetches before / after the wait, and without l2: registers, spills, prefetches)
-    ptx0, regs0, spills0 = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)
-    ptx, regs, spills = build(_mma_stream_kernel, ssig, dict(ce, L2=True), (0, 1, 2, 3, 7, 8), W)
-    wait = ptx.find("griddepcontrol.wait")
-    print(f"l2\t{name}\t{regs}\t{spills}\t{ptx[:wait].count('prefetch.global.L2')}\t"
-          f"{ptx[wait:].count('prefetch.global.L2')}\t{regs0}\t{spills0}\t{ptx0.count('prefetch.global.L2')}")
 '''
 
 
@@ -292,13 +283,6 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
     # the persistent kernel (the table's one-row entries) too
     stream = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "stream"}
     assert stream == {"gate|up": ["['[1, 4][32, 1]']"], "down": ["['[1, 4][32, 1]']"]}, stream
-    # MmaConfig.l2: the L2 prefetches before the wait only (none without it), at most 128 spilled bytes
-    # more (down's entry spills ~1 KB at 255 registers either way)
-    l2 = {f[1]: [int(x) for x in f[2:]] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "l2"}
-    assert set(l2) == {"gate|up", "down"}, r.stdout
-    for name, (regs, spills, before, after, regs0, spills0, plain) in l2.items():
-        assert spills <= spills0 + 128 and before > 0 and after == 0 and plain == 0, (name, l2[name])
-    assert l2["gate|up"][1] == 0, l2
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
@@ -355,8 +339,6 @@ def test_table_from_text():
     (80, 512, 128, 8, "none", MmaConfig(1, 2, 1, persist=1)),  # 5 tiles, depth 1
     (160, 256, 64, 2, "none", MmaConfig(2, 1, 4, persist=9, fresh=True)),  # one tile per program
     (64, 512, 128, 4, "geglu", MmaConfig(2, 2, 2, persist=9, fresh=True, hw=4)),  # a lane row per thread
-    (64, 256, 128, 1, "none", MmaConfig(1, 1, 1, persist=1, l2=True, ahead=1)),  # tiles into L2 first, and ahead
-    (96, 512, 64, 3, "geglu", MmaConfig(2, 2, 2, persist=9, fresh=True, l2=True)),
 ])
 def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     """The persistent kernel (`persist`, interpreter: 2 multiprocessors) with its loads crossing tile
@@ -373,12 +355,8 @@ def test_persistent_config_text_and_refusals():
     from fastgemma.kernels.mma_w4a16 import config_args, config_problem, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
-    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, False, 0)  # mma_w4a16_op's order
+    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8)  # mma_w4a16_op's order
     assert parse_config("2x4d5p9fn8") == MmaConfig(2, 4, 5, persist=9, fresh=True, hw=8)
-    assert parse_config("2x8d3p1l") == MmaConfig(2, 8, 3, persist=1, l2=True)
-    assert parse_config("2x4d5p9fla2") == MmaConfig(2, 4, 5, persist=9, fresh=True, l2=True, ahead=2)
-    assert parse_config("1x4s4la1") == MmaConfig(1, 4, splits=4, l2=True, ahead=1)
-    assert "ahead" in config_problem(MmaConfig(2, 4, ahead=1), 64, 1024, 128, "none")  # ahead needs l2
     assert parse_config("2x4n8").num_warps == 8 and parse_config("2x4").num_warps == 4
     assert "hw" in config_problem(MmaConfig(2, 4, hw=3), 64, 1024, 128, "none")
     assert "hw" in config_problem(MmaConfig(2, 4, hw=16), 64, 1024, 128, "none")

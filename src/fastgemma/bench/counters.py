@@ -9,7 +9,7 @@ each profiled launch) with one launch per (shape, rows): at one row the fused GE
 launches for that shape (`fused_w4a16`, with its prologue / epilogue), at 2..16 rows the per-group
 kernel of the verify pass (`w4a16_matmul`, table tiles, packed scale / zero words unless
 --separate; gate|up with its GeGLU epilogue); with --mma, the tensor-core kernel
-(kernels/mma_w4a16.py) instead, once per config given (TxW[dD][iI][sS][pR][f][nH][l][aA]; those that do not fit
+(kernels/mma_w4a16.py) instead, once per config given (TxW[dD][iI][sS][pR][f][nH]; those that do not fit
 a shape are refused). Prints one row per launch: time, DRAM throughput,
 issue slots busy, warps resident, the top stall reasons per issued instruction, instructions per
 weight (thread instructions: warp instructions x 32 / weights). `--launch` runs the launches alone
@@ -162,7 +162,7 @@ def main(argv=None):
     ap.add_argument("--separate", action="store_true", help="per-group kernel on separate scales / zeros")
     ap.add_argument("--out", default="", help="directory for ncu's raw report (ncu.txt)")
     ap.add_argument("--mma", default="",
-                    help="tensor-core kernel configs, comma-separated (TxW[dD][iI][sS][pR][f][nH][l][aA])")
+                    help="tensor-core kernel configs, comma-separated (TxW[dD][iI][sS][pR][f][nH])")
     ap.add_argument("--launch", action="store_true", help="run the launches only (what ncu profiles)")
     a = ap.parse_args(argv)
     launches = plan([int(x) for x in a.ms.split(",") if x], [x for x in a.shapes.split(",") if x] or None,

@@ -194,9 +194,9 @@ def main(argv=None):
                          f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--mma-table", action="append", default=[],
                     help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
-                         "CASE@ROWS=TxW[dD][sS][pR][f][nH][l][aA] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), "
+                         "CASE@ROWS=TxW[dD][sS][pR][f][nH] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), "
                          "'none', 'default' (its own), or '+' then entries (its own with those changed, e.g. "
-                         "'+down@1=2x8d3p1l'); repeated: one row set per table, in one process. A one-row GEMV with "
+                         "'+down@1=1x4s4'); repeated: one row set per table, in one process. A one-row GEMV with "
                          "a prologue (q|k|v, gate|up) runs it in kernels/residual_norm.py first")
     ap.add_argument("--attn-tiles", action="append", default=[],
                     help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "

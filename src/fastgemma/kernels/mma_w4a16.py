@@ -318,37 +318,10 @@ def _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T: tl.conste
 
 
 @triton.jit
-def _l2_tiles(w_ptr, sz_ptr, it, sp, HALF, ok, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
-              S: tl.constexpr, EPI: tl.constexpr, EMU: tl.constexpr):
-    """Program tile `it`'s words and scale / zero words of K split sp (of S) into L2: one
-    `prefetch.global.L2` per 128-byte line, no registers held (the interpreter: nothing). A tile's
-    words of one K split are contiguous ([N/16, K/64, 32, 4]), as are its scale / zero words."""
-    if not EMU:
-        KS: tl.constexpr = K // S
-        WL: tl.constexpr = KS // 16  # lines of words: KS / 64 blocks x 512 bytes
-        ZL: tl.constexpr = (KS // GROUP * 16 + 31) // 32  # lines of scale / zero words (16 ints a group)
-        NL: tl.constexpr = T * (WL + ZL)
-        BL: tl.constexpr = 1 << (NL - 1).bit_length()
-        i = tl.arange(0, BL)
-        ot = i // (WL + ZL)
-        li = i % (WL + ZL)
-        if EPI == 1:  # the gate tile and its up tile
-            tile = (it + ot * (HALF // 16)).to(tl.int64)
-        else:
-            tile = (it * T + ot).to(tl.int64)
-        wa = w_ptr + (tile * (K // 64) + sp * (KS // 64)) * 128 + li * 32
-        za = sz_ptr + (tile * (K // GROUP) + sp * (KS // GROUP)) * 16 + (li - WL) * 32
-        addr = tl.where(li < WL, wa, za)
-        on = ok & (i < NL)
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                                  "=r,l,r", [addr, on.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF, stride_xm, stride_om, NPT,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                       DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
-                      EMU: tl.constexpr, L2: tl.constexpr = False, AHEAD=0):
+                      EMU: tl.constexpr):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
     next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
     (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them."""
@@ -368,12 +341,6 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
     oj = tl.arange(0, 4)[None, :]  # a lane's word j; as an accumulator index, element c
     w_ptrs, sz_ptrs = _tile_ptrs(it0, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
     words = _first_loads(w_ptrs, sz_ptrs, True, NG, DEPTH, BG, R)
-    if L2:  # the program's tiles whole into L2 (and with AHEAD, those of program pid + AHEAD)
-        for j in tl.static_range(ITERS):
-            _l2_tiles(w_ptr, sz_ptr, it0 + j * nprog, sp, HALF, it0 + j * nprog < NPT, K, GROUP, T, S, EPI, EMU)
-            if AHEAD > 0:
-                ah = it0 + AHEAD // S + j * nprog
-                _l2_tiles(w_ptr, sz_ptr, ah, sp, HALF, ah < NPT, K, GROUP, T, S, EPI, EMU)
     _pdl_wait(PDL)
     x_ptrs = _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K, T, W, S)
     for j in tl.static_range(ITERS):
@@ -393,8 +360,7 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
 @triton.jit
 def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT, NITER,
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
-                       L2: tl.constexpr = False, AHEAD=0):
+                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the next tile's first groups are loaded while the current
@@ -413,12 +379,6 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     buf = ()  # the DEPTH groups in flight, oldest first
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
-    if L2:  # the program's tiles whole into L2 (and with AHEAD, those of program pid + AHEAD)
-        for j in range(0, NITER):
-            _l2_tiles(w_ptr, sz_ptr, pid + j * nprog, 0, HALF, pid + j * nprog < NPT, K, GROUP, T, 1, EPI, EMU)
-            if AHEAD > 0:
-                ah = pid + AHEAD + j * nprog
-                _l2_tiles(w_ptr, sz_ptr, ah, 0, HALF, ah < NPT, K, GROUP, T, 1, EPI, EMU)
     _pdl_wait(PDL)
     x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     for j in range(0, NITER):
@@ -459,11 +419,7 @@ class MmaConfig:
     program (0: `warps`). The program's tensors hold warps x tiles lane rows of 32; with fewer hardware
     warps each thread holds several of them (more loads in flight per thread, more registers), with
     warps x tiles (the most allowed) one each. Timed slower than hw 0 on every E4B shape tried (run EB:
-    gate|up at one row 11.75 us, 13.69 on 8 hardware warps, 21.47 on 2; down 7.07, 9.08 on 16). l2:
-    before its PDL wait each program asks for its tiles' words whole into L2 (`prefetch.global.L2` per
-    line), so DRAM streams them while only `depth` groups a warp are in registers; ahead A > 0 (with
-    l2): also the tiles of the program A x (multiprocessors) programs on, the next wave's, which no
-    program has asked for while the current wave sums."""
+    gate|up at one row 11.75 us, 13.69 on 8 hardware warps, 21.47 on 2; down 7.07, 9.08 on 16)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -472,8 +428,6 @@ class MmaConfig:
     persist: int = 0
     fresh: bool = False
     hw: int = 0
-    l2: bool = False
-    ahead: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -521,22 +475,19 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(l)?(?:a(\d+))?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f][nH][l][aA]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs
-    per multiprocessor, f fresh chains, H hardware warps, l the tiles into L2 first, A programs per multiprocessor
-    ahead; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x8d3p1l', '2x4d5p9fla2') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains, H hardware warps; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][l][aA], e.g. '1x4s4', '2x4d2' or "
-                         "'2x8d3p1l'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
-    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
-                     m.group(9) == "l", int(m.group(10) or 0))
+    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -562,7 +513,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
             continue
         m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][l][aA] with CASE one of "
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH] with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
@@ -599,8 +550,6 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
         return f"fresh runs in the persistent kernel only (persist > 0), got {cfg}"
     if cfg.depth < 1:
         return f"depth must be >= 1, got {cfg}"
-    if cfg.ahead < 0 or (cfg.ahead and not cfg.l2):
-        return f"ahead must be >= 0, and > 0 only with l2, got {cfg}"
     if cfg.hw < 0 or (cfg.hw and (cfg.warps * cfg.tiles) % cfg.hw):
         return f"hw (hardware warps) must divide warps x tiles = {cfg.warps * cfg.tiles}, got {cfg}"
     if cfg.splits < 1 or (cfg.splits > 1 and cfg.iters > 1):
@@ -652,22 +601,13 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
                                  triton.cdiv(n_tiles, grid[0]), K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 L2=cfg.l2, AHEAD=cfg.ahead * _sms(x.device), num_warps=cfg.num_warps,
-                                 **pdl_args(pdl, x.device))
+                                 num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
                             n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
-                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, L2=cfg.l2, AHEAD=cfg.ahead * _sms(x.device) * S,
-                            num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
+                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
     return out
-
-
-def _sms(device) -> int:
-    """Multiprocessors of `device` (2 without a GPU, as `persistent_programs` counts them)."""
-    from .decode_attention import _num_sms
-
-    return _num_sms(device) if device.type == "cuda" else 2
 
 
 def persistent_programs(n_tiles: int, per_sm: int, device) -> int:
@@ -694,19 +634,18 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 l2: bool, ahead: int, pdl: bool) -> torch.Tensor:
+                 pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, l2, ahead),
-                     pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. ahead arguments)."""
-    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.l2, cfg.ahead
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. hw arguments)."""
+    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, l2, ahead, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -769,8 +708,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
             runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
                      + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
-                     + (f", {c.hw} hw warps" if c.hw else "") + (", L2" if c.l2 else "")
-                     + (f" ahead {c.ahead}" if c.ahead else ""), mma,
+                     + (f", {c.hw} hw warps" if c.hw else ""), mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
