@@ -31,7 +31,8 @@ as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+), and in wider
 steps the GEMMs, norm kernels and the q/k/v kernel; `attn_pdl=True` the attention's split and
 combine kernels as well (without it they launch plainly, and so does the kernel after them);
-`attn_merge=True` drops the combine launch (the split tile's last program merges the partials);
+`attn_merge=True` drops the combine launch where a tile's partials are few (the split tile's last
+program merges them; decode_attention.MERGE_MAX_ELEMS);
 `attn_qkv=True` does the q/k/v norms, RoPE and cache writes inside the attention's split kernel
 (kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step;
 `attn_tiles` (e.g. "full_store:32x16s2") sets that mode's tiles per layer kind instead of the
