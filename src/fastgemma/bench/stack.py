@@ -330,7 +330,8 @@ def main(argv=None):
                            identity_vs_first=(sum(t == r for t, r in zip(tokens, first[body][L])) / len(tokens)
                                               if kind == "full" else None),  # the full head: against the first variant
                            prepare_s=prep_s, compile=compiled, gpu=gpu, model=cfg.name, prompts=a.prompts,
-                           prompt_len=L, max_context=max_ctx, window=window or cfg.sliding_window, new=a.new, stack=desc, lm_head=hinfo)
+                           prompt_len=L, max_context=max_ctx, window=window or cfg.sliding_window, new=a.new,
+                           stack=desc, lm_head=hinfo)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head")}), flush=True)
             del step, gen

@@ -406,16 +406,17 @@ SHORT_CACHE = 2048
 def _qkv_tiles(D: int, block_m: int = 16, S: int | None = None, store: bool = True) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the q/k/v mode, whose q is made in registers. One row of a
     full layer (D=512, block_m 16) takes 32 keys at 4 warps: it spills (sm_90a: 88 / 208 bytes on a
-    store / query-only layer) yet beat 16 keys at 8 warps on the
-    H200 at every context of a store layer and from 4k tokens of a query-only one (alone, runs FA /
-    FC, us; store: 12.6 vs 14.0 at 300, 12.8 vs 16.2 at 4k, 50.5 vs 83.5 at 32k; query-only: 12.4 vs
-    15.4 at 4k, 50.7 vs 79.9 at 32k, at most 0.7 us slower below). The bf16 decode step at 32k: 3.963
-    -> 3.658 ms (run FB). Otherwise half `_tiles`' key block and 8 warps: compiled for sm_90a, 1 and
-    8 rows, D=256 and 512, store and query-only layers, no spills (`_tiles`' 64 / 32 keys at 4 warps
-    spilled 1,308 / 2,292 bytes at one row with the own rows in the same program). A store layer's
-    one row over a short cache (S <= SHORT_CACHE slots) takes 16 warps: alone 10.4-10.7 against
-    12.8-13.3 us at S 1,088 (runs FC, FF), slower from ~4k tokens of context (14.5 vs 12.9 at 4k, run
-    FC); in the int4 step at S 528, window 188: 1.893 -> 1.869 ms (run FF, one process)."""
+    store / query-only layer) yet beat 16 keys at 8 warps on the H200 at every context of a store layer
+    and from 4k tokens of a query-only one (alone, runs FA / FC, us; store: 12.6 vs 14.0 at 300, 12.8
+    vs 16.2 at 4k, 50.5 vs 83.5 at 32k; query-only: 12.4 vs 15.4 at 4k, 50.7 vs 79.9 at 32k, at most
+    0.7 us slower below). The bf16 decode step at 32k: 3.963 -> 3.658 ms (run FB). A store layer's
+    one row over a short cache (S <= SHORT_CACHE slots) takes 16 warps instead (128 registers, no
+    spills): alone 10.4-10.7 against 12.8-13.5 us at S 1,088 (runs FC, FI), slower from ~4k tokens of
+    context (14.5 vs 12.9 at 4k, run FC); the int4 step at S 528-1,072, window 188, one process:
+    1.893 -> 1.869 ms (run FF), 1.897 -> 1.874 (run FG, the order reversed). Otherwise half `_tiles`'
+    key block and 8 warps: compiled for sm_90a, 1 and 8 rows, D=256 and 512, store and query-only
+    layers, no spills (`_tiles`' 64 / 32 keys at 4 warps spilled 1,308 / 2,292 bytes at one row with
+    the own rows in the same program)."""
     if D > 256 and block_m <= 16:
         return (32, 16, 2) if store and S is not None and S <= SHORT_CACHE else (32, 4, 2)
     return (32 if D <= 256 else 16), 8, 2
