@@ -110,6 +110,13 @@ def test_merge_pdl_and_no_v_norm(v_norm):
     tiled = da.decode_attention_qkv_store_op(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
                                              v_norm, 1.0, False, False, "16x2s1")
     torch.testing.assert_close(tiled, ref, **TOL[torch.float32])
+    kc, vc = k.clone(), v.clone()  # with the cache's split count too (its own-rows split added)
+    split2 = da.decode_attention_qkv_store_op(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
+                                              v_norm, 1.0, False, False, "16x2s1p2")
+    torch.testing.assert_close(split2, ref, **TOL[torch.float32])
+    assert da._tiles_arg("16x2s1p2") == dict(tiles=(16, 2, 1), num_splits=2)
+    assert da._tiles_arg("") == dict(tiles=None, num_splits=None)
+    assert da.qkv_tile_text(*da.parse_qkv_tile(" 32x8s2p3 ")) == "32x8s2p3"
     torch.testing.assert_close(da.decode_attention_qkv_op(qkv[..., : 8 * 32], qw, cos, sin, kc, vc, q_pos, slot_pos,
                                                           24, 8, 1e-6, 1.0, 1.0, False, False, "32x4s2"),
                                q_only, **TOL[torch.float32])
@@ -171,5 +178,9 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
         main(["--qkv", "--tiles", "32x8"])
     with pytest.raises(SystemExit, match="--splits"):
         main(["--qkv", "--splits", "auto,0"])
+    with pytest.raises(SystemExit, match="--sliding-splits"):
+        main(["--qkv", "--sliding-splits", "2,x"])
+    with pytest.raises(SystemExit, match="--sliding-splits"):
+        main(["--qkv", "--sliding-splits", "0"])
     with pytest.raises(SystemExit, match="--contexts must lie"):
         main(["--qkv", "--contexts", "300,99999"])

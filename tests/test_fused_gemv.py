@@ -186,20 +186,20 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
             model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=False, attn_qkv=True)
             tokens, logits = _decode(model, cfg, prompt, 3)
             assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
-            # fuse.attn_tiles: each layer kind's launches take that kind's tiles, same tokens
-            tiles = da.parse_qkv_tiles("full_store:16x2s1,full_query:32x2s2,sliding_store:32x4s1,sliding_query:16x4s2")
+            # fuse.attn_tiles: each layer kind's launches take that kind's tiles (and split count), same tokens
+            tiles = da.parse_qkv_tiles("full_store:16x2s1,full_query:32x2s2,sliding_store:32x4s1p2,sliding_query:16x4s2")
             seen, real = set(), da.decode_attention_qkv
 
             def spy(qkv, q_w, k_w, *args, **kw):
-                seen.add(("store" if k_w is not None else "query", args[-1] > 0, kw["tiles"]))
+                seen.add(("store" if k_w is not None else "query", args[-1] > 0, kw["tiles"], kw["num_splits"]))
                 return real(qkv, q_w, k_w, *args, **kw)
 
             monkeypatch.setattr(da, "decode_attention_qkv", spy)
             model.fused_decode = functools.partial(model.fused_decode, attn_tiles=tiles)
             tokens, logits = _decode(model, cfg, prompt, 3)
             assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
-            assert seen == {("store", False, (16, 2, 1)), ("query", False, (32, 2, 2)), ("store", True, (32, 4, 1)),
-                            ("query", True, (16, 4, 2))}, seen
+            assert seen == {("store", False, (16, 2, 1), None), ("query", False, (32, 2, 2), None),
+                            ("store", True, (32, 4, 1), 2), ("query", True, (16, 4, 2), None)}, seen
 
 
 @pytest.mark.parametrize("int4", [False, True])
@@ -263,11 +263,11 @@ def test_attn_qkv_is_the_one_row_steps_option():
     # fuse.attn_tiles: per layer kind, checked; it reaches the one-row step and the drafter's; refused
     # without attn_qkv and with a bad entry
     model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=0)
-    t = FuseLayers(attn_qkv=True, attn_tiles=" sliding_query:32x4s2, full_store:32x16s2 ")
+    t = FuseLayers(attn_qkv=True, attn_tiles=" sliding_query:32x4s2p3, full_store:32x16s2 ")
     t.apply(model)
-    assert model.fused_decode.keywords["attn_tiles"] == {"sliding_query": "32x4s2", "full_store": "32x16s2"}
+    assert model.fused_decode.keywords["attn_tiles"] == {"sliding_query": "32x4s2p3", "full_store": "32x16s2"}
     assert model.fuse_drafter.keywords["attn_tiles"] == model.fused_decode.keywords["attn_tiles"]
-    assert t.describe()["attn_tiles"] == "sliding_query:32x4s2,full_store:32x16s2"
+    assert t.describe()["attn_tiles"] == "sliding_query:32x4s2p3,full_store:32x16s2"
     assert FuseLayers(attn_qkv=True).describe()["attn_tiles"] == ""
     # as the command line gives a list (fuse.attn_tiles=[full_store:32x16s2,sliding_store:32x8s2])
     assert FuseLayers(attn_qkv=True, attn_tiles=["full_store:32x16s2", "sliding_store:32x8s2"]).attn_tiles == {
@@ -276,7 +276,8 @@ def test_attn_qkv_is_the_one_row_steps_option():
         FuseLayers(attn_tiles="full_store:32x16s2")
     for bad, what in (("full:32x16s2", "KIND:BLOCKNxWARPSsSTAGES"), ("full_store:32x3s2", "num_warps"),
                       ("full_store", "KIND:"), ("full_store=32x4s2", "KIND:"),
-                      ("full_store:32x4s2,full_store:16x8s2", "twice")):
+                      ("full_store:32x4s2,full_store:16x8s2", "twice"), ("sliding_store:32x8s2p0", "split count"),
+                      ("sliding_store:32x8s2x3", "pSPLITS")):
         with pytest.raises(ValueError, match=what):
             FuseLayers(attn_qkv=True, attn_tiles=bad)
 

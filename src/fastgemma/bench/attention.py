@@ -5,7 +5,7 @@ E4B shapes: sliding ring (D=256, S=window+16) and full layers (D=512) at several
 the split kernel + the combine (`fuse.qkv_kernel`), and the split kernel's q/k/v mode
 (`fuse.attn_qkv`) with its default tiles and with each of `--tiles` (BLOCK_N x warps, stages), at
 each of `--contexts` on a full layer (with each of `--splits`) and once on the frontier's sliding ring
-(window 188); `--query-only` adds the KV-shared layers (q rows alone, the cache only read), `--merge`
+(window 188, with each of `--sliding-splits`); `--query-only` adds the KV-shared layers (q rows alone, the cache only read), `--merge`
 times every path without its combine launch (`fuse.attn_merge`)."""
 from __future__ import annotations
 
@@ -115,6 +115,17 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
     return rows
 
 
+def split_counts(name: str, text: str) -> list[int | None]:
+    """'auto,2,...' -> [None, 2, ...] (None: the kernels' own pick), or exit naming the option."""
+    try:
+        out = [None if n.strip() == "auto" else int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        out = []
+    if not out or any(n is not None and not 1 <= n <= 1024 for n in out):
+        raise SystemExit(f"{name}: 'auto' or counts in 1..1024, got {text!r}")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--qkv", action="store_true", help="a store layer's attention with its q/k/v work, by path")
@@ -123,6 +134,8 @@ def main(argv=None):
                     help="q/k/v-mode tiles to time beside the default, BLOCKNxWARPSsSTAGES joined by ','")
     ap.add_argument("--splits", default="auto",
                     help="full-layer split counts of --qkv, joined by ',': 'auto' (the kernels' pick) or a number")
+    ap.add_argument("--sliding-splits", default="auto",
+                    help="the sliding ring's split counts of --qkv, joined by ',': 'auto' or a number")
     ap.add_argument("--query-only", action="store_true",
                     help="--qkv on KV-shared layers too: their q rows alone, the cache only read")
     ap.add_argument("--merge", action="store_true", help="--qkv: no combine launch (fuse.attn_merge)")
@@ -131,13 +144,11 @@ def main(argv=None):
     try:
         tiles = [parse_tiles(t) for t in a.tiles.split(",") if t.strip()]
         contexts = [int(c) for c in a.contexts.split(",") if c.strip()]
-        splits = [None if n.strip() == "auto" else int(n) for n in a.splits.split(",") if n.strip()]
     except ValueError as e:
         raise SystemExit(str(e)) from e
     if any(c < 2 or c > a.max_context for c in contexts):
         raise SystemExit(f"--contexts must lie in 2..--max-context ({a.max_context}), got {contexts}")
-    if not splits or any(n is not None and not 1 <= n <= 1024 for n in splits):
-        raise SystemExit(f"--splits: 'auto' or counts in 1..1024, got {a.splits!r}")
+    splits, ring_splits = split_counts("--splits", a.splits), split_counts("--sliding-splits", a.sliding_splits)
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention times Triton kernels on a CUDA GPU; none is visible")
     if not a.qkv:
@@ -159,7 +170,7 @@ def main(argv=None):
     for store in (True, False) if a.query_only else (True,):
         for name, D, S, ctx, ring, window in layers:
             name = name if store else name.replace(" ", " query-only ", 1)
-            for path, n, err, us in qkv_rows(D, S, ctx, ring, window, tiles, splits=[None] if ring else splits,
+            for path, n, err, us in qkv_rows(D, S, ctx, ring, window, tiles, splits=ring_splits if ring else splits,
                                              store=store, merge=a.merge):
                 print(f"| {name} | {ctx} | {path} | {n} | {err:.2e} | {us:.1f} |", flush=True)
 

@@ -200,7 +200,7 @@ def main(argv=None):
                          "a prologue (q|k|v, gate|up) runs it in kernels/residual_norm.py first")
     ap.add_argument("--attn-tiles", action="append", default=[],
                     help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "
-                         "KIND:NxWsS joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
+                         "KIND:NxWsS[pP] joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
                          "'default' (the kernel's own); repeated: one row set per value, in one process")
     ap.add_argument("--window", default="native",
                     help="the sliding layers' window: native (the model's) or a number of keys (the frontier: 188)")

@@ -540,10 +540,30 @@ def qkv_tiles_text(tiles: dict[str, str]) -> str:
 QKV_TILE_KINDS = ("full_store", "full_query", "sliding_store", "sliding_query")  # the q/k/v mode's layer kinds
 
 
+def parse_qkv_tile(text: str) -> tuple[tuple[int, int, int], int | None]:
+    """One kind's entry of `fuse.attn_tiles`, 'NxWsS[pP]' -> (checked tiles, P: the cache's split count,
+    the store layers' own-rows split added to it; None: the kernel's pick)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+x\d+s\d+)(?:p(\d+))?\s*", text)
+    if not m:
+        raise ValueError(f"attention tiles {text!r}: BLOCKNxWARPSsSTAGES[pSPLITS], e.g. '32x8s2' or '32x8s2p3'")
+    splits = int(m.group(2)) if m.group(2) else None
+    if splits is not None and not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"attention tiles {text!r}: the split count must lie in 1..{_MAX_SPLITS}")
+    return parse_tiles(m.group(1)), splits
+
+
+def qkv_tile_text(tiles, splits: int | None = None) -> str:
+    """`parse_qkv_tile`'s inverse: 'NxWsS', with 'pP' when splits are given."""
+    return tiles_text(tiles) + (f"p{splits}" if splits else "")
+
+
 def parse_qkv_tiles(text) -> dict[str, str]:
-    """`fuse.attn_tiles`: 'KIND:NxWsS' entries joined by ',' or as a list (KIND: full / sliding layer,
-    store / query-only: QKV_TILE_KINDS), '' / [] for none -> {kind: 'NxWsS'}, each checked; the kinds
-    not named keep `_qkv_tiles`' choice. A ValueError names a bad entry."""
+    """`fuse.attn_tiles`: 'KIND:NxWsS[pP]' entries joined by ',' or as a list (KIND: full / sliding layer,
+    store / query-only: QKV_TILE_KINDS; P: the cache's split count, else the kernel's pick), '' / [] for
+    none -> {kind: 'NxWsS[pP]'}, each checked; the kinds not named keep `_qkv_tiles`' choice. A
+    ValueError names a bad entry."""
     items = text.split(",") if isinstance(text, str) else [str(t) for t in (text or ())]
     out = {}
     for item in items:
@@ -552,18 +572,20 @@ def parse_qkv_tiles(text) -> dict[str, str]:
         kind, eq, tiles = item.partition(":")
         kind = kind.strip()
         if not eq or kind not in QKV_TILE_KINDS:
-            raise ValueError(f"attention tiles entry {item.strip()!r}: KIND:BLOCKNxWARPSsSTAGES with KIND one of "
+            raise ValueError(f"attention tiles entry {item.strip()!r}: KIND:BLOCKNxWARPSsSTAGES[pSPLITS] with KIND one of "
                              f"{', '.join(QKV_TILE_KINDS)}, e.g. 'full_store:32x16s2'")
         if kind in out:
             raise ValueError(f"attention tiles: {kind} given twice in {text!r}")
-        out[kind] = tiles_text(parse_tiles(tiles))
+        out[kind] = qkv_tile_text(*parse_qkv_tile(tiles))
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def _tiles_arg(text: str) -> tuple[int, int, int] | None:
-    """An op's `tiles` string ('' : the kernel's own) -> tiles, parsed once per string."""
-    return parse_tiles(text) if text else None
+def _tiles_arg(text: str) -> dict:
+    """An op's `tiles` string ('': the kernel's own) -> decode_attention_qkv's tiles and num_splits,
+    parsed once per string."""
+    tiles, splits = parse_qkv_tile(text) if text else (None, None)
+    return dict(tiles=tiles, num_splits=splits)
 
 
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
@@ -688,10 +710,10 @@ def decode_attention_qkv_op(qkv: torch.Tensor, q_w: torch.Tensor, cos: torch.Ten
                             slot_pos: torch.Tensor | None, window: int, heads: int, eps: float, offset: float,
                             scale: float, pdl: bool, merge: bool, tiles: str = "") -> torch.Tensor:
     """A query-only layer (KV-shared, the drafter): q made from the merged projection, the caches read.
-    tiles: 'NxWsS' instead of the kernel's own ('')."""
+    tiles: 'NxWsS[pP]' instead of the kernel's own tiles (and split count) ('')."""
     return decode_attention_qkv(qkv, q_w, None, cos, sin, k_cache, v_cache, None, q_pos, slot_pos, window,
                                 heads=heads, eps=eps, offset=offset, scale=scale, pdl=pdl, merge=merge,
-                                tiles=_tiles_arg(tiles))
+                                **_tiles_arg(tiles))
 
 
 @decode_attention_qkv_op.register_fake
@@ -709,7 +731,7 @@ def decode_attention_qkv_store_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: tor
     """A store layer: its K / V rows written into the caches at idx, then attended with the rest."""
     return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window,
                                 heads=heads, eps=eps, offset=offset, v_norm=v_norm, scale=scale, pdl=pdl, merge=merge,
-                                tiles=_tiles_arg(tiles))
+                                **_tiles_arg(tiles))
 
 
 @decode_attention_qkv_store_op.register_fake
