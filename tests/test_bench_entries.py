@@ -180,7 +180,7 @@ def test_stack_bench_several_prompt_lengths_in_one_process(tmp_path, capsys):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompt-len", "0"])
 
 
-def test_stack_bench_one_row_set_per_mma_table(tmp_path):
+def test_stack_bench_one_row_set_per_mma_table(tmp_path, monkeypatch):
     """bench.stack --mma-table, repeated: variants with 'mma' built once per table in one process (rows
     labelled by the table's text, 'default' unlabelled), the others once; the shipped table restored
     after; a bad entry refused."""
@@ -196,14 +196,10 @@ def test_stack_bench_one_row_set_per_mma_table(tmp_path):
         seen.append(dict(table))
         real(table)
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(mma_w4a16, "set_table", spy)
-    try:
-        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--variants", "base,mma",
-                    "--mma-table", "default", "--mma-table", "down@1=1x4s4", "--mma-table", "+down@1=2x8d2p1",
-                    "--heads", "full", "--prompts", "1", "--prompt-len", "12", "--new", "4", "--out", str(out)])
-    finally:
-        mp.undo()
+    monkeypatch.setattr(mma_w4a16, "set_table", spy)
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--variants", "base,mma",
+                "--mma-table", "default", "--mma-table", "down@1=1x4s4", "--mma-table", "+down@1=2x8d2p1",
+                "--heads", "full", "--prompts", "1", "--prompt-len", "12", "--new", "4", "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["base", "mma", "mma [down@1=1x4s4]", "mma [+down@1=2x8d2p1]"]
     assert [r["stack"]["FuseLayers"]["int4_mma"] for r in rows] == [False, True, True, True]

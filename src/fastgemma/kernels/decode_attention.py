@@ -621,8 +621,8 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     # merge: the tile's valid rows of every split in flight at once, where they are few (the sliding
     # layers' splits at one row); more go through the combine launch
     merge_m = min(block_m, triton.next_power_of_2(G if per_position else R))
-    block_s = triton.next_power_of_2(num_splits)
-    merge = split and merge and block_s * merge_m * triton.next_power_of_2(D) <= MERGE_MAX_ELEMS
+    block_s, block_d = triton.next_power_of_2(num_splits), triton.next_power_of_2(D)
+    merge = split and merge and block_s * merge_m * block_d <= MERGE_MAX_ELEMS
     cnt = arrival_counters(q.device, B * Hkv * row_tiles, "attention split-KV") if merge else out
     ssp = (slot_pos.stride(0), slot_pos.stride(1)) if slot_pos is not None else (0, 0)
     if not extra:  # QKV 0: the other pointers are not read
@@ -635,13 +635,13 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
         *q_strides, *k_cache.stride(), *v_cache.stride(),
         q_pos.stride(0), q_pos.stride(1), *ssp,
         *out.stride(),
-        D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
+        D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SLOT_POS=slot_pos is not None, SPLIT=split, IEEE=q.dtype == torch.float32,
         FIXUP=merge, cnt_ptr=cnt, BLOCK_S=block_s if merge else 1, MERGE_M=merge_m if merge else 1,
         num_warps=num_warps, num_stages=num_stages, **extra, **launch,
     )
     if split and not merge:
-        block_dc = min(triton.next_power_of_2(D), max(16, 4096 // block_s))  # <= 16 KiB fp32 tile
+        block_dc = min(block_d, max(16, 4096 // block_s))  # <= 16 KiB fp32 tile
         _combine_kernel[(B * Hkv * R, triton.cdiv(D, block_dc))](
             o_part, lse_part, out, G, Hkv, R, num_splits, *out.stride(),
             D=D, BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=4, **launch,
