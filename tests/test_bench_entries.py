@@ -99,6 +99,49 @@ def test_ladder_fused_variants_on_the_cpu(tmp_path):
     assert (kw["pdl"], kw["attn_pdl"]) == (True, True) and VARIANTS["compiled_triton_fused_int4_mma"][4]
 
 
+def _kernel(name, start, dur, grid=(1, 1, 1)):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur,
+            "args": {"grid": list(grid), "block": [128, 1, 1], "registers per thread": 96}}
+
+
+def test_timeline_charges_each_kernel_its_share_of_the_critical_path(capsys):
+    """bench.timeline on a hand-made trace of two calls: kernels in start order, split per call; a
+    kernel hidden under its predecessor costs nothing, one that overlaps costs its tail, a late start
+    is charged its idle gap; the incs add up to the span; groups by (name, grid), sorted by inc."""
+    from fastgemma.bench.timeline import charge, group, kernels_from_trace, print_groups, span, split_calls, summarize
+
+    one = [("a", 0, 10), ("b", 5, 3), ("c", 8, 6, (2, 1, 1)), ("a", 16, 4)]  # b hidden, c overlaps 2, a waits 2
+    events = [_kernel(n, t0 + s, d, *g) for t0 in (100, 0) for n, s, d, *g in one]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 50})  # not a kernel
+    ks = kernels_from_trace({"traceEvents": events})
+    assert [k["name"] for k in ks] == ["a", "b", "c", "a"] * 2 and ks[0]["grid"] == (1, 1, 1) and ks[0]["regs"] == 96
+    calls = [charge(c) for c in split_calls(ks, 2)]
+    assert [(k["inc"], k["gap"], k["overlap"]) for k in calls[0]] == [
+        (10, 0, 0), (0, 0, 3), (4, 0, 2), (6, 2, 0)]
+    assert span(calls[0]) == 20 == calls[0][-1]["t"] + calls[0][-1]["dur"]
+    rows = group(calls)
+    assert [(r["name"], r["grid"], r["n"], r["dur_us"], r["inc_us"], r["gap_us"]) for r in rows] == [
+        ("a", [1, 1, 1], 2, 14, 16, 2), ("c", [2, 1, 1], 1, 6, 4, 0), ("b", [1, 1, 1], 1, 3, 0, 0)]
+    s = summarize(calls, top=2)
+    assert s["kernels"] == 4 and s["span_us"] == 20 and s["kernel_us"] == 23 and s["gap_us"] == 2
+    assert len(s["groups"]) == 2 and [k["inc"] for k in s["kernels_of_median_call"]] == [10, 0, 4, 6]
+    print_groups(s, "hand-made")
+    assert "| a | 1x1x1 | 2 | 14.0 | 16.0 | 2.0 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="do not split into 3 equal calls"):
+        split_calls(ks, 3)
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        split_calls(ks, 0)
+
+
+def test_stack_bench_timeline_needs_a_gpu():
+    from fastgemma.bench import stack
+
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--timeline", "3"])
+    with pytest.raises(SystemExit, match="replays >= 0"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--timeline", "-1"])
+
+
 def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
     """bench.stack on the tiny model: every body x head row, bytes that shrink with int4, a pruned
     head whose keepset holds the full head's greedy tokens returns exactly its ids, and bad heads fail."""

@@ -22,7 +22,9 @@ equal the full head's. Quantized heads may flip near-ties of random weights: the
 Columns: GB read per token (body + head), tok/s (prefill included), median step ms, MBU against the
 device's copy bandwidth, the head's pick alone (CUDA graph of one call; heads under the L2 size stay
 partly cached between calls, so small heads read optimistic), identity and greedy prefix against the
-same body with the full head. Prints one JSON line per row (--out: JSONL) and a markdown table last.
+same body with the full head. `--timeline N` traces N replays of each row's step (bench.timeline): per
+kernel and grid, its own time and its share of the step's critical path. Prints one JSON line per row
+(--out: JSONL, with the timeline) and a markdown table last.
 """
 from __future__ import annotations
 
@@ -205,6 +207,9 @@ def main(argv=None):
     ap.add_argument("--window", default="native",
                     help="the sliding layers' window: native (the model's) or a number of keys (the frontier: 188)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N",
+                    help="after each row's runs, trace N replays of its step (bench.timeline): each kernel's own "
+                         "time and its share of the step's critical path, per kernel and grid (0: off)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
@@ -213,6 +218,10 @@ def main(argv=None):
         window = None if a.window == "native" else SlidingWindow(int(a.window)).size
     except ValueError as e:
         raise SystemExit(f"--window: native or a positive number of keys, got {a.window!r}") from e
+    if a.timeline < 0:
+        raise SystemExit(f"--timeline: a number of replays >= 0, got {a.timeline}")
+    if a.timeline and not a.device.startswith("cuda"):
+        raise SystemExit("--timeline traces CUDA kernels: it needs --device cuda")
     if min(lengths) < 1 or a.new < 1:
         raise SystemExit(f"--prompt-len and --new must be >= 1, got {a.prompt_len} and {a.new}")
     variants = [v for v in a.variants.split(",") if v]
@@ -308,6 +317,13 @@ def main(argv=None):
                     sync()
                     runs[L] = (outs, time.perf_counter() - t)
                 hus = head_us(model, sampler, dev)
+                tl = None
+                if a.timeline:
+                    from .timeline import print_groups, summarize, trace_kernels
+
+                    step.begin(max(lengths))
+                    tl = summarize(trace_kernels(lambda: step(step.out_tok), a.timeline))
+                    print_groups(tl, f"{body} {label} + {name}, context {max(lengths)}")
             except Exception as e:
                 print(f"{body} {label} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
                 rows.append(dict(body=body, variant=label, head=name, error=f"{type(e).__name__}: {e}"))
@@ -332,8 +348,11 @@ def main(argv=None):
                            prepare_s=prep_s, compile=compiled, gpu=gpu, model=cfg.name, prompts=a.prompts,
                            prompt_len=L, max_context=max_ctx, window=window or cfg.sliding_window, new=a.new,
                            stack=desc, lm_head=hinfo)
+                if tl is not None:
+                    row["timeline"] = tl
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head")}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head", "timeline")}),
+                      flush=True)
             del step, gen
         model.step = step_fn
         del model, cache
