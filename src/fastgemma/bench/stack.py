@@ -322,7 +322,7 @@ def main(argv=None):
                     from .timeline import print_groups, summarize, trace_kernels
 
                     step.begin(max(lengths))
-                    tl = summarize(trace_kernels(lambda: step(step.out_tok), a.timeline))
+                    tl = summarize(trace_kernels(lambda s=step: s(s.out_tok), a.timeline))
                     print_groups(tl, f"{body} {label} + {name}, context {max(lengths)}")
             except Exception as e:
                 print(f"{body} {label} + {name}: FAILED {type(e).__name__}: {e}", flush=True)
