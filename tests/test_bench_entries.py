@@ -133,6 +133,33 @@ def test_timeline_charges_each_kernel_its_share_of_the_critical_path(capsys):
         split_calls(ks, 0)
 
 
+def test_fused_table_text_and_bench_stack_rows_per_table(tmp_path):
+    """kernels/fused_gemv's table from text (bench.stack --fused-table): names, tiles, refusals; one
+    row set per table in one process, the shipped table back afterwards."""
+    from fastgemma.bench import stack
+    from fastgemma.kernels import fused_gemv
+    from fastgemma.kernels.gemv import GemvConfig
+
+    assert fused_gemv.parse_fused_table("PLE_gate=2x1024w4, o=1x1024w4") == {
+        (256, 2560, True, "gelu_mul"): GemvConfig(2, 1024, 4), (2560, 2048, False, "none"): GemvConfig(1, 1024, 4)}
+    assert fused_gemv.parse_fused_table("none") == {}
+    plus = fused_gemv.parse_fused_table("+PLE_gate=4x512w4")
+    assert plus[(256, 2560, True, "gelu_mul")] == GemvConfig(4, 512, 4) and len(plus) == len(fused_gemv.FUSED_CONFIGS)
+    assert fused_gemv.FUSED_CONFIGS[(256, 2560, True, "gelu_mul")] == GemvConfig(1, 1024, 4)  # the shipped one kept
+    for bad in ("PLE gate=2x1024", "ple_gate=2x1024w4", "o=3x1024w4"):
+        with pytest.raises(ValueError, match="fused table entry"):
+            fused_gemv.parse_fused_table(bad)
+    shipped = dict(fused_gemv.FUSED_CONFIGS)
+    out = tmp_path / "stack.jsonl"
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "--heads", "full", "--prompt-len",
+                "8", "--new", "3", "--fused-table", "default", "--fused-table", "PLE_gate=2x1024w4", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["base", "base (fused: PLE_gate=2x1024w4)"]
+    assert rows[1]["identity_vs_first"] == 1.0 and fused_gemv.FUSED_CONFIGS == shipped
+    with pytest.raises(SystemExit, match="--fused-table: fused table entry"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--fused-table", "x=1x1w1"])
+
+
 def test_stack_bench_timeline_needs_a_gpu():
     from fastgemma.bench import stack
 

@@ -204,6 +204,11 @@ def main(argv=None):
                     help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "
                          "KIND:NxWsS[pP] joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
                          "'default' (the kernel's own); repeated: one row set per value, in one process")
+    ap.add_argument("--fused-table", action="append", default=[],
+                    help="the fused one-row GEMVs' tiles (kernels/fused_gemv.FUSED_CONFIGS) instead of the shipped "
+                         "table: entries CASE=NxKwW joined by ',' (e.g. 'PLE_gate=2x1024w4'), 'none' (every shape "
+                         "autotuned), 'default', or '+' then entries (the shipped table with those changed); "
+                         "repeated: one row set per table, in one process")
     ap.add_argument("--window", default="native",
                     help="the sliding layers' window: native (the model's) or a number of keys (the frontier: 188)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
@@ -236,6 +241,14 @@ def main(argv=None):
     tables = {"" if t == "default" else t: shipped if t == "default" else
               {**shipped, **mma_table_arg(t[1:])} if t.startswith("+") else mma_table_arg(t)
               for t in a.mma_table or ["default"]}
+    from ..kernels import fused_gemv
+
+    shipped_fused = dict(fused_gemv.FUSED_CONFIGS)
+    try:
+        fused_tables = {"" if t == "default" else t: shipped_fused if t == "default" else fused_gemv.parse_fused_table(t)
+                        for t in a.fused_table or ["default"]}
+    except ValueError as e:
+        raise SystemExit(f"--fused-table: {e}") from e
     from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
 
     attn_tiles = []  # '' is the kernel's own
@@ -272,13 +285,16 @@ def main(argv=None):
     print(f"{gpu} | {cfg.name} synthetic | copy bw {bw / 1e12:.2f} TB/s | compile {compiled}", flush=True)
     workdir = tempfile.mkdtemp(prefix="fastgemma-stack-")  # the pruned heads' keepset files
     eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
-    plan = [(b, v, t, at) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])
+    plan = [(b, v, t, at, ft) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])
             for t in (tables if "mma" in v.split("+") else [""])
-            for at in (attn_tiles if "attn_qkv" in v.split("+") else [""])]
+            for at in (attn_tiles if "attn_qkv" in v.split("+") else [""])
+            for ft in (fused_tables if b != "nf4" else [""])]
     first = {}  # body -> prompt length -> the first variant's full-head tokens
-    for body, variant, table, tiles in plan:
+    for body, variant, table, tiles, ftable in plan:
         mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
-        label = (f"{variant} [{table}]" if table else variant) + (f" {{{tiles}}}" if tiles else "")
+        fused_gemv.set_fused_table(fused_tables.get(ftable, shipped_fused))
+        label = ((f"{variant} [{table}]" if table else variant) + (f" {{{tiles}}}" if tiles else "")
+                 + (f" (fused: {ftable})" if ftable else ""))
         t0 = time.perf_counter()
         try:
             model, desc = build_body(cfg, dev, body, dtype, variant=variant, attn_tiles=tiles)
@@ -350,6 +366,8 @@ def main(argv=None):
                            stack=desc, lm_head=hinfo)
                 if tl is not None:
                     row["timeline"] = tl
+                if cuda:
+                    row["fused_tuned"] = fused_gemv.tuned_picks()  # the autotuner's picks so far in this process
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k not in ("stack", "lm_head", "timeline")}),
                       flush=True)
@@ -361,6 +379,12 @@ def main(argv=None):
             torch.cuda.empty_cache()
     shutil.rmtree(workdir, ignore_errors=True)
     mma_w4a16.set_table(shipped)
+    fused_gemv.set_fused_table(shipped_fused)
+    picks = fused_gemv.tuned_picks()
+    if picks:
+        print("\nfused GEMV shapes the autotuner picked tiles for (not in FUSED_CONFIGS): "
+              + "; ".join(f"{p['N']}x{p['K']} pro {p['pro']} {p['epilogue']} -> {p['block_n']}x{p['block_k']}w"
+                          f"{p['num_warps']}" for p in picks))
     if a.out:
         with open(a.out, "w") as f:
             for r in rows:

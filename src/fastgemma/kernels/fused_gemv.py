@@ -255,6 +255,75 @@ _fused_gemv_tuned = triton.autotune(
 )(_fused_gemv_kernel)
 
 
+# (N, K, prologue, epilogue) -> tiles that replace the autotuner's pick, which is timed per process on the
+# kernel alone and differs between processes (the PLE gate took 16 rows per program in run FL, 2 in runs
+# FM, FO). Picked in the step on the H200 (bench.stack --fused-table, one process per run; E4B, window 188):
+# the bf16 body's step 3.334 ms with the autotuner's picks -> 3.176 ms with these (run FR), most of it from
+# the GEMVs with a prologue on 8 x 1024 tiles; the int4 body's PLE gate (its one dense GEMV) 1.880 ->
+# 1.859 ms with 1 x 1024 (run FO). Shapes not here are autotuned.
+FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
+    (3072, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q|k|v
+    (6144, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q|k|v full
+    (2048, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q (KV-shared)
+    (4096, 2560, True, "none"): GemvConfig(4, 512, 8),  # q full (KV-shared)
+    (20480, 2560, True, "geglu"): GemvConfig(8, 1024, 4),  # gate|up (run FQ: 4x512w4 3.362, 8x512w4 3.309 ms)
+    (256, 2560, True, "gelu_mul"): GemvConfig(1, 1024, 4),  # PLE gate
+    (2560, 2048, False, "none"): GemvConfig(2, 1024, 4),  # o
+    (2560, 4096, False, "none"): GemvConfig(2, 1024, 4),  # o full
+    (2560, 10240, False, "none"): GemvConfig(2, 1024, 4),  # down
+    (2560, 256, False, "none"): GemvConfig(4, 256, 2),  # PLE projection
+}
+
+# the fused GEMVs of an E4B one-row step by name: (N, K, prologue, epilogue) (bench.stack --fused-table)
+FUSED_CASES = {
+    "q|k|v": (3072, 2560, True, "none"), "q|k|v full": (6144, 2560, True, "none"), "q": (2048, 2560, True, "none"),
+    "q full": (4096, 2560, True, "none"), "o": (2560, 2048, False, "none"), "o full": (2560, 4096, False, "none"),
+    "gate|up": (20480, 2560, True, "geglu"), "down": (2560, 10240, False, "none"),
+    "PLE gate": (256, 2560, True, "gelu_mul"), "PLE projection": (2560, 256, False, "none"),
+}
+
+
+def parse_fused_table(spec: str) -> dict[tuple[int, int, bool, str], GemvConfig]:
+    """'CASE=NxKwW,...' (CASE a name of FUSED_CASES, '_' for its spaces; N rows and K columns per block,
+    W warps; e.g. 'PLE_gate=2x1024w4'), 'none' (an empty table: every shape autotuned), or '+' then
+    entries (the shipped table with those changed) -> FUSED_CONFIGS' form. Clear errors otherwise."""
+    import re
+
+    table = {}
+    if spec.startswith("+"):
+        table, spec = dict(FUSED_CONFIGS), spec[1:]
+    for item in [x.strip() for x in spec.split(",") if x.strip()]:
+        if item == "none":
+            continue
+        m = re.fullmatch(r"(.+)=(\d+)x(\d+)w(\d+)", item.replace("_", " "))
+        if not m or m.group(1) not in FUSED_CASES:
+            raise ValueError(f"fused table entry {item!r}: CASE=NxKwW with CASE one of {sorted(FUSED_CASES)}, "
+                             "e.g. 'PLE_gate=2x1024w4'")
+        cfg = GemvConfig(*(int(g) for g in m.groups()[1:]))
+        if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k, cfg.num_warps)):
+            raise ValueError(f"fused table entry {item!r}: N, K and W must be powers of two")
+        table[FUSED_CASES[m.group(1)]] = cfg
+    return table
+
+
+def set_fused_table(table: dict) -> None:
+    """Make `table` this process's FUSED_CONFIGS (read when the step is traced): bench.stack --fused-table."""
+    if table is not FUSED_CONFIGS:
+        FUSED_CONFIGS.clear()
+        FUSED_CONFIGS.update(table)
+
+
+def tuned_picks() -> list[dict]:
+    """The autotuner's picks in this process: N, K, prologue mode, epilogue, tiles."""
+    names = {v: k for k, v in EPILOGUES.items()}
+    out = []
+    for key, cfg in getattr(_fused_gemv_tuned, "cache", {}).items():
+        n, k, pro, _, _, epi = key[:6]
+        out.append(dict(N=n, K=k, pro=pro, epilogue=names.get(epi, epi), block_n=cfg.kwargs["BLOCK_N"],
+                        block_k=cfg.kwargs["BLOCK_K"], num_warps=cfg.num_warps))
+    return out
+
+
 def _check_dense(w) -> tuple[int, int]:
     if w.dim() != 2 or w.stride(1) != 1:
         raise ValueError(f"fused_gemv needs w [N, K] contiguous along K, got {tuple(w.shape)}")
@@ -310,6 +379,7 @@ def fused_gemv(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: 
     if not (w.is_cuda or _INTERPRET):
         raise RuntimeError("fused_gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use fused_gemv_ref")
     run = _Launch(a, y, post, scale, pre, aux, N, K, w.device, epilogue, pdl)
+    config = config or FUSED_CONFIGS.get((N, K, run.flags["PRO"] > 0, epilogue))
     tune = config is None and not _INTERPRET
     if not tune:
         cfg = resolve_config(N, K, config)
