@@ -234,8 +234,9 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
 
 
 # Tiles: the prologue's work grows with the program count (each recomputes its norms), so the
-# best tile differs from the plain GEMV's; without a config the launch is autotuned per (N, K,
-# prologue, epilogue) on the first call (the warm-up, before any capture) over these candidates.
+# best tile differs from the plain GEMV's; without a config and outside FUSED_CONFIGS the launch is
+# autotuned per (N, K, prologue, epilogue) on the first call (the warm-up, before any capture) over
+# these candidates.
 TUNE_TILES = [(1, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 256, 2)]
 
 
