@@ -156,6 +156,7 @@ def test_fused_table_text_and_bench_stack_rows_per_table(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["base", "base (fused: PLE_gate=2x1024w4)"]
     assert rows[1]["identity_vs_first"] == 1.0 and fused_gemv.FUSED_CONFIGS == shipped
+    assert not fused_gemv._FORCED[0] and not fused_gemv.pinned_on(torch.device("cpu"))  # the shipped table: sm_90
     with pytest.raises(SystemExit, match="--fused-table: fused table entry"):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--fused-table", "x=1x1w1"])
 

@@ -97,6 +97,32 @@ def test_fused_gemv_gemma3_offset_and_op():
     assert torch.allclose(o2, r2, atol=1e-5) and h2.numel() == 0
 
 
+def test_fused_table_tiles_are_the_launch_config(monkeypatch):
+    """FUSED_CONFIGS' entry for (N, K, prologue, epilogue) is the launch's config where the table applies
+    (sm_90, or a table set by bench.stack --fused-table), with the same outputs as the default tiles;
+    elsewhere (this CPU) the shipped table is not read."""
+    import fastgemma.kernels.fused_gemv as fg
+
+    seen = []
+    real = fg.resolve_config
+    monkeypatch.setattr(fg, "resolve_config", lambda N, K, config=None: seen.append(config) or real(N, K, config))
+    t = _tensors(48, 96, torch.float32)
+    kw = dict(y=t["y"], post=t["post"], pre=t["pre"], eps=1e-6)
+    base = fused_gemv(t["a"], t["w"], **kw)
+    assert seen[-1] is None
+    cfg = GemvConfig(4, 32, 2)
+    monkeypatch.setitem(fg.FUSED_CONFIGS, (48, 96, True, "none"), cfg)
+    fused_gemv(t["a"], t["w"], **kw)
+    assert seen[-1] is None  # the shipped table: sm_90 only
+    monkeypatch.setattr(fg, "_FORCED", [True])
+    out = fused_gemv(t["a"], t["w"], **kw)
+    assert seen[-1] == cfg
+    fused_gemv(t["a"], t["w"], eps=1e-6)  # no prologue: another key, no entry
+    assert seen[-1] is None
+    for got, want in zip(out, base):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_gemv_bad_inputs():
     t = _tensors(9, 64, torch.float32)
     with pytest.raises(ValueError, match="epilogue must be one of"):

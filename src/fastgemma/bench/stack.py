@@ -205,10 +205,10 @@ def main(argv=None):
                          "KIND:NxWsS[pP] joined by ',', KIND full_store, full_query, sliding_store or sliding_query), or "
                          "'default' (the kernel's own); repeated: one row set per value, in one process")
     ap.add_argument("--fused-table", action="append", default=[],
-                    help="the fused one-row GEMVs' tiles (kernels/fused_gemv.FUSED_CONFIGS) instead of the shipped "
-                         "table: entries CASE=NxKwW joined by ',' (e.g. 'PLE_gate=2x1024w4'), 'none' (every shape "
-                         "autotuned), 'default', or '+' then entries (the shipped table with those changed); "
-                         "repeated: one row set per table, in one process")
+                    help="the fused one-row GEMVs' tiles (kernels/fused_gemv.FUSED_CONFIGS; given here, on any GPU) "
+                         "instead of the shipped table (sm_90 only): entries CASE=NxKwW joined by ',' (e.g. "
+                         "'PLE_gate=2x1024w4'), 'none' (every shape autotuned), 'default', or '+' then entries (the "
+                         "shipped table with those changed); repeated: one row set per table, in one process")
     ap.add_argument("--window", default="native",
                     help="the sliding layers' window: native (the model's) or a number of keys (the frontier: 188)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile (fast to build)")
@@ -292,7 +292,7 @@ def main(argv=None):
     first = {}  # body -> prompt length -> the first variant's full-head tokens
     for body, variant, table, tiles, ftable in plan:
         mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
-        fused_gemv.set_fused_table(fused_tables.get(ftable, shipped_fused))
+        fused_gemv.set_fused_table(fused_tables.get(ftable, shipped_fused), forced=bool(ftable))
         label = ((f"{variant} [{table}]" if table else variant) + (f" {{{tiles}}}" if tiles else "")
                  + (f" (fused: {ftable})" if ftable else ""))
         t0 = time.perf_counter()
@@ -379,7 +379,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     shutil.rmtree(workdir, ignore_errors=True)
     mma_w4a16.set_table(shipped)
-    fused_gemv.set_fused_table(shipped_fused)
+    fused_gemv.set_fused_table(shipped_fused, forced=False)
     picks = fused_gemv.tuned_picks()
     if picks:
         print("\nfused GEMV shapes the autotuner picked tiles for (not in FUSED_CONFIGS): "

@@ -24,6 +24,8 @@ torch twin (same rounding points).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -261,7 +263,8 @@ _fused_gemv_tuned = triton.autotune(
 # FM, FO). Picked in the step on the H200 (bench.stack --fused-table, one process per run; E4B, window 188):
 # the bf16 body's step 3.334 ms with the autotuner's picks -> 3.176 ms with these (run FR), most of it from
 # the GEMVs with a prologue on 8 x 1024 tiles; the int4 body's PLE gate (its one dense GEMV) 1.880 ->
-# 1.859 ms with 1 x 1024 (run FO). Shapes not here are autotuned.
+# 1.859 ms with 1 x 1024 (run FO). Shapes not here, and every shape on other GPUs than sm_90 (where
+# these were not measured), are autotuned.
 FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     (3072, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q|k|v
     (6144, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q|k|v full
@@ -307,11 +310,22 @@ def parse_fused_table(spec: str) -> dict[tuple[int, int, bool, str], GemvConfig]
     return table
 
 
-def set_fused_table(table: dict) -> None:
-    """Make `table` this process's FUSED_CONFIGS (read when the step is traced): bench.stack --fused-table."""
+_FORCED = [False]  # a table set by set_fused_table(..., forced=True) applies on any GPU
+
+
+def set_fused_table(table: dict, forced: bool = True) -> None:
+    """Make `table` this process's FUSED_CONFIGS (read when the step is traced), on any GPU while
+    `forced` (bench.stack --fused-table; it restores the shipped table with forced=False)."""
     if table is not FUSED_CONFIGS:
         FUSED_CONFIGS.clear()
         FUSED_CONFIGS.update(table)
+    _FORCED[0] = forced
+
+
+@functools.lru_cache(maxsize=None)
+def pinned_on(device) -> bool:
+    """Whether FUSED_CONFIGS applies on `device`: the compute capability it was measured on (sm_90)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def tuned_picks() -> list[dict]:
@@ -380,7 +394,8 @@ def fused_gemv(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: 
     if not (w.is_cuda or _INTERPRET):
         raise RuntimeError("fused_gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use fused_gemv_ref")
     run = _Launch(a, y, post, scale, pre, aux, N, K, w.device, epilogue, pdl)
-    config = config or FUSED_CONFIGS.get((N, K, run.flags["PRO"] > 0, epilogue))
+    if config is None and (_FORCED[0] or pinned_on(w.device)):
+        config = FUSED_CONFIGS.get((N, K, run.flags["PRO"] > 0, epilogue))
     tune = config is None and not _INTERPRET
     if not tune:
         cfg = resolve_config(N, K, config)
