@@ -161,6 +161,30 @@ def test_fused_table_text_and_bench_stack_rows_per_table(tmp_path):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--fused-table", "x=1x1w1"])
 
 
+def test_spec_profile_phases_charges_each_graph(monkeypatch, capsys):
+    """bench.spec --profile-phases: the draft and the verify graph each traced through bench.timeline
+    (its replays, its summary and table)."""
+    import types
+
+    from fastgemma.bench import spec, timeline
+
+    replays = []
+    gen = types.SimpleNamespace(_graphs=[types.SimpleNamespace(replay=lambda n=n: replays.append(n))
+                                         for n in ("draft", "verify")])
+
+    def fake_trace(fn, calls):
+        fn()
+        return [timeline.charge([dict(name="k", grid=(2, 1, 1), start=0.0, dur=5.0),
+                                 dict(name="m", grid=(1, 1, 1), start=3.0, dur=4.0)]) for _ in range(calls)]
+
+    monkeypatch.setattr(timeline, "trace_kernels", fake_trace)
+    out = spec.profile_phases(gen, 3)
+    assert replays == ["draft", "verify"] and set(out) == {"draft", "verify"}
+    assert out["verify"]["span_us"] == 7 and [g["inc_us"] for g in out["verify"]["groups"]] == [5, 2]
+    text = capsys.readouterr().out
+    assert "### timeline: draft graph: 2 kernels, span 7.0 us" in text and "### timeline: verify graph" in text
+
+
 def test_stack_bench_timeline_needs_a_gpu():
     from fastgemma.bench import stack
 

@@ -161,17 +161,15 @@ def use_prefill(gen, name: str, prompt_len: int) -> None:
 def profile_phases(gen, steps: int, top: int = 20) -> dict:
     """Kernels of the captured draft and verify graphs, `steps` replays each at the generator's
     current state (replaying them alone changes only the drafts, the verify rows and their cache
-    rows): {phase: summarize_kernels(...)}, printed as tables."""
-    from .profile import print_kernels, profile_calls, summarize_kernels
+    rows): {phase: bench.timeline's summary (each kernel's own time and its share of the phase's
+    critical path, per kernel and grid)}, printed as tables."""
+    from .timeline import print_groups, summarize, trace_kernels
 
     out = {}
     for phase, g in zip(("draft", "verify"), gen._graphs):
-        g.replay()
-        row = summarize_kernels(profile_calls(g.replay, steps), steps, top)
+        row = summarize(trace_kernels(g.replay, steps), top)
         out[phase] = row
-        print(f"\n### {phase} graph: {row['kernels_per_step']:.0f} kernels, kernel time {row['kernel_us']:.0f} us",
-              flush=True)
-        print_kernels(row)
+        print_groups(row, f"{phase} graph")
     return out
 
 
@@ -222,7 +220,8 @@ def main(argv=None):
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
                          f"--variants: base, or options joined by '+' ({', '.join(VARIANT_OPTS)})")
     ap.add_argument("--profile-phases", type=int, default=0,
-                    help="N > 0: profile N replays of the first speculative row's draft and verify graphs")
+                    help="N > 0: trace N replays of the first speculative row's draft and verify graphs "
+                         "(bench.timeline: each kernel's own time and its share of the graph's critical path)")
     ap.add_argument("--prefill", default="graph",
                     help="the prompt's path, comma-separated for one row each (same captured decode graphs): "
                          "eager, graph (padded, one CUDA graph per padded length: graphs=cuda_graph), "
