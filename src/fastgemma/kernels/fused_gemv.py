@@ -262,8 +262,8 @@ _fused_gemv_tuned = triton.autotune(
 # kernel alone and differs between processes (the PLE gate took 16 rows per program in run FL, 2 in runs
 # FM, FO). Picked in the step on the H200 (bench.stack --fused-table, one process per run; E4B, window 188):
 # the bf16 body's step 3.334 ms with the autotuner's picks -> 3.176 ms with these (run FR), most of it from
-# the GEMVs with a prologue on 8 x 1024 tiles; the int4 body's PLE gate (its one dense GEMV) 1.880 ->
-# 1.859 ms with 1 x 1024 (run FO). Shapes not here, and every shape on other GPUs than sm_90 (where
+# the GEMVs with a prologue on 8 x 1024 tiles, the PLE projection's from run FU; the int4 body's PLE gate
+# (its one dense GEMV) 1.880 -> 1.859 ms with 1 x 1024 (run FO). Shapes not here, and every shape on other GPUs than sm_90 (where
 # these were not measured), are autotuned.
 FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     (3072, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q|k|v
@@ -275,7 +275,7 @@ FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     (2560, 2048, False, "none"): GemvConfig(2, 1024, 4),  # o
     (2560, 4096, False, "none"): GemvConfig(2, 1024, 4),  # o full
     (2560, 10240, False, "none"): GemvConfig(2, 1024, 4),  # down
-    (2560, 256, False, "none"): GemvConfig(4, 256, 2),  # PLE projection
+    (2560, 256, False, "none"): GemvConfig(8, 256, 4),  # PLE projection (run FU, once: 4x256w2 3.153 -> 3.123 ms)
 }
 
 # the fused GEMVs of an E4B one-row step by name: (N, K, prologue, epilogue) (bench.stack --fused-table)
