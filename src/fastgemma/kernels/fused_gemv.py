@@ -303,10 +303,11 @@ def parse_fused_table(spec: str) -> dict[tuple[int, int, bool, str], GemvConfig]
         if not m or m.group(1) not in FUSED_CASES:
             raise ValueError(f"fused table entry {item!r}: CASE=NxKwW with CASE one of {sorted(FUSED_CASES)}, "
                              "e.g. 'PLE_gate=2x1024w4'")
-        cfg = GemvConfig(*(int(g) for g in m.groups()[1:]))
-        if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k, cfg.num_warps)):
-            raise ValueError(f"fused table entry {item!r}: N, K and W must be powers of two")
-        table[FUSED_CASES[m.group(1)]] = cfg
+        key = FUSED_CASES[m.group(1)]
+        try:  # the launcher's own check of a config
+            table[key] = resolve_config(key[0], key[1], GemvConfig(*(int(g) for g in m.groups()[1:])))
+        except ValueError as e:
+            raise ValueError(f"fused table entry {item!r}: {e}") from None
     return table
 
 
