@@ -263,20 +263,9 @@ for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down d
           f"{mma_layouts(_mma_w4a16_kernel, sig, ce, aligned, HW)}")
 ssig = {k: v for k, v in sig.items() if k not in ("ws_ptr", "cnt_ptr")}
 ssig["NITER"] = "i32"
-ssig.update({n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr")}, eps="fp32", off="fp32")
 for name, K, T, W, EPI, D in [("gate|up", 2560, 2, 4, 1, 5), ("down", 10240, 2, 8, 0, 3)]:  # the table's one-row entries
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False)
     print(f"stream\t{name}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
-# with the norm prologue (kernels/norm_prologue.py) on the table's entries: gate|up after the attention's residual
-# update, q|k|v after the PLE block's (layer scalar), q|k|v of layer 0 (the norm alone); 640 / 96 programs
-for name, PRO, EPI, SC, CH in [("gate|up norm", 2, 1, False, 4), ("q|k|v norm", 2, 0, True, 32),
-                               ("q|k|v input norm", 1, 0, False, 32)]:
-    ce = dict(K=2560, GROUP=128, T=2, W=4, EPI=EPI, DEPTH=5, FRESH=True, PDL=True, EMU=False, PRO=PRO, HAS_SCALE=SC,
-              CHUNK=512, CH=CH)
-    ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8) + tuple(range(11, 17)), 4)
-    wait, bar = ptx.find("griddepcontrol.wait"), ptx.find("bar.sync")
-    print(f"norm\t{name}\t{regs}\t{spills}\t{len(re.findall(r'ld[.]global', ptx[:wait]))}\t{int(0 < wait < bar)}\t"
-          f"{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), 4)}")
 '''
 
 
@@ -294,25 +283,15 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
     # the persistent kernel (the table's one-row entries) too
     stream = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "stream"}
     assert stream == {"gate|up": ["['[1, 4][32, 1]']"], "down": ["['[1, 4][32, 1]']"]}, stream
-    # and with the norm prologue: weights loaded before the PDL wait, the prologue's barrier after it, no spills
-    norm = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "norm"}
-    assert len(norm) == 3, r.stdout
-    for name, (regs, spills, loads, barrier_after_wait, layouts) in norm.items():
-        assert int(spills) == 0 and int(loads) > 0 and barrier_after_wait == "1", (name, regs, spills, loads)
-        assert layouts == "['[1, 4][32, 1]']", (name, layouts)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
-def test_bench_mma_checks_every_row_against_the_twin(capsys, monkeypatch):
+def test_bench_mma_checks_every_row_against_the_twin(capsys):
     """bench_mma on tiny cases with a stub timer: every candidate of this kernel and the fused int4
     GEMV it is compared with at one row (plain, and timed-only with the case's prologue) runs and
-    matches the twin; a case with a prologue whose table entry is persistent also times the norm
-    inside the GEMV and the two launches, both checked; without a GPU and without a timer it says
-    what it needs."""
-    import fastgemma.kernels.mma_w4a16 as mma_mod
+    matches the twin; without a GPU and without a timer it says what it needs."""
     from fastgemma.kernels.mma_w4a16 import bench_mma, mma_candidates, parse_config
 
-    monkeypatch.setitem(mma_mod.MMA_CONFIGS, (64, 256, False), MmaConfig(1, 1, 2, persist=1))  # 'r' (not geglu)
     cases = {"r": (64, 256, "residual"), "g": (64, 256, "geglu"), "p": (64, 256, "plain")}
     rows = bench_mma(cases, ms=(1,), device="cpu", timer=lambda fn: (fn(), 2.0)[1])
     by_case = {c: [r for r in rows if r["case"] == c] for c in cases}
@@ -320,10 +299,7 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys, monkeypatch):
         mma_rows = [r for r in by_case[c] if r["kernel"].startswith("mma")]
         assert len(mma_rows) == len(mma_candidates(K, 128, "geglu" if mode == "geglu" else "none"))
         assert all(r["ok"] and r["us"] == 2.0 for r in by_case[c]), by_case[c]
-        norm_rows = [r["kernel"] for r in by_case[c] if "table's config" in r["kernel"]]
-        assert len(norm_rows) == (2 if c == "r" else 0), norm_rows
-        # + 2 read floors
-        assert len(by_case[c]) == len(mma_rows) + 2 + (1 if mode == "plain" else 2) + len(norm_rows)
+        assert len(by_case[c]) == len(mma_rows) + 2 + (1 if mode == "plain" else 2)  # + 2 read floors
     assert "int4 GEMV on the tensor cores" in capsys.readouterr().out
     # configs given: those that fit the shape (1x4 does not: 256 k in 4 warps of 128)
     tried = [parse_config(c) for c in ("1x1s2", "2x1", "1x4")]
@@ -386,148 +362,3 @@ def test_persistent_config_text_and_refusals():
     assert "hw" in config_problem(MmaConfig(2, 4, hw=16), 64, 1024, 128, "none")
     assert "persist" in config_problem(MmaConfig(2, 4, persist=1, splits=2), 64, 1024, 128, "none")
     assert "fresh" in config_problem(MmaConfig(2, 4, fresh=True), 64, 1024, 128, "none")
-
-
-def _norm_inputs(K, seed, scale: bool):
-    g = torch.Generator().manual_seed(seed)
-    a = (torch.randn(1, K, generator=g) * 2).bfloat16()
-    y = (torch.randn(1, K, generator=g) * 5).bfloat16()
-    post, pre = (torch.randn(K, generator=g) * 0.3).bfloat16(), (torch.randn(K, generator=g) * 0.3).bfloat16()
-    return a, y, post, (torch.tensor([0.7]).bfloat16() if scale else None), pre
-
-
-def _norm_exact(a, y, post, scale, pre, eps, off):
-    """h and x in float64 without any rounding."""
-    a, pre = a.double(), pre.double() + off
-    if y is None:
-        h = a
-    else:
-        y = y.double()
-        h = a + y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * (post.double() + off)
-        h = h * scale.double() if scale is not None else h
-    return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * pre
-
-
-@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
-@pytest.mark.parametrize("N,K,G,epilogue,cfg,has_y,scale", [
-    (64, 256, 128, "none", MmaConfig(1, 1, 2, persist=1), True, True),  # 4 tiles on 2 programs, layer scalar
-    (96, 512, 64, "geglu", MmaConfig(2, 2, 2, persist=1, fresh=True), True, False),  # 3 pairs, one masked
-    (160, 320, 64, "none", MmaConfig(2, 1, 4, persist=9, fresh=True), False, False),  # the norm alone; K not a chunk
-    (64, 1536, 128, "none", MmaConfig(1, 4, 2, persist=9), True, True),  # 3 passes of 512 over the inputs
-])
-def test_norm_prologue_matches_exact_sums(N, K, G, epilogue, cfg, has_y, scale):
-    """The persistent kernel with the residual update and norm inside (kernels/norm_prologue.py)
-    against float64 sums of the unrounded norm, and against the twin (the two launches' rounding)
-    to bf16 rounding; h as kernels/residual_norm.py's kernel writes it."""
-    from fastgemma.kernels.mma_w4a16 import mma_w4a16_norm, mma_w4a16_norm_ref
-
-    q, s, z = _weights(N, K, G, seed=N + K)
-    a, y, post, sc, pre = _norm_inputs(K, N, scale)
-    y, post = (y, post) if has_y else (None, None)
-    eps, off = 1e-6, 1.0 if scale else 0.0
-    out, h = mma_w4a16_norm(a, MmaWeight.from_codes(q, s, z, G), y, post, sc, pre, eps=eps, offset=off,
-                            epilogue=epilogue, config=cfg)
-    h64, x64 = _norm_exact(a, y, post, sc, pre, eps, off)
-    w64 = dequantize_int4(pack_int4(q), s, z, G, dtype=torch.float64)
-    want = x64 @ w64.T
-    if epilogue == "geglu":
-        gate, up = want.chunk(2, dim=-1)
-        want = F.gelu(gate, approximate="tanh") * up
-    # bf16 roundings of a p and u p (the interpreter truncates them: sums a little smaller), and the output's
-    tol = (2 ** -6 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
-    assert out.shape == want.shape and (out.double() - want).abs().max().item() <= tol
-    ref, href = mma_w4a16_norm_ref(a, pack_int4(q), s, z, G, y, post, sc, pre, eps=eps, offset=off,
-                                   epilogue=epilogue)
-    assert (out.double() - ref.double()).abs().max().item() <= 2 * tol
-    if has_y:
-        assert h.shape == a.shape and (h.double() - h64).abs().max().item() <= 2 ** -7 * h64.abs().max().item()
-        # the norm kernel's h (the same rounding code, under the interpreter too): its sum of y^2 runs in
-        # another order, which may move a rounding of an element
-        from fastgemma.kernels.residual_norm import residual_norm
-
-        hk, _ = residual_norm(a, y, post, sc, pre, eps=eps, offset=off)
-        assert (h != hk).sum().item() <= max(2, K // 128)
-        assert (href.double() - h64).abs().max().item() <= 2 ** -7 * h64.abs().max().item()
-    else:
-        assert h is None
-
-
-@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
-def test_norm_prologue_refusals():
-    from fastgemma.kernels.mma_w4a16 import mma_w4a16_norm
-
-    q, s, z = _weights(64, 256, 128)
-    w = MmaWeight.from_codes(q, s, z, 128)
-    a, y, post, _, pre = _norm_inputs(256, 1, False)
-    with pytest.raises(ValueError, match="persist > 0"):
-        mma_w4a16_norm(a, w, y, post, None, pre, eps=1e-6, config=MmaConfig(1, 2))
-    with pytest.raises(ValueError, match="give pre"):
-        mma_w4a16_norm(a, w, y, post, None, None, eps=1e-6, config=MmaConfig(1, 2, persist=1))
-    with pytest.raises(ValueError, match="one bf16 row"):
-        mma_w4a16_norm(torch.cat([a, a]), w, None, None, None, pre, eps=1e-6, config=MmaConfig(1, 2, persist=1))
-    with pytest.raises(ValueError, match="post be"):
-        mma_w4a16_norm(a, w, y, None, None, pre, eps=1e-6, config=MmaConfig(1, 2, persist=1))
-
-
-@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
-def test_fused_step_with_the_norms_inside_the_gemv(monkeypatch, wide_tiles):
-    """fuse.mma_norm: bf16 tiny model, int4 g64, the table's persistent entries for the tiny shapes.
-    The one-row step's q|k|v (layer 0: the norm alone; later: the PLE block's residual update with
-    the layer scalar) and gate|up (the attention's update, GeGLU) take kernels/norm_prologue.py in
-    their GEMV, no kernels/residual_norm.py launch is left in the step, and the hidden states match
-    the step with those launches to bf16 rounding over a few positions (the cache carries each
-    step's K / V, so a wrong residual would grow); batch_invariant and a missing int4_mma are refused."""
-    import fastgemma.kernels.mma_w4a16 as mma_mod
-    import fastgemma.kernels.residual_norm as rn_mod
-    from fastgemma.engine.cache import KVCache
-    from fastgemma.kernels.decode_attention import decode_attention_ref
-    from fastgemma.model.config import GEMMA4_TINY
-    from fastgemma.transforms.fuse_layers import FuseLayers, _layer_linears
-    from fastgemma.transforms.quant import Int4Linear, Int4Quant
-    from fastgemma.weights.synthetic import synthetic_model
-
-    model = synthetic_model(GEMMA4_TINY, "cpu", torch.bfloat16, seed=3)
-    model.step_attention = decode_attention_ref
-    FuseLayers(backend="triton").apply(model)
-    Int4Quant(group_size=64, skip=("per_layer_projection", "per_layer_input_gate"), backend="triton").apply(model)
-    for i, layer in enumerate(model.layers):
-        for name, m in _layer_linears(i, layer).items():
-            if isinstance(m, Int4Linear):
-                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, False),
-                                    MmaConfig(2 if name == "gate_up" else 1, 1, 2, persist=1, fresh=True))
-    steps = {}
-    for norm in (False, True):
-        t = FuseLayers(backend="triton", int4_mma=True, mma_norm=norm)
-        t.apply(model)
-        t.validate(model)
-        assert t.describe()["mma_norm"] is norm
-        steps[norm] = model.fused_decode
-    calls = {"norm": [], "residual_norm": 0}
-    real_norm, real_rn = mma_mod.mma_w4a16_norm, rn_mod.residual_norm
-    monkeypatch.setattr(mma_mod, "mma_w4a16_norm", lambda a, w, y=None, *r, **k: calls["norm"].append(
-        (w.N, y is not None, k.get("epilogue"))) or real_norm(a, w, y, *r, **k))
-    monkeypatch.setattr(rn_mod, "residual_norm", lambda *a, **k: calls.__setitem__(
-        "residual_norm", calls["residual_norm"] + 1) or real_rn(*a, **k))
-    outs = {}
-    for norm, step in steps.items():
-        model.fused_decode = step
-        cache = KVCache(GEMMA4_TINY, 1, 64, window=4, device="cpu", dtype=torch.bfloat16)
-        outs[norm] = [model.step(torch.tensor([[t]]), torch.tensor([[p]]), cache).float()
-                      for p, t in enumerate((7, 3, 11, 5, 2, 9))]
-        if not norm:
-            assert calls["residual_norm"] > 0 and not calls["norm"]
-            calls["residual_norm"] = 0
-    assert calls["residual_norm"] == 0  # every prologue of the step ran inside a GEMV
-    L = GEMMA4_TINY.num_layers
-    assert len(calls["norm"]) == 6 * 2 * L
-    assert sum(1 for _, has_y, _ in calls["norm"][:2 * L] if not has_y) == 1  # layer 0's input norm alone
-    assert sum(1 for _, _, epi in calls["norm"][:2 * L] if epi == "geglu") == L
-    # two valid bf16 roundings of this tiny random model drift apart by up to ~8% of the largest value over the
-    # six steps (the two launches' twin in round-to-nearest against the interpreter's kernels: 1.9-7.6%; x
-    # in float64: 3.5-8.1%; this kernel: 2.1-5.3%)
-    errs = [((got - want).abs().max() / want.abs().max()).item() for got, want in zip(outs[True], outs[False])]
-    assert max(errs) <= 0.1, errs
-    with pytest.raises(ValueError, match="int4_mma"):
-        FuseLayers(backend="triton", mma_norm=True)
-    with pytest.raises(ValueError, match="batch_invariant"):
-        FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, mma_norm=True)

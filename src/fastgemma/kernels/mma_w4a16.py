@@ -38,7 +38,6 @@ import triton.language as tl
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
-from .norm_prologue import _h_slice, _norm_combine, _norm_rows, _norm_scalars, prologue_tiles
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
@@ -360,18 +359,14 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
 
 @triton.jit
 def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT, NITER,
-                       a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, eps, off,
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
-                       PRO: tl.constexpr = 0, HAS_SCALE: tl.constexpr = False, CHUNK: tl.constexpr = 512,
-                       CH: tl.constexpr = 1):
+                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the next tile's first groups are loaded while the current
     tile's last ones are summed, so a warp never waits for a whole round trip of its first loads
     again (the one-tile-per-program kernel does at every tile: ramp, then drain). FRESH: see
-    `_group_acc`. PRO (kernels/norm_prologue.py): 1 x = rmsnorm(a) * (pre + off), 2 with the residual
-    update from y (h written); x_ptr is then the scratch whose rows 2p, 2p + 1 are program p's."""
+    `_group_acc`."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -385,13 +380,6 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
     _pdl_wait(PDL)
-    if PRO:  # this program's two B rows and the weights of their sums, after the wait (they read a and y)
-        x_ptr = x_ptr + pid * (2 * K)
-        syy, saa, sau, suu = _norm_rows(a_ptr, y_ptr, post_ptr, pre_ptr, x_ptr, off, K, CHUNK, PRO == 2)
-        r1, r2s = _norm_scalars(syy, saa, sau, suu, scale_ptr, eps, K, PRO == 2, HAS_SCALE)
-        if PRO == 2:
-            _h_slice(a_ptr, y_ptr, post_ptr, scale_ptr, h_ptr, r1, off, pid, K, CH, HAS_SCALE)
-        tl.debug_barrier()  # the rows' stores before any thread of the program reads them
     x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     for j in range(0, NITER):
         it = pid + j * nprog
@@ -409,11 +397,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                 nbuf = nbuf + (buf[d],)
             buf = nbuf + (grp,)
             acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
-        y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
-        if PRO:
-            _tile_store(_norm_combine(y, r1, r2s, T * 32), it, it < NPT, out_ptr, 1, stride_om, T, EPI)
-        else:
-            _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
+        _tile_store(tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0), it, it < NPT, out_ptr, M, stride_om, T, EPI)
         w_ptrs, sz_ptrs = nw_ptrs, nsz_ptrs
 
 
@@ -615,8 +599,7 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
-                                 triton.cdiv(n_tiles, grid[0]), x, x, x, x, x, x, 0.0, 0.0,
-                                 K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
+                                 triton.cdiv(n_tiles, grid[0]), K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                                  num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
         return out
@@ -625,75 +608,6 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
                             n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
                             ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
     return out
-
-
-_SCRATCH: dict[torch.device, torch.Tensor] = {}
-
-
-def prologue_scratch(device: torch.device, n: int) -> torch.Tensor:
-    """At least n bf16 elements on `device` for the norm prologue's B rows (two rows of K per program),
-    shared by every launch (one stream; under PDL each launch writes them after its wait, when the
-    launch before it, which read them, has ended), allocated outside any CUDA-graph capture."""
-    buf = _SCRATCH.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"mma_w4a16_norm: {n} scratch elements needed while capturing a CUDA graph; run the "
-                               "shape once before capture")
-        buf = torch.empty(n, dtype=torch.bfloat16, device=device)
-        _SCRATCH[device] = buf
-    return buf
-
-
-def mma_w4a16_norm(a: torch.Tensor, weight: MmaWeight, y=None, post=None, scale=None, pre=None, *, eps: float,
-                   offset: float = 0.0, epilogue: str = "none", config: MmaConfig | None = None,
-                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One row: h = (a + rmsnorm(y) * (post + offset)) * scale (with y), x = rmsnorm(h or a) * (pre + offset),
-    then x @ W^T (the epilogue) in one launch of the persistent kernel (kernels/norm_prologue.py) ->
-    (out [1, N] (geglu: [1, N/2]), h [1, K] or None without y). config: a persistent one (persist > 0)."""
-    from .residual_norm import _check as _check_norm
-
-    N, K, G = weight.N, weight.K, weight.group_size
-    if a.dim() != 2 or a.shape != (1, K) or a.dtype != torch.bfloat16:
-        raise ValueError(f"mma_w4a16_norm takes one bf16 row a [1, {K}], got {tuple(a.shape)} {a.dtype}")
-    _check_norm(a, y, post, scale, pre)
-    if pre is None:
-        raise ValueError("mma_w4a16_norm: the prologue ends in a norm: give pre")
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"mma_w4a16_norm epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
-    if not (a.is_cuda or _INTERPRET):
-        raise RuntimeError("mma_w4a16_norm runs on CUDA tensors (or with TRITON_INTERPRET=1); use mma_w4a16_norm_ref")
-    cfg = config or mma_config(N, K, 1, epilogue)
-    if cfg is None or not cfg.persist:
-        raise ValueError(f"mma_w4a16_norm runs the persistent kernel: give a config with persist > 0, got {cfg}")
-    problem = config_problem(cfg, N, K, G, epilogue)
-    if problem:
-        raise ValueError(f"mma_w4a16_norm: {problem}")
-    a, y = a.contiguous(), (y.reshape(1, K).contiguous() if y is not None else None)
-    epi = EPILOGUES[epilogue]
-    out = torch.empty(1, N // 2 if epi else N, device=a.device, dtype=a.dtype)
-    h = torch.empty_like(a) if y is not None else None
-    n_tiles = (N // 2) // 16 if epi else N // 16 // cfg.tiles
-    grid = (persistent_programs(n_tiles, cfg.persist, a.device),)
-    xs = prologue_scratch(a.device, grid[0] * 2 * K)
-    chunk, ch = prologue_tiles(K, grid[0])
-    _mma_stream_kernel[grid](xs, weight.words, weight.sz, out, 1 if y is None else 2, N, N // 2, K, out.stride(0),
-                             n_tiles, triton.cdiv(n_tiles, grid[0]), a, y if y is not None else a,
-                             post if post is not None else a, scale if scale is not None else a, pre,
-                             h if h is not None else a, float(eps), float(offset),
-                             K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
-                             DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                             PRO=2 if y is not None else 1, HAS_SCALE=scale is not None, CHUNK=chunk, CH=ch,
-                             num_warps=cfg.num_warps, **pdl_args(pdl, a.device))
-    return out, h
-
-
-def mma_w4a16_norm_ref(a, qweight, scales, zeros, group_size: int, y=None, post=None, scale=None, pre=None, *,
-                       eps: float, offset: float = 0.0, epilogue: str = "none"):
-    """The twin: kernels/residual_norm.py's twin (h and x rounded), then `mma_w4a16_ref` -> (out, h)."""
-    from .residual_norm import residual_norm_ref
-
-    h, x = residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=offset)
-    return mma_w4a16_ref(x, qweight, scales, zeros, group_size, epilogue), h
 
 
 def persistent_programs(n_tiles: int, per_sm: int, device) -> int:
@@ -735,24 +649,6 @@ def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits,
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
-@torch.library.custom_op("fastgemma::mma_w4a16_norm", mutates_args=())
-def mma_w4a16_norm_op(a: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None, scale: torch.Tensor | None,
-                      pre: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
-                      eps: float, offset: float, tiles: int, warps: int, depth: int, iters: int, splits: int,
-                      persist: int, fresh: bool, hw: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = MmaWeight(words, sz, N, a.shape[1], group_size)
-    out, h = mma_w4a16_norm(a, weight, y, post, scale, pre, eps=eps, offset=offset, epilogue=epilogue,
-                            config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl)
-    return out, (h if h is not None else a.new_empty(0))
-
-
-@mma_w4a16_norm_op.register_fake
-def _(a, y, post, scale, pre, words, sz, N, group_size, epilogue, eps, offset, tiles, warps, depth, iters, splits,
-      persist, fresh, hw, pdl):
-    return (a.new_empty((1, N // 2 if epilogue == "geglu" else N)),
-            a.new_empty(a.shape) if y is not None else a.new_empty(0))
-
-
 # ---------------------------------------------------------------------------------------------
 # benchmark (CUDA)
 
@@ -774,28 +670,6 @@ def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
             out += [MmaConfig(t, w, splits=s) for w in (1, 2, 4, 8)
                     if K % (2 * w * s * group_size) == 0 and K // (w * s) <= 2560]
     return out
-
-
-def _norm_runs(x, mma, qw, sc, zr, group_size: int, epi: str, kw_case: dict, pdl: bool) -> list[tuple]:
-    """bench_mma's one-row runs of a case with a prologue on the table's persistent config: the norm
-    inside the GEMV (`mma_w4a16_norm`) and the engine's two launches (kernels/residual_norm.py, then
-    this kernel), each checked against the twin of the two launches (`mma_w4a16_norm_ref`)."""
-    from .residual_norm import residual_norm
-
-    N, K = mma[0][0].N, mma[0][0].K
-    cfg = mma_config(N, K, 1, epi)
-    if cfg is None or not cfg.persist:
-        return []
-    kw = dict(y=kw_case["y"], post=kw_case["post"].reshape(-1), scale=kw_case.get("scale"),
-              pre=kw_case["pre"].reshape(-1), eps=kw_case["eps"])
-    ref, _ = mma_w4a16_norm_ref(x, qw, sc, zr, group_size, epilogue=epi, **kw)
-
-    def two_launches(mw_):
-        return mma_w4a16(residual_norm(x, **kw, pdl=pdl)[1], mw_, epi, cfg, pdl)
-
-    return [("norm inside the mma GEMV (table's config)", mma,
-             lambda mw_: mma_w4a16_norm(x, mw_, epilogue=epi, config=cfg, pdl=pdl, **kw)[0], ref),
-            ("residual_norm, then mma (table's config)", mma, two_launches, ref)]
 
 
 def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer=None, device: str = "cuda",
@@ -846,14 +720,13 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                     kw_case = dict(eps=1e-6, pdl=pdl, **case_inputs(mode, K, vec))
                     runs.append((f"fused int4 GEMV, {mode} prologue (timed only)", std,
                                  lambda q_, s_, z_: fused_w4a16(x, q_, s_, z_, group_size, **kw_case)[0]))
-                    runs += _norm_runs(x, mma, qw, sc, zr, group_size, epi, kw_case, pdl)
             else:
                 sz = pack_scale_zero(sc, zr)
                 runs.append(("per-group tl.dot (w4a16_matmul)", std,
                              lambda q_, s_, z_: w4a16_matmul(x, q_, s_, z_, group_size, epilogue=epi, sz=sz)))
             runs += [(f"read the words only, {b * 4 // 1024} KB per program (floor)", mma,
                       lambda mw_, b=b, w=w: read_floor(mw_.words, b, w, pdl)) for b, w in ((2048, 4), (8192, 8))]
-            for label, bufs, call, *own_ref in runs:
+            for label, bufs, call in runs:
                 try:
                     got = call(*bufs[0])
                     us = timer(rotating(bufs, call))
@@ -861,7 +734,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                     print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<48} | skipped: {type(e).__name__}: {e}"[:160])
                     continue
                 timed_only = "timed only" in label or "floor" in label
-                err = float("nan") if timed_only else max_rel_err(got, own_ref[0] if own_ref else ref)
+                err = float("nan") if timed_only else max_rel_err(got, ref)
                 ok = timed_only or err < WRONG_REL_ERR
                 gbs = (mw.words.numel() * 4 if "floor" in label else nbytes) / us / 1e3
                 rows.append(dict(case=name, N=N, K=K, M=M, kernel=label, us=us, gbps=gbs, max_rel_err=err, ok=ok))

@@ -111,25 +111,15 @@ def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: b
     return residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
 
 
-def _mma_norm_call(mod, a2, y, post, scale, pre, epilogue: str, cfg, eps: float, off: float, pdl: bool):
-    """The residual update and norm inside the tensor-core GEMV (kernels/norm_prologue.py) -> (out, h or None)."""
-    from ..kernels.mma_w4a16 import config_args, mma_w4a16_norm_op
-
-    out, h = mma_w4a16_norm_op(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, mod.mma_words,
-                               mod.mma_sz, mod.out_features, mod.group_size, epilogue, eps, off, *config_args(cfg), pdl)
-    return out, (h if y is not None else None)
-
-
 def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, invariant: bool = False,
-            triton_ops: bool = True, mma_norm: bool = False):
+            triton_ops: bool = True):
     """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op;
     mma: through kernels/mma_w4a16.py where `_mma_cfg` takes the linear at one row, a GEMV with a
     prologue (residual update and / or norm) after that prologue as its own launch
     (kernels/residual_norm.py, the verify pass's kernel: the same rounding). invariant
     (fuse.batch_invariant): every linear as the wider steps run it, the prologue on its own, then
     int4 on the tensor-core kernel (no other int4 path is taken) and dense on the skinny GEMM with
-    the epilogue in its store; triton_ops=False: their twins (the torch backend); mma_norm: a prologue
-    that ends in a norm inside the tensor-core GEMV where its config is persistent (one launch)."""
+    the epilogue in its store; triton_ops=False: their twins (the torch backend)."""
     from ..kernels.skinny_gemm import skinny_matmul_op, skinny_matmul_ref
     from .quant import Int4Linear
 
@@ -138,8 +128,6 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
         dense = invariant and not isinstance(mod, Int4Linear)
         if invariant and isinstance(mod, Int4Linear) and cfg is None and triton_ops:
             raise _no_invariant_config(mod, epilogue)
-        if mma_norm and cfg is not None and cfg.persist and pre is not None:
-            return _mma_norm_call(mod, a.reshape(1, -1), y, post, scale, pre, epilogue, cfg, eps, off, pdl)
         if cfg is not None or dense:
             a2, h = a.reshape(1, -1), None
             if y is not None or pre is not None:
@@ -252,8 +240,7 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
-                 mma_norm: bool = False):
+                 batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -264,14 +251,11 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     from `attn_tiles`, else the kernel's own); batch_invariant: every
     row computed as `fused_verify` computes it with the same switch (the embedding's PLE path, each
     linear, the attention's tiles and splits, the last norm), so a verify pass's rows equal the AR
-    steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend);
-    mma_norm: with int4_mma, the residual update and norm before q|k|v, q and gate|up inside their
-    tensor-core GEMV (kernels/norm_prologue.py) instead of a launch of kernels/residual_norm.py."""
+    steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend)."""
     c = model.config
     x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
-    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops,
-                   mma_norm and int4_mma and triton_ops and not batch_invariant)
+    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
     h = x.reshape(1, -1)
     # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
     pend = None
@@ -488,7 +472,7 @@ class FuseLayers:
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", mma_norm: bool = False):
+                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles=""):
         from ..kernels.decode_attention import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -498,14 +482,6 @@ class FuseLayers:
         if batch_invariant and not qkv_kernel:
             # without qkv_kernel the q/k/v norms are inductor's reductions, sized by the step's rows
             raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true")
-        if mma_norm and not int4_mma:
-            raise ValueError("fuse.mma_norm computes the norms inside the tensor-core int4 GEMV: it needs "
-                             "fuse.int4_mma=true")
-        if mma_norm and batch_invariant:
-            # its rounding differs from the verify pass's norm kernel: the rows would no longer match
-            raise ValueError("fuse.mma_norm rounds otherwise than the verify pass's norm kernel: it cannot "
-                             "be combined with fuse.batch_invariant")
-        self.mma_norm = bool(mma_norm)
         self.batch_invariant = bool(batch_invariant)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
@@ -548,7 +524,7 @@ class FuseLayers:
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant,
                     attn_qkv=step["attn_qkv"] and not self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
-                                               triton_ops=self.backend == "triton", mma_norm=self.mma_norm, **body)
+                                               triton_ops=self.backend == "triton", **body)
         # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax
         # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
         # ms, and replay traces primed with every draft rejected no longer reproduced)
@@ -616,5 +592,5 @@ class FuseLayers:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
-                "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles), "mma_norm": self.mma_norm,
+                "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
                 "verify_epilogues": True}
