@@ -67,7 +67,7 @@ def int4_group_size(cfg) -> int:
 
 
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
-                "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop"}
+                "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold"}
 
 
 def parse_variant(v: str) -> dict:
@@ -76,7 +76,8 @@ def parse_variant(v: str) -> dict:
     combine launch; 'mma': int4 GEMVs / GEMMs of <= 8 rows on kernels/mma_w4a16.py where its table
     has the shape; 'attn_qkv': q/k/v norms, RoPE and cache writes in the attention's split kernel;
     'inv': batch_invariant, the verify pass's rows bit-equal to the one-row step's; 'dloop': draft_loop,
-    the speculative draft loop in one persistent kernel) -> FuseLayers options."""
+    the speculative draft loop in one persistent kernel; 'fold': norm_fold, with 'mma' the norms between
+    o and gate|up and before the next q|k|v folded into those GEMVs) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
     bad = [o for o in opts if o not in VARIANT_OPTS]
     if bad:

@@ -38,6 +38,7 @@ import triton.language as tl
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
+from .norm_fold import _fold_loads, _fold_parts, _fold_scalars, _fold_store, _h_slice, _norm_combine
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
@@ -319,12 +320,14 @@ def _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T: tl.conste
 
 @triton.jit
 def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF, stride_xm, stride_om, NPT,
+                      f_res, f_post, f_pre, f_rows, f_parts, off,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                       DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
-                      EMU: tl.constexpr):
+                      EMU: tl.constexpr, FOLD: tl.constexpr = 0):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
     next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
-    (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them."""
+    (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them.
+    FOLD 1 (S 1, one row): the producer's store of kernels/norm_fold.py (the f_ arguments)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -348,8 +351,12 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
         if j + 1 < ITERS:  # the next tile's words, in flight while this one is summed
             nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
             nxt = _first_loads(nw_ptrs, nsz_ptrs, it + nprog < NPT, NG, NG, BG, R)
+        if FOLD == 1:
+            fa, fpw, fp = _fold_loads(it, it < NPT, f_res, f_post, f_pre, T)
         y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU)
-        if S > 1:
+        if FOLD == 1:
+            _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
+        elif S > 1:
             _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T, S, EPI)
         else:
             _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
@@ -359,14 +366,20 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
 
 @triton.jit
 def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT, NITER,
+                       f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off,
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
-                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
+                       DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
+                       FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
+                       HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the next tile's first groups are loaded while the current
     tile's last ones are summed, so a warp never waits for a whole round trip of its first loads
     again (the one-tile-per-program kernel does at every tile: ramp, then drain). FRESH: see
-    `_group_acc`."""
+    `_group_acc`. FOLD (kernels/norm_fold.py, one output row, the f_ arguments): 1 the producer's store;
+    2 the consumer: x holds the two rows, the producer's NPART partials are read after the wait and
+    added after the main loop, the store combines the two columns, programs < K / HB write h. ONE
+    (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -380,25 +393,62 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
     _pdl_wait(PDL)
+    pv = 0.0
+    if FOLD == 2:
+        pv = _fold_parts(f_parts, NPART, NP2)
     x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
-    for j in range(0, NITER):
-        it = pid + j * nprog
-        nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
-        more = it + nprog < NPT
-        acc = tl.zeros((R, 4), dtype=tl.float32)
-        for g in tl.static_range(NG):
-            if g + DEPTH < NG:  # (none past the last tile: a program's last NITER step may have none)
-                grp = _group_loads(w_ptrs, sz_ptrs, g + DEPTH, it < NPT, BG, R)
-            else:  # the next tile's group g + DEPTH - NG (none after the last tile)
-                grp = _group_loads(nw_ptrs, nsz_ptrs, g + DEPTH - NG, more, BG, R)
-            cur = buf[0]
-            nbuf = ()
-            for d in tl.static_range(1, DEPTH):
-                nbuf = nbuf + (buf[d],)
-            buf = nbuf + (grp,)
-            acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
-        _tile_store(tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0), it, it < NPT, out_ptr, M, stride_om, T, EPI)
-        w_ptrs, sz_ptrs = nw_ptrs, nsz_ptrs
+    if ONE:
+        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
+                     f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI,
+                     DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
+    else:
+        for j in range(0, NITER):
+            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, w_ptr, sz_ptr, out_ptr,
+                                                M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows,
+                                                f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU,
+                                                FOLD, HAS_SCALE, HB, ONE)
+
+
+@triton.jit
+def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
+                 f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K: tl.constexpr,
+                 GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr, DEPTH: tl.constexpr,
+                 FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HB: tl.constexpr, ONE: tl.constexpr):
+    """`_mma_stream_kernel`'s step j: program tile pid + j * nprog from the groups in flight `buf`,
+    the next tile's first ones loaded as this one's are used (none with ONE) -> (buf, the next tile's
+    word and scale / zero pointers)."""
+    BG: tl.constexpr = GROUP // 64
+    NG: tl.constexpr = K // W // GROUP
+    R: tl.constexpr = W * T * 32
+    it = pid + j * nprog
+    nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
+    more = it + nprog < NPT
+    acc = tl.zeros((R, 4), dtype=tl.float32)
+    for g in tl.static_range(NG):
+        cur = buf[0]
+        nbuf = ()
+        for d in tl.static_range(1, len(buf)):
+            nbuf = nbuf + (buf[d],)
+        if g + DEPTH < NG:  # (none past the last tile: a program's last NITER step may have none)
+            buf = nbuf + (_group_loads(w_ptrs, sz_ptrs, g + DEPTH, it < NPT, BG, R),)
+        elif ONE:
+            buf = nbuf
+        else:  # the next tile's group g + DEPTH - NG (none after the last tile)
+            buf = nbuf + (_group_loads(nw_ptrs, nsz_ptrs, g + DEPTH - NG, more, BG, R),)
+        acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
+    y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
+    if FOLD == 1:
+        fa, fpw, fp = _fold_loads(it, it < NPT, f_res, f_post, f_pre, T)
+        _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
+    elif FOLD == 2:
+        r1, r2s = _fold_scalars(pv, f_scale, eps, K, HAS_SCALE)
+        _tile_store(_norm_combine(y, r1, r2s, T * 32), it, it < NPT, out_ptr, 1, stride_om, T, EPI)
+        if (j == 0) & (pid * HB < K):
+            _h_slice(f_res, f_y, f_post, f_scale, f_h, r1, off, pid, K, HB, HAS_SCALE)
+    else:
+        _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
+    return buf, nw_ptrs, nsz_ptrs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,13 +649,14 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
-                                 triton.cdiv(n_tiles, grid[0]), K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
+                                 triton.cdiv(n_tiles, grid[0]), *([x] * 8), 0.0, 0.0,
+                                 K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                                  num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
-                            n_tiles, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
+                            n_tiles, *([x] * 5), 0.0, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
                             ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
     return out
 

@@ -149,6 +149,43 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
     return call
 
 
+class _Fold:
+    """fuse.norm_fold: the residual update + norm between two one-row tensor-core GEMVs folded into
+    them (kernels/norm_fold.py): `pair` says whether a producer / consumer pair takes it, `produce`
+    runs the producer (its output, the two rows and the partials), `consume` the consumer (its
+    output and h)."""
+
+    def __init__(self, eps: float, off: float, pdl: bool):
+        self.eps, self.off, self.pdl = eps, off, pdl
+
+    @staticmethod
+    def pair(prod, cons, epilogue: str) -> bool:
+        from ..kernels.mma_fold import consumer_problem, producer_problem
+
+        pc = _mma_cfg(prod, 1, "none", torch.bfloat16)
+        cc = _mma_cfg(cons, 1, epilogue, torch.bfloat16)
+        return (pc is not None and cc is not None and prod.out_features == cons.in_features
+                and producer_problem(pc, prod.out_features, prod.in_features, prod.group_size) is None
+                and consumer_problem(cc, cons.out_features, cons.in_features, cons.group_size, epilogue) is None)
+
+    def produce(self, x, mod, res, post, pre):
+        from ..kernels.mma_fold import mma_rows_op
+        from ..kernels.mma_w4a16 import config_args
+
+        cfg = _mma_cfg(mod, 1, "none", x.dtype)
+        return mma_rows_op(x.reshape(1, -1), mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size,
+                           res.reshape(-1), post, pre, self.off, *config_args(cfg), self.pdl)
+
+    def consume(self, mod, rows, parts, res, y, post, scale, epilogue: str = "none"):
+        from ..kernels.mma_fold import mma_fold_op
+        from ..kernels.mma_w4a16 import config_args
+
+        cfg = _mma_cfg(mod, 1, epilogue, rows.dtype)
+        return mma_fold_op(rows, parts, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue,
+                           res.reshape(-1), y.reshape(-1), post, scale, self.eps, self.off, *config_args(cfg),
+                           self.pdl)
+
+
 def _finish_q(at, q, cos, sin, kernel: bool, pdl: bool = False):
     """A query-only projection q [B, T, H*D] -> q_norm + RoPE [B, T, H, D]: one launch of
     kernels/qkv_finish.py (kernel) or `split_qkv` (the twin)."""
@@ -240,7 +277,8 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None):
+                 batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
+                 norm_fold: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -251,34 +289,57 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     from `attn_tiles`, else the kernel's own); batch_invariant: every
     row computed as `fused_verify` computes it with the same switch (the embedding's PLE path, each
     linear, the attention's tiles and splits, the last norm), so a verify pass's rows equal the AR
-    steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend)."""
+    steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend);
+    norm_fold (with int4_mma, Triton, not batch_invariant): the residual update + norm between o and
+    gate|up, and between the PLE projection (down without PLE) and the next layer's q|k|v or q, folded
+    into those tensor-core GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it."""
     c = model.config
     x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
+    fold = _Fold(c.rms_eps, c.norm_offset, pdl) if norm_fold and int4_mma and triton_ops and not batch_invariant \
+        else None
     h = x.reshape(1, -1)
-    # a residual update not yet applied: (res, y, norm, scale): h = (res + norm(y)) * scale
+    # a residual update not yet applied: (res, y, norm, scale, rows, parts): h = (res + norm(y)) * scale;
+    # rows / parts: the fold's, when the GEMV that made y was its producer (else None)
     pend = None
-    for i, layer in enumerate(model.layers):
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
         lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
         if pend is None:
             qkv, _ = call(h, lin["in"], pre=pre)
+        elif pend[4] is not None:
+            qkv, h = fold.consume(lin["in"], pend[4], pend[5], pend[0], pend[1], pend[2].weight, pend[3])
         else:
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
         attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv, attn_tiles)
-        o, _ = call(attn.reshape(1, -1), lin["o"])
-        act, h = call(h, lin["gate_up"], o, layer.post_attention_layernorm.weight, None,
-                      layer.pre_feedforward_layernorm.weight, epilogue="geglu")
-        dn, _ = call(act, lin["down"])
+        post_a, pre_f = layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight
+        if fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu"):
+            o, rows, parts = fold.produce(attn, lin["o"], h, post_a, pre_f)
+            act, h = fold.consume(lin["gate_up"], rows, parts, h, o, post_a, None, "geglu")
+        else:
+            o, _ = call(attn.reshape(1, -1), lin["o"])
+            act, h = call(h, lin["gate_up"], o, post_a, None, pre_f, epilogue="geglu")
+        # the next layer's q|k|v (or q) and its norm: a consumer of the GEMV that ends this layer?
+        nxt = (_layer_linears(i + 1, layers[i + 1])["in"], layers[i + 1].input_layernorm.weight) \
+            if fold is not None and i + 1 < len(layers) else None
+        last = lin["ple_proj"] if layer.ple else lin["down"]
+        folds = nxt is not None and fold.pair(last, nxt[0], "none")
         if layer.ple:
+            dn, _ = call(act, lin["down"])
             g, h = call(h, lin["ple_gate"], dn, layer.post_feedforward_layernorm.weight, aux=ple[0, 0, i],
                         epilogue="gelu_mul")
-            pp, _ = call(g, lin["ple_proj"])
-            pend = (h, pp, layer.post_per_layer_input_norm, layer.layer_scalar)
+            norm, x_last = layer.post_per_layer_input_norm, g
         else:
-            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
-    res, y, norm, scale = pend  # the last layer's update, in torch (no GEMV follows it)
+            norm, x_last = layer.post_feedforward_layernorm, act
+        if folds:
+            y, rows, parts = fold.produce(x_last, last, h, norm.weight, nxt[1])
+            pend = (h, y, norm, layer.layer_scalar, rows, parts)
+        else:
+            y, _ = call(x_last, last)
+            pend = (h, y, norm, layer.layer_scalar, None, None)
+    res, y, norm, scale = pend[:4]  # the last layer's update, in torch (no GEMV follows it)
     if batch_invariant:  # in the verify pass's kernel
         _, out = _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, model.norm.weight,
                                 c.rms_eps, c.norm_offset, triton_ops, pdl)
@@ -472,7 +533,7 @@ class FuseLayers:
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles=""):
+                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False):
         from ..kernels.decode_attention import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -482,6 +543,14 @@ class FuseLayers:
         if batch_invariant and not qkv_kernel:
             # without qkv_kernel the q/k/v norms are inductor's reductions, sized by the step's rows
             raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true")
+        if norm_fold and not (int4_mma and backend == "triton"):
+            raise ValueError("fuse.norm_fold folds the norms into the tensor-core int4 GEMVs: it needs "
+                             "fuse.int4_mma=true and fuse.backend=triton")
+        if norm_fold and batch_invariant:
+            # its rounding differs from the verify pass's norm kernel: the rows would no longer match
+            raise ValueError("fuse.norm_fold rounds otherwise than the verify pass's norm kernel: it cannot be "
+                             "combined with fuse.batch_invariant")
+        self.norm_fold = bool(norm_fold)
         self.batch_invariant = bool(batch_invariant)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
@@ -524,7 +593,7 @@ class FuseLayers:
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant,
                     attn_qkv=step["attn_qkv"] and not self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
-                                               triton_ops=self.backend == "triton", **body)
+                                               triton_ops=self.backend == "triton", norm_fold=self.norm_fold, **body)
         # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax
         # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
         # ms, and replay traces primed with every draft rejected no longer reproduced)
@@ -593,4 +662,4 @@ class FuseLayers:
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
                 "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
-                "verify_epilogues": True}
+                "norm_fold": self.norm_fold, "verify_epilogues": True}
