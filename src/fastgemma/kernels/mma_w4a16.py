@@ -38,7 +38,8 @@ import triton.language as tl
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
-from .norm_fold import _fold_loads, _fold_parts, _fold_scalars, _fold_store, _h_slice, _norm_combine
+from .norm_fold import (_fold_parts, _fold_res, _fold_scalars, _fold_store, _fold_weights, _h_inputs, _h_store,
+                        _norm_combine)
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
@@ -352,7 +353,8 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
             nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
             nxt = _first_loads(nw_ptrs, nsz_ptrs, it + nprog < NPT, NG, NG, BG, R)
         if FOLD == 1:
-            fa, fpw, fp = _fold_loads(it, it < NPT, f_res, f_post, f_pre, T)
+            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T)
+            fa = _fold_res(it, it < NPT, f_res, T)
         y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU)
         if FOLD == 1:
             _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
@@ -392,25 +394,31 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     buf = ()  # the DEPTH groups in flight, oldest first
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
+    fin = (0.0, 0.0, 0.0)  # FOLD 1, ONE: the producer tile's a, post, pre; FOLD 2: h's inputs; loaded early
+    if (FOLD == 1) and ONE:
+        fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T)
     _pdl_wait(PDL)
     pv = 0.0
     if FOLD == 2:
         pv = _fold_parts(f_parts, NPART, NP2)
+        fin = _h_inputs(f_res, f_y, f_post, pid, K, HB)
+    if (FOLD == 1) and ONE:
+        fin = (_fold_res(pid, pid < NPT, f_res, T), fpw, fp)
     x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     if ONE:
-        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
+        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
                      f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI,
                      DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
     else:
         for j in range(0, NITER):
-            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, w_ptr, sz_ptr, out_ptr,
+            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr,
                                                 M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows,
                                                 f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU,
                                                 FOLD, HAS_SCALE, HB, ONE)
 
 
 @triton.jit
-def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
+def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
                  f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K: tl.constexpr,
                  GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr, DEPTH: tl.constexpr,
                  FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -439,13 +447,17 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, w_ptr, sz_ptr,
         acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
     y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
     if FOLD == 1:
-        fa, fpw, fp = _fold_loads(it, it < NPT, f_res, f_post, f_pre, T)
+        if ONE:  # loaded before the main loop (before the PDL wait for the weights)
+            fa, fpw, fp = fin
+        else:
+            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T)
+            fa = _fold_res(it, it < NPT, f_res, T)
         _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
     elif FOLD == 2:
         r1, r2s = _fold_scalars(pv, f_scale, eps, K, HAS_SCALE)
         _tile_store(_norm_combine(y, r1, r2s, T * 32), it, it < NPT, out_ptr, 1, stride_om, T, EPI)
         if (j == 0) & (pid * HB < K):
-            _h_slice(f_res, f_y, f_post, f_scale, f_h, r1, off, pid, K, HB, HAS_SCALE)
+            _h_store(fin, r1, f_scale, f_h, off, pid, K, HB, HAS_SCALE)
     else:
         _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
     return buf, nw_ptrs, nsz_ptrs

@@ -30,53 +30,58 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_gemv import _h_block, _rnd
+from .fused_gemv import _rnd
 
 N_PARTS = 4  # sum y^2, sum a^2, sum a u, sum u^2
 
 
 @triton.jit
 def _fold_rows_idx(it, ok, T: tl.constexpr):
-    """A producer tile's output entries at one row as [T*32, 2]: index and validity (lane r % 32 = g*4
-    + tq holds rows g and g + 8 of tile it*T + r // 32 in B column 0 when tq = 0)."""
+    """A producer tile's [T*32, 4] sums at one row: output index and validity (element c of lane
+    r % 32 = g*4 + tq: row g + 8 (c // 2) of tile it*T + r // 32, B column tq * 2 + c % 2; the one
+    row is column 0)."""
     rt = tl.arange(0, T * 32)[:, None]
-    hh = tl.arange(0, 2)[None, :]
-    rows = (it * T + rt // 32) * 16 + rt % 32 // 4 + 8 * hh
-    return rows, (rt % 4 == 0) & (hh < 2) & ok
+    c2 = tl.arange(0, 4)[None, :]
+    rows = (it * T + rt // 32) * 16 + rt % 32 // 4 + 8 * (c2 // 2)
+    return rows, (rt % 4 == 0) & (c2 % 2 == 0) & ok
 
 
 @triton.jit
-def _fold_loads(it, ok, res_ptr, post_ptr, pre_ptr, T: tl.constexpr):
-    """The producer tile's a, post and pre at its output entries [T*32, 2], as stored."""
+def _fold_weights(it, ok, post_ptr, pre_ptr, T: tl.constexpr):
+    """The producer tile's post and pre at its output entries, as stored (weights: loadable before
+    the PDL wait)."""
     rows, valid = _fold_rows_idx(it, ok, T)
-    a = tl.load(res_ptr + rows, mask=valid, other=0.0)
-    pw = tl.load(post_ptr + rows, mask=valid, other=0.0)
-    p = tl.load(pre_ptr + rows, mask=valid, other=0.0)
-    return a, pw, p
+    return tl.load(post_ptr + rows, mask=valid, other=0.0), tl.load(pre_ptr + rows, mask=valid, other=0.0)
+
+
+@triton.jit
+def _fold_res(it, ok, res_ptr, T: tl.constexpr):
+    """The producer tile's a at its output entries (an earlier kernel's output: after the wait)."""
+    rows, valid = _fold_rows_idx(it, ok, T)
+    return tl.load(res_ptr + rows, mask=valid, other=0.0)
 
 
 @triton.jit
 def _fold_store(y, it, ok, out_ptr, a, pw, p, rows_ptr, parts_ptr, N, off, T: tl.constexpr):
-    """The producer's store from its sums y [T*32, 4] (element c: row g + 8 (c // 2), B column tq * 2 +
-    c % 2): y (rounded), rows_ptr[0] = a p and rows_ptr[1] = u p at the tile's entries (p = pre + off,
-    u = y (post + off)), and parts[it] = (sum y^2, sum a^2, sum a u, sum u^2) over them."""
+    """The producer's store: y (rounded), rows_ptr[0] = a p and rows_ptr[1] = u p at the tile's
+    entries (p = pre + off, u = y (post + off)), and parts[it] = (sum y^2, sum a^2, sum a u, sum u^2)
+    over them, the four in one reduction."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
+    R: tl.constexpr = T * 32
     rows, valid = _fold_rows_idx(it, ok, T)
-    y0, _ = tl.split(tl.reshape(y, (T * 32, 2, 2)))  # B column 0 (the one row): [T*32, 2]
-    yb = tl.where(valid, _rnd(y0, DT), 0.0)
+    yb = tl.where(valid, _rnd(y, DT), 0.0)
     tl.store(out_ptr + rows, yb.to(DT), mask=valid)
     a = a.to(tl.float32)
     u = yb * (pw.to(tl.float32) + off)
     p = p.to(tl.float32) + off
     tl.store(rows_ptr + rows, (a * p).to(DT), mask=valid)
     tl.store(rows_ptr + N + rows, (u * p).to(DT), mask=valid)
-    syy = tl.sum(tl.sum(yb * yb, axis=1), axis=0)
-    saa = tl.sum(tl.sum(a * a, axis=1), axis=0)
-    sau = tl.sum(tl.sum(a * u, axis=1), axis=0)
-    suu = tl.sum(tl.sum(u * u, axis=1), axis=0)
-    c = tl.arange(0, 4)
-    v = tl.where(c == 0, syy, tl.where(c == 1, saa, tl.where(c == 2, sau, suu)))
-    tl.store(parts_ptr + it * 4 + c, v, mask=(c < 4) & ok)
+    # each lane's sums, then [R, 2, 2] -> [R, 4]: (y^2, a^2, a u, u^2) (a join nests its pair innermost),
+    # the four added over the program in one reduction
+    sq = tl.join(tl.join(tl.sum(yb * yb, axis=1), tl.sum(a * u, axis=1)),
+                 tl.join(tl.sum(a * a, axis=1), tl.sum(u * u, axis=1)))
+    tot = tl.sum(tl.reshape(sq, (R, 4)), axis=0)
+    tl.store(parts_ptr + it * 4 + tl.arange(0, 4), tot, mask=(tl.arange(0, 4) < 4) & ok)
 
 
 @triton.jit
@@ -114,15 +119,24 @@ def _norm_combine(y, r1, r2s, R: tl.constexpr):
 
 
 @triton.jit
-def _h_slice(a_ptr, y_ptr, post_ptr, scale_ptr, h_ptr, r1, off, pid, K: tl.constexpr, HB: tl.constexpr,
-             HAS_SCALE: tl.constexpr):
-    """Entries pid * HB .. + HB of h, rounded as the eager layer rounds."""
-    DT: tl.constexpr = h_ptr.dtype.element_ty
+def _h_inputs(a_ptr, y_ptr, post_ptr, pid, K: tl.constexpr, HB: tl.constexpr):
+    """a, y and post at entries pid * HB .. + HB of h (none past K), loaded right after the PDL wait."""
     k = pid * HB + tl.arange(0, HB)
-    s = 1.0
+    ok = k < K
+    return (tl.load(a_ptr + k, mask=ok, other=0.0), tl.load(y_ptr + k, mask=ok, other=0.0),
+            tl.load(post_ptr + k, mask=ok, other=0.0))
+
+
+@triton.jit
+def _h_store(hin, r1, scale_ptr, h_ptr, off, pid, K: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Entries pid * HB .. + HB of h = (a + y r1 (post + off)) * s, rounded as the eager layer rounds
+    (`fused_gemv._h_block`)."""
+    DT: tl.constexpr = h_ptr.dtype.element_ty
+    a, y, post = hin
+    k = pid * HB + tl.arange(0, HB)
+    h = _rnd(a.to(tl.float32) + _rnd(y.to(tl.float32) * r1 * (post.to(tl.float32) + off), DT), DT)
     if HAS_SCALE:
-        s = tl.load(scale_ptr).to(tl.float32)
-    h = _h_block(a_ptr, y_ptr, post_ptr, 0, k, r1, s, off, K, HB, HAS_SCALE, DT)
+        h = _rnd(h * tl.load(scale_ptr).to(tl.float32), DT)
     tl.store(h_ptr + k, h.to(DT), mask=k < K)
 
 
