@@ -116,7 +116,7 @@ def test_fused_step_with_the_norms_folded(monkeypatch, wide_tiles):
     kernel, the rest persistent). Every o / gate|up pair and every PLE projection / next q|k|v pair
     takes the fold, the only norm launch left is layer 0's input norm, and the hidden states match the
     step with the norm launches to bf16 rounding over three positions (the cache carries each step's
-    K / V, so a wrong residual would grow); bad combinations are refused."""
+    K / V, so a wrong residual would grow); without int4_mma it is refused, under batch_invariant off."""
     import fastgemma.kernels.mma_fold as fold_mod
     import fastgemma.kernels.mma_w4a16 as mma_mod
     import fastgemma.kernels.residual_norm as rn_mod
@@ -174,5 +174,6 @@ def test_fused_step_with_the_norms_folded(monkeypatch, wide_tiles):
     assert max(errs) <= 0.1, errs
     with pytest.raises(ValueError, match="int4_mma"):
         FuseLayers(backend="triton", norm_fold=True)
-    with pytest.raises(ValueError, match="batch_invariant"):
-        FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=True)
+    # the exact-tokens switch wins over the fold (a recipe with it + batch_invariant)
+    t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=True)
+    assert t.describe()["norm_fold"] is False and t.describe()["batch_invariant"] is True
