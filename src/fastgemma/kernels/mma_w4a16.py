@@ -386,7 +386,6 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     BG: tl.constexpr = GROUP // 64
-    NG: tl.constexpr = K // W // GROUP
     R: tl.constexpr = W * T * 32
     r = tl.arange(0, R)[:, None]
     oj = tl.arange(0, 4)[None, :]

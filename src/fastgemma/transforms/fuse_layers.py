@@ -546,9 +546,9 @@ class FuseLayers:
         if batch_invariant and not qkv_kernel:
             # without qkv_kernel the q/k/v norms are inductor's reductions, sized by the step's rows
             raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true")
-        if norm_fold and not (int4_mma and backend == "triton"):
+        if norm_fold and not int4_mma:  # (like int4_mma, it does nothing on the torch backend)
             raise ValueError("fuse.norm_fold folds the norms into the tensor-core int4 GEMVs: it needs "
-                             "fuse.int4_mma=true and fuse.backend=triton")
+                             "fuse.int4_mma=true")
         if norm_fold and batch_invariant:
             # its rounding differs from the verify pass's norm kernel: the rows would no longer match, so the
             # exact-tokens switch wins (a recipe with the fold, e.g. experiment=frontier, + batch_invariant)
