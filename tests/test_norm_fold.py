@@ -111,12 +111,14 @@ def test_refusals():
         mma_fold(rows, parts, w1, a, y, post, torch.ones(2), eps=1e-6, config=MmaConfig(1, 1, persist=1))
 
 
-def test_fused_step_with_the_norms_folded(monkeypatch, wide_tiles):
-    """fuse.norm_fold: bf16 tiny model (PLE width 64), int4 g64, one-row configs for the tiny shapes (o on the one-tile
-    kernel, the rest persistent). Every o / gate|up pair and every PLE projection / next q|k|v pair
-    takes the fold, the only norm launch left is layer 0's input norm, and the hidden states match the
-    step with the norm launches to bf16 rounding over three positions (the cache carries each step's
-    K / V, so a wrong residual would grow); without int4_mma it is refused, under batch_invariant off."""
+@pytest.mark.parametrize("family", ["gemma4", "gemma3"])
+def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
+    """fuse.norm_fold: bf16 tiny models, int4 g64, one-row configs for the tiny shapes (o on the one-tile
+    kernel, the rest persistent). Gemma 4 (PLE width 64, 12 layers): every o / gate|up pair and every PLE
+    projection / next q|k|v pair takes the fold; Gemma 3 (no PLE, 6 layers): down / next q|k|v instead.
+    The only norm launch left is layer 0's input norm, and the hidden states match the step with the
+    norm launches to bf16 rounding over a few positions (the cache carries each step's K / V, so a
+    wrong residual would grow); without int4_mma it is refused, under batch_invariant off."""
     import fastgemma.kernels.mma_fold as fold_mod
     import fastgemma.kernels.mma_w4a16 as mma_mod
     import fastgemma.kernels.residual_norm as rn_mod
@@ -127,7 +129,13 @@ def test_fused_step_with_the_norms_folded(monkeypatch, wide_tiles):
     from fastgemma.transforms.quant import Int4Linear, Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 
-    cfg_model = dataclasses.replace(GEMMA4_TINY, ple_dim=64)  # the PLE projection int4 at group 64 too
+    if family == "gemma4":  # the PLE projection int4 at group 64 too
+        cfg_model, positions = dataclasses.replace(GEMMA4_TINY, ple_dim=64), (7, 3, 11)
+    else:
+        cfg_model, positions = dataclasses.replace(
+            GEMMA4_TINY, name="gemma3_tiny", family="gemma3", ple_dim=0, num_kv_shared_layers=0, norm_offset=1.0,
+            v_norm=False, layer_scalar=False, attn_scale=32 ** -0.5, num_layers=6,
+            layer_types=GEMMA4_TINY.layer_types[:5] + GEMMA4_TINY.layer_types[-1:]), (7, 3)
     model = synthetic_model(cfg_model, "cpu", torch.bfloat16, seed=3)
     model.step_attention = decode_attention_ref
     FuseLayers(backend="triton").apply(model)
@@ -153,7 +161,6 @@ def test_fused_step_with_the_norms_folded(monkeypatch, wide_tiles):
     monkeypatch.setattr(rn_mod, "residual_norm", lambda *a, **k: calls.__setitem__(
         "residual_norm", calls["residual_norm"] + 1) or real_rn(*a, **k))
     outs = {}
-    positions = (7, 3, 11)
     for fold, step in steps.items():
         model.fused_decode = step
         cache = KVCache(cfg_model, 1, 64, window=4, device="cpu", dtype=torch.bfloat16)
@@ -162,12 +169,13 @@ def test_fused_step_with_the_norms_folded(monkeypatch, wide_tiles):
         if not fold:
             assert calls["residual_norm"] > 0 and not calls["rows"] and not calls["fold"]
             calls["residual_norm"] = 0
-    L = GEMMA4_TINY.num_layers
+    L = cfg_model.num_layers
     assert calls["residual_norm"] == len(positions)  # layer 0's input norm, nothing else
-    assert len(calls["rows"]) == len(positions) * (2 * L - 1)  # o per layer, the PLE projection but the last's
+    # o per layer, and the GEMV that ends each layer but the last (the PLE projection, or down)
+    assert len(calls["rows"]) == len(positions) * (2 * L - 1)
     assert len(calls["fold"]) == len(positions) * (2 * L - 1)
     assert sum(1 for _, epi, _ in calls["fold"][:2 * L - 1] if epi == "geglu") == L
-    assert sum(1 for _, _, scaled in calls["fold"][:2 * L - 1] if scaled) == L - 1  # the layer scalar
+    assert sum(1 for _, _, scaled in calls["fold"][:2 * L - 1] if scaled) == L - 1  # the layer scalar (ones in Gemma 3)
     # two valid bf16 roundings of this tiny random model drift apart by up to ~8% of the largest value over
     # a few steps (run FV's test: the two launches' twin in round-to-nearest against the interpreter's kernels)
     errs = [((got - want).abs().max() / want.abs().max()).item() for got, want in zip(outs[True], outs[False])]
