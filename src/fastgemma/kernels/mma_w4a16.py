@@ -405,20 +405,20 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         fin = (_fold_res(pid, pid < NPT, f_res, T), fpw, fp)
     x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     if ONE:
-        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
-                     f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI,
-                     DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
+        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+                     stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K,
+                     GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
     else:
         for j in range(0, NITER):
-            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr,
-                                                M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows,
-                                                f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU,
-                                                FOLD, HAS_SCALE, HB, ONE)
+            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr,
+                                                out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
+                                                f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI,
+                                                DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
 
 
 @triton.jit
-def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_om, NPT,
-                 f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K: tl.constexpr,
+def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+                 stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K: tl.constexpr,
                  GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr, DEPTH: tl.constexpr,
                  FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HB: tl.constexpr, ONE: tl.constexpr):
