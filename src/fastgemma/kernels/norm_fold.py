@@ -12,16 +12,19 @@ r2 = rsqrt(mean h^2 + eps):
     W x = r2 s (W (a p) + r1 W (u p)),    mean h^2 = s^2 (sum a^2 + 2 r1 sum a u + r1^2 sum u^2) / K
 
 Each producer tile owns 16 or 32 entries of y: its store writes y, the entries of the rows a p and u p
-(bf16) and its sums of y^2, a^2, a u and u^2 (fp32, one row of `parts` per tile). The consumer reads
+(bf16) and its sums of y^2, a^2, a u and u^2 (fp32, one row of `parts` per tile, in one reduction);
+its a, post and pre are loaded before its main loop (in the persistent kernel with one tile per
+program, the norm weights before its PDL wait). The consumer reads
 the two rows as two activation rows (the mma's B operand has 8 columns: the second costs no
-instruction), loads the partials right after its PDL wait, adds them in tile order after its main
-loop (the same order in every program and every step) and stores r2 s (column 0 + r1 column 1). Its
+instruction), loads the partials right after its PDL wait, adds them in tile order (the same order in
+every program and every step; the compiled kernel does it before its first x loads, wherever the source
+puts it) and stores r2 s (column 0 + r1 column 1). Its
 first programs write h, rounded as the eager layer rounds (`fused_gemv._h_block`), for the next
 residual update.
 
 Unlike the norm computed inside every program of the consumer (run FV: four block reductions, the
 rows stored and read back, paid again in each wave of gate|up's 640 programs), the consumer's extra
-work here is one load of the partials (in flight with its first x loads) and one small reduction.
+work here is one load of the partials and one small reduction (80 or 160 rows at E4B's shapes).
 Rounding differs from kernels/residual_norm.py's (a p and u p are rounded, x is not; r2 comes from
 h before its rounding): the outputs agree with the two launches' to bf16 rounding, not bit for bit.
 """
