@@ -380,7 +380,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     again (the one-tile-per-program kernel does at every tile: ramp, then drain). FRESH: see
     `_group_acc`. FOLD (kernels/norm_fold.py, one output row, the f_ arguments): 1 the producer's store;
     2 the consumer: x holds the two rows, the producer's NPART partials are read after the wait and
-    added after the main loop, the store combines the two columns, programs < K / HB write h. ONE
+    added in tile order, the store combines the two columns, programs < K / HB write h. ONE
     (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
