@@ -59,8 +59,14 @@ def _vload(ptr, kb: tl.constexpr, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr
 def _h_block(a_ptr, y_ptr, post_ptr, kb: tl.constexpr, offs_k, inv_y, scale, off,
              K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
     """Block kb of h = (a + rmsnorm(y) * post) * scale, rounded as the eager layer rounds."""
-    n = _rnd(_vload(y_ptr, kb, offs_k, K, BLOCK_K) * inv_y * (_vload(post_ptr, kb, offs_k, K, BLOCK_K) + off), DT)
-    h = _rnd(_vload(a_ptr, kb, offs_k, K, BLOCK_K) + n, DT)
+    return _h_values(_vload(a_ptr, kb, offs_k, K, BLOCK_K), _vload(y_ptr, kb, offs_k, K, BLOCK_K),
+                     _vload(post_ptr, kb, offs_k, K, BLOCK_K), inv_y, scale, off, HAS_SCALE, DT)
+
+
+@triton.jit
+def _h_values(a, y, post, inv_y, scale, off, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
+    """h = (a + y inv_y (post + off)) * scale from fp32 values, rounded as the eager layer rounds."""
+    h = _rnd(a + _rnd(y * inv_y * (post + off), DT), DT)
     if HAS_SCALE:
         h = _rnd(h * scale, DT)
     return h

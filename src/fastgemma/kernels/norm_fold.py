@@ -19,7 +19,7 @@ the two rows as two activation rows (the mma's B operand has 8 columns: the seco
 instruction), loads the partials right after its PDL wait, adds them in tile order (the same order in
 every program and every step; the compiled kernel does it before its first x loads, wherever the source
 puts it) and stores r2 s (column 0 + r1 column 1). Its
-first programs write h, rounded as the eager layer rounds (`fused_gemv._h_block`), for the next
+first programs write h, rounded as the eager layer rounds (`fused_gemv._h_values`), for the next
 residual update.
 
 Unlike the norm computed inside every program of the consumer (run FV: four block reductions, the
@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_gemv import _rnd
+from .fused_gemv import _h_values, _rnd
 
 N_PARTS = 4  # sum y^2, sum a^2, sum a u, sum u^2
 
@@ -133,13 +133,14 @@ def _h_inputs(a_ptr, y_ptr, post_ptr, pid, K: tl.constexpr, HB: tl.constexpr):
 @triton.jit
 def _h_store(hin, r1, scale_ptr, h_ptr, off, pid, K: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr):
     """Entries pid * HB .. + HB of h = (a + y r1 (post + off)) * s, rounded as the eager layer rounds
-    (`fused_gemv._h_block`)."""
+    (`fused_gemv._h_values`, the norm kernels' own)."""
     DT: tl.constexpr = h_ptr.dtype.element_ty
     a, y, post = hin
     k = pid * HB + tl.arange(0, HB)
-    h = _rnd(a.to(tl.float32) + _rnd(y.to(tl.float32) * r1 * (post.to(tl.float32) + off), DT), DT)
+    s = 1.0
     if HAS_SCALE:
-        h = _rnd(h * tl.load(scale_ptr).to(tl.float32), DT)
+        s = tl.load(scale_ptr).to(tl.float32)
+    h = _h_values(a.to(tl.float32), y.to(tl.float32), post.to(tl.float32), r1, s, off, HAS_SCALE, DT)
     tl.store(h_ptr + k, h.to(DT), mask=k < K)
 
 
