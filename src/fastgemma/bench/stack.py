@@ -68,10 +68,9 @@ def int4_group_size(cfg) -> int:
 
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
                 "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold"}
-# options of the kernels themselves, not of FuseLayers: 'loose' launches the tensor-core kernel's persistent
-# programs as before `mma_w4a16.LEAN` (a next tile's loads with one tile per program, the fold's consumer
-# reducing its partials before its first x loads), to time LEAN against it in one process
-KERNEL_OPTS = ("loose",)
+# options of the kernels themselves, not of FuseLayers: each 'no_X' removes X from `mma_w4a16.LEAN` (the
+# tensor-core kernel's launch choices under test), to time them in one process
+KERNEL_OPTS = ("no_one", "no_fold_one", "no_tie")
 
 
 def parse_variant(v: str) -> dict:
@@ -300,7 +299,7 @@ def main(argv=None):
     first = {}  # body -> prompt length -> the first variant's full-head tokens
     for body, variant, table, tiles, ftable in plan:
         mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
-        mma_w4a16.LEAN = "loose" not in variant.split("+")  # read at each launch: the graphs keep it
+        mma_w4a16.LEAN = {"one", "fold_one", "tie"} - {o[3:] for o in variant.split("+") if o in KERNEL_OPTS}
         fused_gemv.set_fused_table(fused_tables.get(ftable, shipped_fused), forced=bool(ftable))
         label = ((f"{variant} [{table}]" if table else variant) + (f" {{{tiles}}}" if tiles else "")
                  + (f" (fused: {ftable})" if ftable else ""))

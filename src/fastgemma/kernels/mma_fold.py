@@ -119,14 +119,15 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
     niter = triton.cdiv(n_tiles, grid[0])
     # the partials as [R, 4], the sums' shape, where they fit: their reduction tied to the first group's sums
     lanes = cfg.warps * cfg.tiles * 32
-    tie = mma_w4a16_mod.LEAN and parts_block(parts.shape[0]) <= lanes
+    tie = "tie" in mma_w4a16_mod.LEAN and parts_block(parts.shape[0]) <= lanes
     _mma_stream_kernel[grid](rows, weight.words, weight.sz, out, 2, N, N // 2, K, out.stride(0), n_tiles,
                              niter, res, y, post, res, scale if scale is not None else res,
                              rows, parts, h, float(eps), float(offset),
                              K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                              DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                              FOLD=2, NPART=parts.shape[0], NP2=lanes if tie else parts_block(parts.shape[0]),
-                             HAS_SCALE=scale is not None, HB=hb, ONE=mma_w4a16_mod.LEAN and niter == 1, TIE=tie,
+                             HAS_SCALE=scale is not None, HB=hb, TIE=tie,
+                             ONE="fold_one" in mma_w4a16_mod.LEAN and niter == 1,
                              num_warps=cfg.num_warps, **pdl_args(pdl, rows.device))
     return out, h
 

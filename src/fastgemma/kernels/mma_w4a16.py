@@ -45,10 +45,11 @@ from .w4a16 import dequantize_int4, pack_scale_zero
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
 MMA_GROUPS = (64, 128)  # a group spans whole 64-k word blocks
 EPILOGUES = {"none": 0, "geglu": 1}
-# the persistent kernel with one tile per program loads no next tile (ONE), and the norm fold's consumer
-# ties its partials' reduction to its first group (TIE); False launches both as before them, which
-# `bench.stack`'s variant option 'loose' does to time the two in one process
-LEAN = True
+# launch choices under test (`bench.stack`'s variant options 'no_one', 'no_fold_one', 'no_tie' remove one each,
+# to time them in one process): 'one': the plain persistent kernel with one tile per program loads no next
+# tile (ONE); 'fold_one': the norm fold's consumer too; 'tie': the consumer's partials' reduction tied to its
+# first group's sums (TIE)
+LEAN = {"one", "fold_one", "tie"}
 
 _MAGIC = "0x43004300"  # two bf16 128.0s; a nibble in the low 4 mantissa bits makes 128 + q
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -683,7 +684,7 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
                                  niter, *([x] * 8), 0.0, 0.0,
                                  K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 ONE=LEAN and niter == 1, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
+                                 ONE="one" in LEAN and niter == 1, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
