@@ -68,9 +68,6 @@ def int4_group_size(cfg) -> int:
 
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
                 "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold"}
-# options of the kernels themselves, not of FuseLayers: each 'no_X' removes X from `mma_w4a16.LEAN` (the
-# tensor-core kernel's launch choices under test), to time them in one process
-KERNEL_OPTS = ("no_one", "no_fold_one", "no_tie")
 
 
 def parse_variant(v: str) -> dict:
@@ -80,14 +77,12 @@ def parse_variant(v: str) -> dict:
     has the shape; 'attn_qkv': q/k/v norms, RoPE and cache writes in the attention's split kernel;
     'inv': batch_invariant, the verify pass's rows bit-equal to the one-row step's; 'dloop': draft_loop,
     the speculative draft loop in one persistent kernel; 'fold': norm_fold, with 'mma' the norms between
-    o and gate|up and before the next q|k|v folded into those GEMVs; KERNEL_OPTS are allowed and left out)
-    -> FuseLayers options."""
+    o and gate|up and before the next q|k|v folded into those GEMVs) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
-    bad = [o for o in opts if o not in VARIANT_OPTS and o not in KERNEL_OPTS]
+    bad = [o for o in opts if o not in VARIANT_OPTS]
     if bad:
-        raise SystemExit(f"bad variant {v!r}: base, or options joined by '+' from "
-                         f"{', '.join(list(VARIANT_OPTS) + list(KERNEL_OPTS))}")
-    return {VARIANT_OPTS[o]: True for o in opts if o in VARIANT_OPTS}
+        raise SystemExit(f"bad variant {v!r}: base, or options joined by '+' from {', '.join(VARIANT_OPTS)}")
+    return {VARIANT_OPTS[o]: True for o in opts}
 
 
 def mma_table_arg(text: str) -> dict:
@@ -199,8 +194,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--variants", default="base",
                     help="fused-step variants per body, comma-separated: base, or options joined by '+' "
-                         f"({', '.join(list(VARIANT_OPTS) + list(KERNEL_OPTS))}), e.g. base,attn_pdl,attn_pdl+qkv "
-                         "(nf4: base only)")
+                         f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--mma-table", action="append", default=[],
                     help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
                          "CASE@ROWS=TxW[dD][sS][pR][f][nH] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), "
@@ -299,7 +293,6 @@ def main(argv=None):
     first = {}  # body -> prompt length -> the first variant's full-head tokens
     for body, variant, table, tiles, ftable in plan:
         mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
-        mma_w4a16.LEAN = {"one", "fold_one", "tie"} - {o[3:] for o in variant.split("+") if o in KERNEL_OPTS}
         fused_gemv.set_fused_table(fused_tables.get(ftable, shipped_fused), forced=bool(ftable))
         label = ((f"{variant} [{table}]" if table else variant) + (f" {{{tiles}}}" if tiles else "")
                  + (f" (fused: {ftable})" if ftable else ""))

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import mma_w4a16 as mma_w4a16_mod
 from .gemv import _INTERPRET, pdl_args
 from .mma_w4a16 import (EPILOGUES, MmaConfig, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, config_problem,
                         mma_config, mma_w4a16_ref, persistent_programs)
@@ -117,17 +116,13 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
     grid = (persistent_programs(n_tiles, cfg.persist, rows.device),)
     hb = max(64, triton.next_power_of_2(triton.cdiv(K, grid[0])))  # h's entries per writing program
     niter = triton.cdiv(n_tiles, grid[0])
-    # the partials as [R, 4], the sums' shape, where they fit: their reduction tied to the first group's sums
-    lanes = cfg.warps * cfg.tiles * 32
-    tie = "tie" in mma_w4a16_mod.LEAN and parts_block(parts.shape[0]) <= lanes
     _mma_stream_kernel[grid](rows, weight.words, weight.sz, out, 2, N, N // 2, K, out.stride(0), n_tiles,
                              niter, res, y, post, res, scale if scale is not None else res,
                              rows, parts, h, float(eps), float(offset),
                              K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                              DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                             FOLD=2, NPART=parts.shape[0], NP2=lanes if tie else parts_block(parts.shape[0]),
-                             HAS_SCALE=scale is not None, HB=hb, TIE=tie,
-                             ONE="fold_one" in mma_w4a16_mod.LEAN and niter == 1,
+                             FOLD=2, NPART=parts.shape[0], NP2=parts_block(parts.shape[0]),
+                             HAS_SCALE=scale is not None, HB=hb, ONE=niter == 1,
                              num_warps=cfg.num_warps, **pdl_args(pdl, rows.device))
     return out, h
 

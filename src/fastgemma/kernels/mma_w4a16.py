@@ -45,11 +45,6 @@ from .w4a16 import dequantize_int4, pack_scale_zero
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
 MMA_GROUPS = (64, 128)  # a group spans whole 64-k word blocks
 EPILOGUES = {"none": 0, "geglu": 1}
-# launch choices under test (`bench.stack`'s variant options 'no_one', 'no_fold_one', 'no_tie' remove one each,
-# to time them in one process): 'one': the plain persistent kernel with one tile per program loads no next
-# tile (ONE); 'fold_one': the norm fold's consumer too; 'tie': the consumer's partials' reduction tied to its
-# first group's sums (TIE)
-LEAN = {"one", "fold_one", "tie"}
 
 _MAGIC = "0x43004300"  # two bf16 128.0s; a nibble in the low 4 mantissa bits makes 128 + q
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -254,16 +249,6 @@ def _group_acc(acc, grp, x_ptrs, g, BG: tl.constexpr, R: tl.constexpr, FRESH: tl
 
 
 @triton.jit
-def _tie(v, dep, EMU: tl.constexpr):
-    """v, made to depend on dep (same shape and layout; one register move): what uses the result cannot
-    be placed before dep's inputs are issued (the compiler otherwise hoists a reduction of v, and the
-    wait for v's loads, above them)."""
-    if EMU:
-        return v
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [v, dep], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K: tl.constexpr, T: tl.constexpr, W: tl.constexpr, S: tl.constexpr):
     """The B operand's x words [R, 4]: lane g*4 + tq takes 16 consecutive x of row g per 64-k block of
     its warp's K slice in split sp (rows past M read row M - 1; their columns are not stored): words
@@ -387,8 +372,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
                        FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
-                       HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False,
-                       TIE: tl.constexpr = False):
+                       HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the next tile's first groups are loaded while the current
@@ -397,9 +381,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     `_group_acc`. FOLD (kernels/norm_fold.py, one output row, the f_ arguments): 1 the producer's store;
     2 the consumer: x holds the two rows, the producer's NPART partials are read after the wait and
     added in tile order, the store combines the two columns, programs < K / HB write h. ONE
-    (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store).
-    TIE (FOLD 2, the partials as [R, 4] like the sums): their reduction is tied to the first group's
-    sums (`_tie`), so the compiled kernel issues the first x loads before it waits for the partials."""
+    (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -425,13 +407,13 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     if ONE:
         _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                      stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K,
-                     GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, TIE)
+                     GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
     else:
         for j in range(0, NITER):
             buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr,
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
                                                 f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI,
-                                                DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, TIE)
+                                                DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
 
 
 @triton.jit
@@ -439,7 +421,7 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz
                  stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K: tl.constexpr,
                  GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr, DEPTH: tl.constexpr,
                  FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HB: tl.constexpr, ONE: tl.constexpr, TIE: tl.constexpr):
+                 HB: tl.constexpr, ONE: tl.constexpr):
     """`_mma_stream_kernel`'s step j: program tile pid + j * nprog from the groups in flight `buf`,
     the next tile's first ones loaded as this one's are used (none with ONE) -> (buf, the next tile's
     word and scale / zero pointers)."""
@@ -462,8 +444,6 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz
         else:  # the next tile's group g + DEPTH - NG (none after the last tile)
             buf = nbuf + (_group_loads(nw_ptrs, nsz_ptrs, g + DEPTH - NG, more, BG, R),)
         acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
-        if (FOLD == 2) and TIE and (g == 0):
-            pv = _tie(pv, acc, EMU)
     y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
     if FOLD == 1:
         if ONE:  # loaded before the main loop (before the PDL wait for the weights)
@@ -532,6 +512,9 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (3072, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v 3.83, after the residual update + norm
     (6144, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full 4.08, after the residual update + norm
     (2048, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q 3.52 (KV-shared layers), after the norm
+    # q full (the 3 KV-shared full layers): the norm fold's consumer, 4.3 us on the step's critical path where
+    # the fused int4 GEMV with its norm prologue took 8.1 (run GE: AR step 1.761 -> 1.750 ms with the fold)
+    (4096, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),
     (20480, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up + GeGLU, after residual + norm: 12.23
     (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
     (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
@@ -684,7 +667,7 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
                                  niter, *([x] * 8), 0.0, 0.0,
                                  K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 ONE="one" in LEAN and niter == 1, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
+                                 ONE=niter == 1, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
