@@ -17,8 +17,9 @@ its a, post and pre are loaded before its main loop (in the persistent kernel wi
 program, the norm weights before its PDL wait). The consumer reads
 the two rows as two activation rows (the mma's B operand has 8 columns: the second costs no
 instruction), loads the partials right after its PDL wait, adds them in tile order (the same order in
-every program and every step; the compiled kernel does it before its first x loads, wherever the source
-puts it) and stores r2 s (column 0 + r1 column 1). Its
+every program and every step; with one tile per program the compiled kernel adds them after its main
+loop, in the kernel that loops over tiles before its first x loads: timed alike, run GD) and stores
+r2 s (column 0 + r1 column 1). Its
 first programs write h, rounded as the eager layer rounds (`fused_gemv._h_values`), for the next
 residual update.
 
