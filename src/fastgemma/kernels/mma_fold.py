@@ -187,7 +187,7 @@ def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, 
 def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, iters, splits, persist, fresh, hw,
       pdl):
     return (x.new_empty((1, N)), x.new_empty((2, N)),
-            x.new_empty((N // 16 // tiles, N_PARTS), dtype=torch.float32))
+            x.new_empty((rows_tiles(N, MmaConfig(tiles)), N_PARTS), dtype=torch.float32))
 
 
 @torch.library.custom_op("fastgemma::mma_fold", mutates_args=())
