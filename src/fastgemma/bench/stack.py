@@ -67,7 +67,8 @@ def int4_group_size(cfg) -> int:
 
 
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
-                "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold"}
+                "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold",
+                "afold": "attn_fold"}
 
 
 def parse_variant(v: str) -> dict:
@@ -77,7 +78,8 @@ def parse_variant(v: str) -> dict:
     has the shape; 'attn_qkv': q/k/v norms, RoPE and cache writes in the attention's split kernel;
     'inv': batch_invariant, the verify pass's rows bit-equal to the one-row step's; 'dloop': draft_loop,
     the speculative draft loop in one persistent kernel; 'fold': norm_fold, with 'mma' the norms between
-    o and gate|up and before the next q|k|v folded into those GEMVs) -> FuseLayers options."""
+    o and gate|up and before the next q|k|v folded into those GEMVs; 'afold': attn_fold, with 'fold' and
+    'attn_qkv' the sliding layers' attention combine folded into o) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
     bad = [o for o in opts if o not in VARIANT_OPTS]
     if bad:

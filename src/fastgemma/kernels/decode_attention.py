@@ -199,13 +199,16 @@ def _split_kernel(
     FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr, MERGE_M: tl.constexpr,
     qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, scs_b, scs_t, sid_b, sid_t, eps, norm_off,
     QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr, POS_TILE: tl.constexpr,
+    PARTS: tl.constexpr = False,
 ):
     """QKV 0: q as given. 1: q_ptr is the merged projection's rows [B, T, H*D] (strides sq_b, sq_t),
     q = rope(q_norm(.)) made here (as its two RoPE halves, K read the same way). 2: rows [B, T,
     (H + 2 Hkv) D]: q as in 1, and the step's own K / V rows (rope(k_norm(k)), v_norm(v)) made here,
     written into the cache at idx[b, t] and attended by each row tile's last split, the cache's rows
     at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
-    V block is prefetched into L2 before the PDL wait."""
+    V block is prefetched into L2 before the PDL wait. PARTS: o_ptr is bf16 and every row of every
+    split is written (an empty split's as zeros), for a GEMV that weighs the splits itself
+    (kernels/attn_fold.py); no merge."""
     if QKV == 0:
         _pdl_wait(PDL)  # q and the cache rows come from the kernels before
         _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
@@ -297,8 +300,12 @@ def _split_kernel(
         row = (pid_bh * num_splits + pid_split) * R + r
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=row_ok)
-        tl.store(o_ptr + row[:, None] * D + d[None, :], o,
-                 mask=(row_ok & has)[:, None] & d_ok[None, :])
+        if PARTS:  # every row written (the reader does not look at lse first), rounded to o_ptr's bf16
+            tl.store(o_ptr + row[:, None] * D + d[None, :], tl.where(has[:, None], o, 0.0).to(o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(o_ptr + row[:, None] * D + d[None, :], o,
+                     mask=(row_ok & has)[:, None] & d_ok[None, :])
         if FIXUP:  # the tile's last split to arrive merges the partials (no combine launch)
             tl.debug_barrier()  # every thread's partial written before the arrival
             tile = pid_bh * tl.num_programs(2) + pid_m
@@ -471,7 +478,7 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
 def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window: int, *,
                          heads: int, eps: float, offset: float = 0.0, v_norm: bool = True, scale: float = 1.0,
                          num_splits: int | None = None, pdl: bool = False, merge: bool = False,
-                         tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                         tiles: tuple[int, int, int] | None = None, parts: bool = False):
     """kernels/qkv_finish.py and `decode_attention` in one split kernel: qkv [B, T, (H + 2 Hkv) D], the
     merged projection's rows of a store layer (k_w given: its K / V rows are normed, rotated, written
     into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
@@ -481,7 +488,8 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a split of their
     own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
     not bit for bit). tiles: (BLOCK_N, num_warps, num_stages) instead of `_qkv_tiles`' (bench.attention
-    times candidates; `check_tiles` refuses what the kernel cannot take)."""
+    times candidates; `check_tiles` refuses what the kernel cannot take). parts (one row): the splits'
+    o and lse instead of the output, no combine (`_attention`)."""
     from .qkv_finish import _check as _check_qkv
 
     store = k_w is not None
@@ -501,7 +509,7 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     if tiles is not None:
         check_tiles(tiles)
     return _attention(qkv, (qkv.stride(0), qkv.stride(1), 0, 0), (B, T, heads, D), k_cache, v_cache, q_pos,
-                      slot_pos, window, scale, num_splits, pdl, merge, extra, tiles=tiles)
+                      slot_pos, window, scale, num_splits, pdl, merge, extra, tiles=tiles, parts=parts)
 
 
 def check_tiles(tiles) -> tuple[int, int, int]:
@@ -588,10 +596,36 @@ def _tiles_arg(text: str) -> dict:
     return dict(tiles=tiles, num_splits=splits)
 
 
+def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, tiles, device):
+    """(block_m, row_tiles, (BLOCK_N, num_warps, num_stages), num_splits) of a launch: the split
+    kernel's tile and its split count (QKV 2: with the own rows' split)."""
+    B, T, H, D = shape
+    G = H // Hkv
+    # per_position: the tile of a one-row launch (its R = G), once per position; tl.dot needs M >= 16
+    block_m = min(64, max(16, triton.next_power_of_2(G if per_position else G * T)))
+    row_tiles = T if per_position else triton.cdiv(G * T, block_m)
+    tiles = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv else _tiles(D, block_m))
+    if num_splits is None:
+        num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, tiles[0], _num_sms(device))
+    # QKV 2: one split more, for the step's own rows
+    return block_m, row_tiles, tiles, max(1, int(num_splits)) + (qkv == 2)
+
+
+def qkv_splits(k_cache: torch.Tensor, heads: int, head_dim: int, store: bool, tiles: str = "") -> int:
+    """The split count of a one-row `decode_attention_qkv` launch over k_cache (its own rows' split
+    included for a store layer); tiles as the ops take them."""
+    arg = _tiles_arg(tiles)
+    return _plan((1, 1, heads, head_dim), k_cache.shape[1], k_cache.shape[2], 2 if store else 1, arg["num_splits"],
+                 False, arg["tiles"], k_cache.device)[3]
+
+
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
-               extra: dict, per_position: bool = False, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+               extra: dict, per_position: bool = False, tiles: tuple[int, int, int] | None = None,
+               parts: bool = False):
     """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`;
-    per_position: a row tile per position, split as a one-row launch is (`decode_attention`)."""
+    per_position: a row tile per position, split as a one-row launch is (`decode_attention`). parts
+    (one row, split): no combine; -> the splits' o [Hkv, splits, G, D] in q's dtype (an empty split's
+    zeros) and their lse [Hkv, splits, G] (log2), for kernels/attn_fold.py."""
     B, T, H, D = shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -600,18 +634,19 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     if per_position and (qkv or G > 64):
         raise ValueError("decode_attention per_position takes q as given (no q/k/v mode) and at most 64 query "
                          f"heads per KV head, got the q/k/v mode {qkv} and {G}")
-    # per_position: the tile of a one-row launch (its R = G), once per position; tl.dot needs M >= 16
-    block_m = min(64, max(16, triton.next_power_of_2(G if per_position else R)))
-    row_tiles = T if per_position else triton.cdiv(R, block_m)
-    block_n, num_warps, num_stages = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv else _tiles(D, block_m))
-    if num_splits is None:
-        num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, block_n, _num_sms(q.device))
-    # QKV 2: one split more, for the step's own rows
-    num_splits = max(1, int(num_splits)) + (qkv == 2)
+    block_m, row_tiles, (block_n, num_warps, num_stages), num_splits = _plan(
+        shape, S, Hkv, qkv, num_splits, per_position, tiles, q.device)
     split = num_splits > 1
+    if parts and (B != 1 or T != 1 or not split or per_position):
+        raise ValueError(f"decode attention's partials are one row's (B = T = 1) over more than one split, got "
+                         f"B={B}, T={T}, {num_splits} split(s){', per position' if per_position else ''}")
+    merge = merge and not parts
 
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
-    if split:
+    if parts:
+        o_part = torch.empty((B * Hkv, num_splits, R, D), dtype=q.dtype, device=q.device)
+        lse_part = torch.empty((B * Hkv, num_splits, R), dtype=torch.float32, device=q.device)
+    elif split:
         o_part = torch.empty((B * Hkv, num_splits, R, D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((B * Hkv, num_splits, R), dtype=torch.float32, device=q.device)
     else:
@@ -638,8 +673,10 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
         D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SLOT_POS=slot_pos is not None, SPLIT=split, IEEE=q.dtype == torch.float32,
         FIXUP=merge, cnt_ptr=cnt, BLOCK_S=block_s if merge else 1, MERGE_M=merge_m if merge else 1,
-        num_warps=num_warps, num_stages=num_stages, **extra, **launch,
+        num_warps=num_warps, num_stages=num_stages, PARTS=parts, **extra, **launch,
     )
+    if parts:
+        return o_part, lse_part
     if split and not merge:
         block_dc = min(block_d, max(16, 4096 // block_s))  # <= 16 KiB fp32 tile
         _combine_kernel[(B * Hkv * R, triton.cdiv(D, block_dc))](
@@ -738,3 +775,47 @@ def decode_attention_qkv_store_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: tor
 def _(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window, heads, eps, offset, v_norm, scale,
       pdl, merge, tiles=""):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads, q_w.shape[0])
+
+
+# the same two launches without the combine: (o [Hkv, splits, G, D], lse [Hkv, splits, G]) of one row for a GEMV
+# that weighs the splits itself (kernels/attn_fold.py)
+def _parts_fake(qkv, q_w, k_cache, heads, store, tiles):
+    Hkv, D = k_cache.shape[2], q_w.shape[0]
+    n = qkv_splits(k_cache, heads, D, store, tiles)
+    return (qkv.new_empty(Hkv, n, heads // Hkv, D),
+            qkv.new_empty(Hkv, n, heads // Hkv, dtype=torch.float32))
+
+
+@torch.library.custom_op("fastgemma::decode_attention_qkv_parts", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def decode_attention_qkv_parts_op(qkv: torch.Tensor, q_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                  k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
+                                  slot_pos: torch.Tensor | None, window: int, heads: int, eps: float, offset: float,
+                                  scale: float, pdl: bool, tiles: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention_qkv_op` (a query-only layer) ending in the splits' partials."""
+    return decode_attention_qkv(qkv, q_w, None, cos, sin, k_cache, v_cache, None, q_pos, slot_pos, window,
+                                heads=heads, eps=eps, offset=offset, scale=scale, pdl=pdl, parts=True,
+                                **_tiles_arg(tiles))
+
+
+@decode_attention_qkv_parts_op.register_fake
+def _(qkv, q_w, cos, sin, k_cache, v_cache, q_pos, slot_pos, window, heads, eps, offset, scale, pdl, tiles=""):
+    return _parts_fake(qkv, q_w, k_cache, heads, False, tiles)
+
+
+@torch.library.custom_op("fastgemma::decode_attention_qkv_store_parts", mutates_args=("k_cache", "v_cache"),
+                         tags=(torch.Tag.flexible_layout,))
+def decode_attention_qkv_store_parts_op(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,
+                                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                        idx: torch.Tensor, q_pos: torch.Tensor, slot_pos: torch.Tensor | None,
+                                        window: int, heads: int, eps: float, offset: float, v_norm: bool, scale: float,
+                                        pdl: bool, tiles: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention_qkv_store_op` (a store layer) ending in the splits' partials."""
+    return decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window,
+                                heads=heads, eps=eps, offset=offset, v_norm=v_norm, scale=scale, pdl=pdl, parts=True,
+                                **_tiles_arg(tiles))
+
+
+@decode_attention_qkv_store_parts_op.register_fake
+def _(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window, heads, eps, offset, v_norm, scale,
+      pdl, tiles=""):
+    return _parts_fake(qkv, q_w, k_cache, heads, True, tiles)

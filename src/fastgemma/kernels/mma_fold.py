@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from .attn_fold import parts_problem
 from .gemv import _INTERPRET, pdl_args
 from .mma_w4a16 import (EPILOGUES, MmaConfig, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, config_problem,
                         mma_config, mma_w4a16_ref, persistent_programs)
@@ -55,15 +56,24 @@ def consumer_problem(cfg: MmaConfig | None, N: int, K: int, G: int, epilogue: st
 
 
 def mma_rows(x: torch.Tensor, weight: MmaWeight, res: torch.Tensor, post: torch.Tensor, pre: torch.Tensor, *,
-             offset: float = 0.0, config: MmaConfig | None = None, pdl: bool = False):
+             offset: float = 0.0, config: MmaConfig | None = None, pdl: bool = False,
+             lse: torch.Tensor | None = None):
     """One row x [1, K] @ W^T -> (y [1, N] bf16, rows [2, N] bf16: a (pre + off) and y (post + off)
-    (pre + off), parts [tiles, 4] fp32: each tile's sums of y^2, a^2, a u, u^2); a = res [N]."""
+    (pre + off), parts [tiles, 4] fp32: each tile's sums of y^2, a^2, a u, u^2); a = res [N]. With lse:
+    x is a one-row attention's split partials [Hkv, splits, heads per KV head, head dim] (bf16) and lse
+    theirs [Hkv, splits, heads per KV head], combined in the GEMV (kernels/attn_fold.py; persistent
+    configs only)."""
     N, K, G = weight.N, weight.K, weight.group_size
-    if x.dim() != 2 or x.shape != (1, K) or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+    cfg = config or mma_config(N, K, 1)
+    if lse is not None:
+        problem = parts_problem(x, lse, K, G) or (None if cfg is None or cfg.persist else
+                                                  f"the partials take the persistent kernel (persist > 0), got {cfg}")
+        if problem:
+            raise ValueError(f"mma_rows: {problem}")
+    elif x.dim() != 2 or x.shape != (1, K) or x.dtype != torch.bfloat16 or x.stride(1) != 1:
         raise ValueError(f"mma_rows takes one bf16 row x [1, {K}], contiguous, got {tuple(x.shape)} {x.dtype}")
     res, post, pre = (_vec(t, N, w, "mma_rows") for t, w in ((res, "res"), (post, "post"), (pre, "pre")))
     _cuda_or_interpret(x, "mma_rows")
-    cfg = config or mma_config(N, K, 1)
     problem = producer_problem(cfg, N, K, G)
     if problem:
         raise ValueError(f"mma_rows: {problem}")
@@ -76,9 +86,11 @@ def mma_rows(x: torch.Tensor, weight: MmaWeight, res: torch.Tensor, post: torch.
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         niter = triton.cdiv(n_tiles, grid[0])
+        part = dict(NS=x.shape[1], PG=x.shape[2], PD=x.shape[3]) if lse is not None else {}
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, 1, N, N // 2, x.stride(0), out.stride(0), n_tiles,
                                  niter, res, res, post, pre, res, rows, parts, res, 0.0, float(offset),
-                                 DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, ONE=niter == 1, **common)
+                                 lse if lse is not None else x, DEPTH=min(cfg.depth, K // cfg.warps // G),
+                                 FRESH=cfg.fresh, ONE=niter == 1, **part, **common)
     else:
         grid = (triton.cdiv(n_tiles, cfg.iters),)
         _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, out, out, 1, N, N // 2, x.stride(0), out.stride(0),
@@ -118,7 +130,7 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
     niter = triton.cdiv(n_tiles, grid[0])
     _mma_stream_kernel[grid](rows, weight.words, weight.sz, out, 2, N, N // 2, K, out.stride(0), n_tiles,
                              niter, res, y, post, res, scale if scale is not None else res,
-                             rows, parts, h, float(eps), float(offset),
+                             rows, parts, h, float(eps), float(offset), rows,
                              K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                              DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                              FOLD=2, NPART=parts.shape[0], NP2=parts_block(parts.shape[0]),
@@ -176,16 +188,22 @@ def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, p
 @torch.library.custom_op("fastgemma::mma_rows", mutates_args=())
 def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, res: torch.Tensor,
                 post: torch.Tensor, pre: torch.Tensor, offset: float, tiles: int, warps: int, depth: int, iters: int,
-                splits: int, persist: int, fresh: bool, hw: int,
-                pdl: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    weight = MmaWeight(words, sz, N, x.shape[1], group_size)
+                splits: int, persist: int, fresh: bool, hw: int, pdl: bool,
+                lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lse given: x is an attention's split partials (`mma_rows`)."""
+    weight = MmaWeight(words, sz, N, x.shape[1] if lse is None else _parts_k(x), group_size)
     return mma_rows(x, weight, res, post, pre, offset=offset,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl)
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl, lse=lse)
+
+
+def _parts_k(o_part: torch.Tensor) -> int:
+    """The GEMV's K from the partials [Hkv, splits, heads per KV head, head dim]."""
+    return o_part.shape[0] * o_part.shape[2] * o_part.shape[3]
 
 
 @mma_rows_op.register_fake
 def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, iters, splits, persist, fresh, hw,
-      pdl):
+      pdl, lse=None):
     return (x.new_empty((1, N)), x.new_empty((2, N)),
             x.new_empty((rows_tiles(N, MmaConfig(tiles)), N_PARTS), dtype=torch.float32))
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .attn_fold import _col_sum, _part_group_ptrs, _part_weights, _part_x_ptrs
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
@@ -229,15 +230,17 @@ def _first_loads(w_ptrs, sz_ptrs, ok, NG: tl.constexpr, DEPTH: tl.constexpr, BG:
 
 
 @triton.jit
-def _group_acc(acc, grp, x_ptrs, g, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr):
-    """acc + group g's sums from its words `grp` (BG word blocks, then the scale / zero words): P = sum
-    (128 + q) x and sum x by the mmas, then s P + (z - 128 s) sum x. FRESH: each 64-k block's mmas
+def _group_acc(acc, grp, xg, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr,
+               wsel, WEIGH: tl.constexpr):
+    """acc + a group's sums from its words `grp` (BG word blocks, then the scale / zero words) and its x
+    words from xg (the group's first block): P = sum (128 + q) x and sum x by the mmas, then s P +
+    (z - 128 s) sum x (WEIGH: times wsel, kernels/attn_fold.py's weights). FRESH: each 64-k block's mmas
     start from zero and are added after (chains of 4 dependent mmas instead of one through the group)."""
     p = tl.zeros((R, 4), dtype=tl.float32)
     xs = tl.zeros((R, 4), dtype=tl.float32)
     for i in tl.static_range(BG):
-        xa = tl.load(x_ptrs + (g * BG + i) * 32)
-        xb = tl.load(x_ptrs + (g * BG + i) * 32 + 4)
+        xa = tl.load(xg + i * 32)
+        xb = tl.load(xg + i * 32 + 4)
         if FRESH:
             xs += _ones_mma(xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
             p += _tile_mma(grp[i], xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
@@ -245,6 +248,8 @@ def _group_acc(acc, grp, x_ptrs, g, BG: tl.constexpr, R: tl.constexpr, FRESH: tl
             xs = _ones_mma(xa, xb, xs, EMU)
             p = _tile_mma(grp[i], xa, xb, p, EMU)
     s, z = _bf16_pairs(grp[BG])
+    if WEIGH:
+        return acc + wsel * (s * p + (z - 128.0 * s) * xs)
     return acc + (s * p + (z - 128.0 * s) * xs)
 
 
@@ -274,7 +279,7 @@ def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexp
                 else:
                     ahead = ahead + (words[k],)
             words = ahead
-        acc = _group_acc(acc, words[g], x_ptrs, g, BG, R, False, EMU)
+        acc = _group_acc(acc, words[g], x_ptrs + g * BG * 32, BG, R, False, EMU, 1.0, False)
     return tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
 
 
@@ -368,11 +373,12 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
 
 @triton.jit
 def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT, NITER,
-                       f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off,
+                       f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr,
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
                        FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
-                       HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False):
+                       HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False,
+                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the source loads the next tile's first groups while the
@@ -381,7 +387,9 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     shapes the table's entries have one tile per program.) FRESH: see `_group_acc`. FOLD (kernels/norm_fold.py, one output row, the f_ arguments): 1 the producer's store;
     2 the consumer: x holds the two rows, the producer's NPART partials are read after the wait and
     added in tile order, the store combines the two columns, programs < K / HB write h. ONE
-    (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store)."""
+    (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store).
+    NS > 0 (one output row): x is an attention's NS split partials [Hkv, NS, PG, PD] (bf16) with their
+    lse at lse_ptr, the combine folded in (kernels/attn_fold.py)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -403,25 +411,29 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         fin = _h_inputs(f_res, f_y, f_post, pid, K, HB)
     if (FOLD == 1) and ONE:
         fin = (_fold_res(pid, pid < NPT, f_res, T), fpw, fp)
-    x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
+    if NS > 0:
+        x_ptrs = _part_x_ptrs(x_ptr, r, oj, NS, PG, PD)
+    else:
+        x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     if ONE:
         _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
-                     stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K,
-                     GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
+                     stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r,
+                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
     else:
         for j in range(0, NITER):
             buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr,
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
-                                                f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K, GROUP, T, W, EPI,
-                                                DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE)
+                                                f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
+                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
 
 
 @triton.jit
 def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
-                 stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, r, oj, K: tl.constexpr,
-                 GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr, DEPTH: tl.constexpr,
-                 FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HB: tl.constexpr, ONE: tl.constexpr):
+                 stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj,
+                 K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
+                 DEPTH: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, HB: tl.constexpr, ONE: tl.constexpr, NS: tl.constexpr, PG: tl.constexpr,
+                 PD: tl.constexpr):
     """`_mma_stream_kernel`'s step j: program tile pid + j * nprog from the groups in flight `buf`,
     the next tile's first ones loaded as this one's are used (none with ONE) -> (buf, the next tile's
     word and scale / zero pointers)."""
@@ -443,8 +455,16 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz
             buf = nbuf
         else:  # the next tile's group g + DEPTH - NG (none after the last tile)
             buf = nbuf + (_group_loads(nw_ptrs, nsz_ptrs, g + DEPTH - NG, more, BG, R),)
-        acc = _group_acc(acc, cur, x_ptrs, g, BG, R, FRESH, EMU)
+        if NS > 0:  # the splits' sums weighed by their head's combine weights (recomputed per head)
+            if ((K // W) % PD != 0) or ((g * GROUP) % PD == 0):
+                wsel = _part_weights(lse_ptr, r, oj, g, NS, K, GROUP, T, W, PG, PD)
+            acc = _group_acc(acc, cur, _part_group_ptrs(x_ptrs, r, g, NS, K, GROUP, T, W, PG, PD), BG, R, FRESH, EMU,
+                             wsel, True)
+        else:
+            acc = _group_acc(acc, cur, x_ptrs + g * BG * 32, BG, R, FRESH, EMU, 1.0, False)
     y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
+    if NS > 0:
+        y = _col_sum(y, T)
     if FOLD == 1:
         if ONE:  # loaded before the main loop (before the PDL wait for the weights)
             fa, fpw, fp = fin
@@ -664,7 +684,7 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         niter = triton.cdiv(n_tiles, grid[0])
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
-                                 niter, *([x] * 8), 0.0, 0.0,
+                                 niter, *([x] * 8), 0.0, 0.0, x,
                                  K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                                  ONE=niter == 1, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))

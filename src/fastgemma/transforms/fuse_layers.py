@@ -171,13 +171,26 @@ class _Fold:
                 and producer_problem(pc, prod.out_features, prod.in_features, prod.group_size) is None
                 and consumer_problem(cc, cons.out_features, cons.in_features, cons.group_size, epilogue) is None)
 
+    @staticmethod
+    def takes_parts(prod, splits: int, heads: int, head_dim: int) -> bool:
+        """Whether the producer prod can take a one-row attention's `splits` partials of `heads` heads of
+        head_dim (fuse.attn_fold, kernels/attn_fold.py): its one-row config is persistent, at most 8
+        splits, each of its groups in one head."""
+        from ..kernels.attn_fold import MAX_SPLITS
+
+        cfg = _mma_cfg(prod, 1, "none", torch.bfloat16)
+        return (cfg is not None and cfg.persist > 0 and 1 < splits <= MAX_SPLITS and head_dim % prod.group_size == 0
+                and heads * head_dim == prod.in_features)
+
     def produce(self, x, mod, res, post, pre):
+        """x: the activation row, or (o_part, lse): a one-row attention's split partials."""
         from ..kernels.mma_fold import mma_rows_op
         from ..kernels.mma_w4a16 import config_args
 
+        x, lse = x if isinstance(x, tuple) else (x.reshape(1, -1), None)
         cfg = _mma_cfg(mod, 1, "none", x.dtype)
-        return mma_rows_op(x.reshape(1, -1), mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size,
-                           res.reshape(-1), post, pre, self.off, *config_args(cfg), self.pdl)
+        return mma_rows_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size,
+                           res.reshape(-1), post, pre, self.off, *config_args(cfg), self.pdl, lse)
 
     def consume(self, mod, rows, parts, res, y, post, scale, epilogue: str = "none"):
         from ..kernels.mma_fold import mma_fold_op
@@ -201,16 +214,17 @@ def _finish_q(at, q, cos, sin, kernel: bool, pdl: bool = False):
 
 
 def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False, attn_qkv: bool = False,
-                attn_tiles: dict | None = None):
+                attn_tiles: dict | None = None, parts: bool = False):
     """The attention output [B, T, H*D] from the merged projection's qkv [B, T, N]. kernel: q/k/v
     norms, RoPE and the cache writes in one launch (kernels/qkv_finish.py), then the attention
-    alone; attn_qkv: all of it in the attention's split kernel (`_attend_qkv`, with `attn_tiles`);
-    else `split_qkv` and the static step's own writes (the twin)."""
+    alone; attn_qkv: all of it in the attention's split kernel (`_attend_qkv`, with `attn_tiles`;
+    parts: its split partials (o_part, lse) instead, no combine); else `split_qkv` and the static
+    step's own writes (the twin)."""
     at, s = layer.self_attn, layer.spec
     cos, sin = store_attend.rope[s.sliding]
     if attn_qkv:
         return _attend_qkv(at, s, qkv, cos, sin, cache, store_attend.pos, store_attend.slots[s.sliding],
-                           store_attend.options, store_attend.scale, attn_tiles)
+                           store_attend.options, store_attend.scale, attn_tiles, parts)
     if not s.stores_kv:  # a KV-shared layer: q only
         return store_attend.attend(layer, _finish_q(at, qkv, cos, sin, kernel, pdl))
     if not kernel:
@@ -225,21 +239,44 @@ def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False
     return store_attend.attend(layer, q)
 
 
+def _attn_kind(s) -> str:
+    """A layer's kind for fuse.attn_tiles: sliding / full, store / query."""
+    return f"{'sliding' if s.sliding else 'full'}_{'store' if s.stores_kv else 'query'}"
+
+
+def _attn_splits(layer, cache, tiles: dict | None) -> int:
+    """The split count of the layer's one-row attention in the q/k/v mode (its own rows' split included)."""
+    from ..kernels.decode_attention import qkv_splits
+
+    at, s = layer.self_attn, layer.spec
+    src = s.index if s.stores_kv else s.kv_source
+    return qkv_splits(cache.k[src], at.num_heads, at.head_dim, s.stores_kv, (tiles or {}).get(_attn_kind(s), ""))
+
+
 def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale: float = 1.0,
-                tiles: dict | None = None):
+                tiles: dict | None = None, parts: bool = False):
     """kernels/decode_attention.py's q/k/v mode: q [B, T, H*D] (a query-only layer, s.stores_kv False:
     KV-shared, or the drafter) or q|k|v rows [B, T, (H + 2 Hkv) D] (a store layer: its K / V written at
     `slots`) -> the attention output [B, T, H*D] over the cache of s.kv_source; `options`: the
     attention's pdl / merge; `tiles`: {layer kind: 'NxWsS'} (`fuse.attn_tiles`, parse_qkv_tiles)
-    for the kinds whose tiles are not the kernel's own."""
-    from ..kernels.decode_attention import decode_attention_qkv_op, decode_attention_qkv_store_op
+    for the kinds whose tiles are not the kernel's own. parts (one row): the split partials (o_part
+    [Hkv, splits, H / Hkv, D], lse) instead, for the o GEMV to combine (fuse.attn_fold)."""
+    from ..kernels import decode_attention as da
     from ..model.layers import RMSNorm
 
     qn, src = at.q_norm, s.kv_source
     ring, window = (cache.ring_pos, cache.window) if s.sliding else (None, 0)
-    kind = f"{'sliding' if s.sliding else 'full'}_{'store' if s.stores_kv else 'query'}"
     common = dict(window=window, heads=at.num_heads, eps=qn.eps, offset=qn.offset, scale=scale,
-                  tiles=(tiles or {}).get(kind, ""), **options)
+                  tiles=(tiles or {}).get(_attn_kind(s), ""), **options)
+    if parts:
+        common.pop("merge", None)
+        if not s.stores_kv:
+            return da.decode_attention_qkv_parts_op(qkv, qn.weight, cos, sin, cache.k[src], cache.v[src], q_pos, ring,
+                                                    **common)
+        return da.decode_attention_qkv_store_parts_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index],
+                                                      cache.v[s.index], slots, q_pos, ring,
+                                                      v_norm=isinstance(at.v_norm, RMSNorm), **common)
+    decode_attention_qkv_op, decode_attention_qkv_store_op = da.decode_attention_qkv_op, da.decode_attention_qkv_store_op
     if not s.stores_kv:
         o = decode_attention_qkv_op(qkv, qn.weight, cos, sin, cache.k[src], cache.v[src], q_pos, ring, **common)
     else:
@@ -281,7 +318,7 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
-                 norm_fold: bool = False):
+                 norm_fold: bool = False, attn_fold: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -295,7 +332,9 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend);
     norm_fold (with int4_mma, Triton, not batch_invariant): the residual update + norm between o and
     gate|up, and between the PLE projection (down without PLE) and the next layer's q|k|v or q, folded
-    into those tensor-core GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it."""
+    into those tensor-core GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it;
+    attn_fold (with norm_fold and attn_qkv): the attention's combine folded into o where o is the fold's
+    producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers)."""
     c = model.config
     x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
@@ -316,9 +355,14 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
             qkv, h = fold.consume(lin["in"], pend[4], pend[5], pend[0], pend[1], pend[2].weight, pend[3])
         else:
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
-        attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv, attn_tiles)
+        folds_o = fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu")
+        at = layer.self_attn
+        parts = (folds_o and attn_fold and attn_qkv
+                 and fold.takes_parts(lin["o"], _attn_splits(layer, cache, attn_tiles), at.num_heads, at.head_dim))
+        attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv, attn_tiles,
+                           parts)
         post_a, pre_f = layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight
-        if fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu"):
+        if folds_o:
             o, rows, parts = fold.produce(attn, lin["o"], h, post_a, pre_f)
             act, h = fold.consume(lin["gate_up"], rows, parts, h, o, post_a, None, "geglu")
         else:
@@ -536,7 +580,8 @@ class FuseLayers:
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False):
+                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
+                 attn_fold: bool = False):
         from ..kernels.decode_attention import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -555,7 +600,11 @@ class FuseLayers:
             log.warning("fuse.norm_fold is off under fuse.batch_invariant: the fold rounds otherwise than the "
                         "verify pass's norm kernel")
             norm_fold = False
+        if attn_fold and not batch_invariant and not (norm_fold and attn_qkv):  # (batch_invariant: off with the fold)
+            raise ValueError("fuse.attn_fold folds the attention's combine into o as the norm fold's producer: it "
+                             "needs fuse.norm_fold=true and fuse.attn_qkv=true")
         self.norm_fold = bool(norm_fold)
+        self.attn_fold = bool(attn_fold) and self.norm_fold
         self.batch_invariant = bool(batch_invariant)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
@@ -598,7 +647,8 @@ class FuseLayers:
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant,
                     attn_qkv=step["attn_qkv"] and not self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
-                                               triton_ops=self.backend == "triton", norm_fold=self.norm_fold, **body)
+                                               triton_ops=self.backend == "triton", norm_fold=self.norm_fold,
+                                               attn_fold=self.attn_fold, **body)
         # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax
         # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
         # ms, and replay traces primed with every draft rejected no longer reproduced)
@@ -667,4 +717,4 @@ class FuseLayers:
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
                 "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
-                "norm_fold": self.norm_fold, "verify_epilogues": True}
+                "norm_fold": self.norm_fold, "attn_fold": self.attn_fold, "verify_epilogues": True}
