@@ -113,3 +113,57 @@ def test_refusals():
         mma_rows(o_part[:1], w, a, post, pre, config=cfg, lse=lse[:1])
     with pytest.raises(ValueError, match="persistent"):
         mma_rows(o_part, w, a, post, pre, config=MmaConfig(1, 1), lse=lse)
+
+
+def test_fused_step_with_the_combine_folded(monkeypatch):
+    """fuse.attn_fold on a 4-layer bf16 model (head dim 64, int4 g64, one-row configs for the tiny shapes,
+    o persistent): its two sliding layers (a store layer, a KV-shared one) end their attention in 4 and 3
+    splits (their tiles' split count; the ring is shorter, so later splits are empty) that o takes, the
+    full layers keep the combine; the hidden states match the step without it to bf16 rounding over three
+    positions. Without norm_fold it is refused; under batch_invariant it is off."""
+    import dataclasses
+
+    import fastgemma.kernels.mma_w4a16 as mma_mod
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.model.config import FULL, GEMMA4_TINY, SLIDING
+    from fastgemma.transforms.fuse_layers import FuseLayers, _layer_linears
+    from fastgemma.transforms.quant import Int4Linear, Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    cfg_model = dataclasses.replace(GEMMA4_TINY, head_dim=64, global_head_dim=64, ple_dim=64, num_layers=4,
+                                    num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
+    model = synthetic_model(cfg_model, "cpu", torch.bfloat16, seed=5)
+    FuseLayers(backend="triton").apply(model)
+    Int4Quant(group_size=64, skip=("per_layer_input_gate",), backend="triton").apply(model)
+    for i, layer in enumerate(model.layers):
+        for name, m in _layer_linears(i, layer).items():
+            if isinstance(m, Int4Linear):
+                cfg = MmaConfig(2 if name == "gate_up" else 1, 2 if name == "o" else 1, 2, persist=1, fresh=True)
+                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, False), cfg)
+    tiles = "sliding_store:32x4s1p3,sliding_query:32x4s1p3"
+    steps = {}
+    for af in (False, True):
+        t = FuseLayers(backend="triton", int4_mma=True, norm_fold=True, attn_qkv=True, attn_tiles=tiles, attn_fold=af)
+        t.apply(model)
+        t.validate(model)
+        assert t.describe()["attn_fold"] is af
+        steps[af] = model.fused_decode
+    calls = []
+    real = da.decode_attention_qkv
+    monkeypatch.setattr(da, "decode_attention_qkv", lambda *a, **k: calls.append(k.get("parts", False)) or real(*a, **k))
+    outs = {}
+    positions = (7, 3, 11)
+    for af, step in steps.items():
+        model.fused_decode = step
+        cache = KVCache(cfg_model, 1, 32, window=4, device="cpu", dtype=torch.bfloat16)
+        outs[af] = [model.step(torch.tensor([[t]]), torch.tensor([[p]]), cache).float() for p, t in enumerate(positions)]
+        assert calls.count(True) == (2 * len(positions) if af else 0) and len(calls) == 4 * len(positions)
+        calls.clear()
+    errs = [((got - want).abs().max() / want.abs().max()).item() for got, want in zip(outs[True], outs[False])]
+    print("attn_fold vs the combine launch, max rel err per position:", errs)
+    assert max(errs) <= 0.05, errs
+    with pytest.raises(ValueError, match="norm_fold"):
+        FuseLayers(backend="triton", int4_mma=True, attn_qkv=True, attn_fold=True)
+    t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=True,
+                   attn_qkv=True, attn_fold=True)
+    assert t.describe()["attn_fold"] is False

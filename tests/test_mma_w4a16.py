@@ -267,26 +267,31 @@ ssig["NITER"] = "i32"
 for name, K, T, W, EPI, D, F, one in [("gate|up", 2560, 2, 4, 1, 5, True, True),
                                       ("down", 10240, 2, 8, 0, 3, False, True),
                                       ("gate|up looping", 2560, 2, 4, 1, 5, True, False)]:
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=F, PDL=True, EMU=False, ONE=one)
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=F, PDL=True, EMU=False, ONE=one, NS=0)
     ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)
     print(f"stream\t{name}\t{spills}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
 # the norm fold (kernels/norm_fold.py) on the table's one-row entries: o as the producer (one tile per program),
 # gate|up and q|k|v as consumers (80 / 160 partials, the layer scalar), o full and the PLE projection producing
 fsig = dict(ssig, **{n: "*bf16" for n in ("f_res", "f_y", "f_post", "f_pre", "f_scale", "f_rows", "f_h")},
-            f_parts="*fp32", eps="fp32", off="fp32")
+            f_parts="*fp32", eps="fp32", off="fp32", lse_ptr="*fp32")
+# (+ o on a sliding layer's 8 attention partials, kernels/attn_fold.py: its x loads 16-byte, as o's own)
 for name, K, T, W, EPI, D, extra in [("o producer", 2048, 2, 4, 0, 5, dict(FOLD=1, ONE=True)),
+                                     ("o producer on partials", 2048, 2, 4, 0, 5,
+                                      dict(FOLD=1, ONE=True, NS=8, PG=4, PD=256)),
                                      ("gate|up consumer", 2560, 2, 4, 1, 5,
                                       dict(FOLD=2, NPART=80, NP2=128, HB=64, ONE=True)),
                                      ("q|k|v consumer", 2560, 2, 4, 0, 5,
                                       dict(FOLD=2, NPART=160, NP2=256, HAS_SCALE=True, HB=64, ONE=True))]:
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False, **extra)
-    ptx, regs, spills = build(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3), W)
-    print(f"fold\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{mma_layouts(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3), W)}")
+    ce = dict(dict(NS=0), K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False, **extra)
+    ptx, regs, spills = build(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3, 7, 8), W)
+    print(f"fold\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{mma_layouts(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3), W)}\t"
+          f"{ptx.count('ld.global.v4')}")
 psig = dict(sig, **{n: "*bf16" for n in ("f_res", "f_post", "f_pre", "f_rows")}, f_parts="*fp32", off="fp32")
 for name, K, T, W in [("o full producer", 4096, 2, 8), ("PLE projection producer", 256, 1, 1)]:
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=0, DEPTH=64, ITERS=1, S=1, PDL=True, EMU=False, FOLD=1)
     ptx, regs, spills = build(_mma_w4a16_kernel, psig, ce, (0, 1, 2, 3), W)
-    print(f"fold\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{mma_layouts(_mma_w4a16_kernel, psig, ce, (0, 1, 2, 3), W)}")
+    print(f"fold\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{mma_layouts(_mma_w4a16_kernel, psig, ce, (0, 1, 2, 3), W)}\t"
+          f"{ptx.count('ld.global.v4')}")
 '''
 
 
@@ -307,9 +312,11 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
     assert stream == {n: ["0", "['[1, 4][32, 1]']"] for n in ("gate|up", "down", "gate|up looping")}, stream
     # and the norm fold's producers and consumers: no spills, the same operand layouts
     fold = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "fold"}
-    assert len(fold) == 5, r.stdout
-    for name, (regs, spills, mmas, layouts) in fold.items():
+    assert len(fold) == 6, r.stdout
+    for name, (regs, spills, mmas, layouts, _) in fold.items():
         assert int(spills) == 0 and int(mmas) > 0 and layouts == "['[1, 4][32, 1]']", (name, regs, spills, layouts)
+    # the partials' x: 16-byte loads like o's own x (a scalar load per word would be 4x the instructions)
+    assert fold["o producer on partials"][4] == fold["o producer"][4], fold
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
