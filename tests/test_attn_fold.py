@@ -117,10 +117,11 @@ def test_refusals():
 
 def test_fused_step_with_the_combine_folded(monkeypatch):
     """fuse.attn_fold on a 4-layer bf16 model (head dim 64, int4 g64, one-row configs for the tiny shapes,
-    o persistent): its two sliding layers (a store layer, a KV-shared one) end their attention in 4 and 3
-    splits (their tiles' split count; the ring is shorter, so later splits are empty) that o takes, the
-    full layers keep the combine; the hidden states match the step without it to bf16 rounding over three
-    positions. Without norm_fold it is refused; under batch_invariant it is off."""
+    o persistent): its sliding layers (a store layer, a KV-shared one) end their attention in 4 and 3
+    splits (their tiles' split count; the ring is shorter, so later splits are empty) and the full store
+    layer in 2 (one over the 32-slot cache, one for its own row), which o takes; the KV-shared full
+    layer's one split writes the output itself. The hidden states match the step without the fold to
+    bf16 rounding over two positions. Without norm_fold it is refused; under batch_invariant it is off."""
     import dataclasses
 
     import fastgemma.kernels.mma_w4a16 as mma_mod
@@ -152,12 +153,12 @@ def test_fused_step_with_the_combine_folded(monkeypatch):
     real = da.decode_attention_qkv
     monkeypatch.setattr(da, "decode_attention_qkv", lambda *a, **k: calls.append(k.get("parts", False)) or real(*a, **k))
     outs = {}
-    positions = (7, 3, 11)
+    positions = (7, 3)  # the second step: two live splits (the cache's, its own row's) weighed
     for af, step in steps.items():
         model.fused_decode = step
         cache = KVCache(cfg_model, 1, 32, window=4, device="cpu", dtype=torch.bfloat16)
         outs[af] = [model.step(torch.tensor([[t]]), torch.tensor([[p]]), cache).float() for p, t in enumerate(positions)]
-        assert calls.count(True) == (2 * len(positions) if af else 0) and len(calls) == 4 * len(positions)
+        assert calls.count(True) == (3 * len(positions) if af else 0) and len(calls) == 4 * len(positions)
         calls.clear()
     errs = [((got - want).abs().max() / want.abs().max()).item() for got, want in zip(outs[True], outs[False])]
     print("attn_fold vs the combine launch, max rel err per position:", errs)
