@@ -276,13 +276,12 @@ def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale:
         return da.decode_attention_qkv_store_parts_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index],
                                                       cache.v[s.index], slots, q_pos, ring,
                                                       v_norm=isinstance(at.v_norm, RMSNorm), **common)
-    decode_attention_qkv_op, decode_attention_qkv_store_op = da.decode_attention_qkv_op, da.decode_attention_qkv_store_op
     if not s.stores_kv:
-        o = decode_attention_qkv_op(qkv, qn.weight, cos, sin, cache.k[src], cache.v[src], q_pos, ring, **common)
+        o = da.decode_attention_qkv_op(qkv, qn.weight, cos, sin, cache.k[src], cache.v[src], q_pos, ring, **common)
     else:
-        o = decode_attention_qkv_store_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index],
-                                          cache.v[s.index], slots, q_pos, ring,
-                                          v_norm=isinstance(at.v_norm, RMSNorm), **common)
+        o = da.decode_attention_qkv_store_op(qkv, qn.weight, at.k_norm.weight, cos, sin, cache.k[s.index],
+                                             cache.v[s.index], slots, q_pos, ring,
+                                             v_norm=isinstance(at.v_norm, RMSNorm), **common)
     return o.flatten(2)
 
 
@@ -357,10 +356,10 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
         folds_o = fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu")
         at = layer.self_attn
-        parts = (folds_o and attn_fold and attn_qkv
-                 and fold.takes_parts(lin["o"], _attn_splits(layer, cache, attn_tiles), at.num_heads, at.head_dim))
+        attn_parts = (folds_o and attn_fold and attn_qkv and fold.takes_parts(
+            lin["o"], _attn_splits(layer, cache, attn_tiles), at.num_heads, at.head_dim))
         attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv, attn_tiles,
-                           parts)
+                           attn_parts)
         post_a, pre_f = layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight
         if folds_o:
             o, rows, parts = fold.produce(attn, lin["o"], h, post_a, pre_f)
