@@ -47,6 +47,24 @@ def test_split_kernel_partials_combine_to_its_output(store):
                                 slot_pos, window, parts=True, **kw_)
 
 
+def test_split_count_is_a_constant_to_torch_compile():
+    """The step decides at trace time whether a layer's attention ends in partials (`qkv_splits`): under
+    torch.compile that is a constant (no graph break, no traced caches, the launch's own count)."""
+    import warnings
+
+    k = torch.zeros(1, 200, 2, 64)
+
+    def f(x, k):
+        return x * da.qkv_splits(k, 4, 64, True, "")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2), k)
+    assert out.tolist() == [8.0, 8.0]  # 200 slots in blocks of 32: 7 splits, + the own rows' one
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    assert da.qkv_splits(k, 4, 64, False, "32x8s2p3") == 3  # a tiles string's split count, no own split
+
+
 def _partials(Hkv, NS, PG, PD, seed, empty=()):
     g = torch.Generator().manual_seed(seed)
     o_part = torch.randn(Hkv, NS, PG, PD, generator=g).bfloat16()

@@ -613,10 +613,16 @@ def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, til
 
 def qkv_splits(k_cache: torch.Tensor, heads: int, head_dim: int, store: bool, tiles: str = "") -> int:
     """The split count of a one-row `decode_attention_qkv` launch over k_cache (its own rows' split
-    included for a store layer); tiles as the ops take them."""
+    included for a store layer); tiles as the ops take them. A constant of the shapes: torch.compile
+    takes its value instead of tracing it."""
+    return _qkv_splits(k_cache.shape[1], k_cache.shape[2], heads, head_dim, store, tiles, str(k_cache.device))
+
+
+@torch.compiler.assume_constant_result
+def _qkv_splits(S: int, Hkv: int, heads: int, head_dim: int, store: bool, tiles: str, device: str) -> int:
     arg = _tiles_arg(tiles)
-    return _plan((1, 1, heads, head_dim), k_cache.shape[1], k_cache.shape[2], 2 if store else 1, arg["num_splits"],
-                 False, arg["tiles"], k_cache.device)[3]
+    return _plan((1, 1, heads, head_dim), S, Hkv, 2 if store else 1, arg["num_splits"], False, arg["tiles"],
+                 torch.device(device))[3]
 
 
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
