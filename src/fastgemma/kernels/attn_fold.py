@@ -20,6 +20,7 @@ rounded, so o agrees with the combine + o launches to bf16 rounding, not bit for
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -89,31 +90,33 @@ def _col_sum(y, T: tl.constexpr):
     return tl.reshape(tl.broadcast_to(tl.reshape(s, (T * 8, 1, 2, 1)), (T * 8, 4, 2, 2)), (T * 32, 4))
 
 
+def parts_shape_problem(heads: int, head_dim: int, splits: int, K: int, group_size: int) -> str | None:
+    """Why `splits` partials of `heads` heads of head_dim cannot be the x of a GEMV of K entries in
+    groups of group_size, or None."""
+    if heads * head_dim != K:
+        return f"the partials hold {heads} heads of {head_dim} = {heads * head_dim} entries, the GEMV takes K={K}"
+    if not 1 <= splits <= MAX_SPLITS:
+        return f"at most {MAX_SPLITS} splits (the mma's B columns), got {splits}"
+    if head_dim % group_size:
+        return f"a group of {group_size} k must lie in one head (head dim {head_dim})"
+    return None
+
+
 def parts_problem(o_part, lse, K: int, group_size: int) -> str | None:
     """Why the partials o_part [Hkv, NS, PG, PD] bf16 / lse [Hkv, NS, PG] fp32 cannot be a GEMV's x
     of K entries in groups of group_size, or None."""
-    import torch
-
     if o_part.dim() != 4 or o_part.dtype != torch.bfloat16 or not o_part.is_contiguous():
         return f"o_part must be [Hkv, splits, heads per KV head, head dim] bf16, contiguous, got " \
                f"{tuple(o_part.shape)} {o_part.dtype}"
     hkv, ns, pg, pd = o_part.shape
     if lse.shape != (hkv, ns, pg) or lse.dtype != torch.float32 or not lse.is_contiguous():
         return f"lse must be [{hkv}, {ns}, {pg}] fp32, contiguous, got {tuple(lse.shape)} {lse.dtype}"
-    if hkv * pg * pd != K:
-        return f"the partials hold {hkv} x {pg} heads of {pd} = {hkv * pg * pd} entries, the GEMV takes K={K}"
-    if not 1 <= ns <= MAX_SPLITS:
-        return f"at most {MAX_SPLITS} splits (the mma's B columns), got {ns}"
-    if pd % group_size:
-        return f"a group of {group_size} k must lie in one head (head dim {pd})"
-    return None
+    return parts_shape_problem(hkv * pg, pd, ns, K, group_size)
 
 
 def combine_parts_ref(o_part, lse):
     """The twin of the fold's x: the partials [Hkv, NS, PG, PD] combined as `_combine_kernel` combines
     them, in fp32, not rounded -> [1, Hkv * PG * PD]."""
-    import torch
-
     mx = lse.amax(dim=1, keepdim=True)
     w = torch.exp2(lse - torch.where(mx == float("-inf"), 0.0, mx))  # [Hkv, NS, PG]
     x = (w[..., None] * o_part.float()).sum(1) / w.sum(1).clamp_min(1e-30)[..., None]

@@ -649,11 +649,8 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     merge = merge and not parts
 
     out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
-    if parts:
-        o_part = torch.empty((B * Hkv, num_splits, R, D), dtype=q.dtype, device=q.device)
-        lse_part = torch.empty((B * Hkv, num_splits, R), dtype=torch.float32, device=q.device)
-    elif split:
-        o_part = torch.empty((B * Hkv, num_splits, R, D), dtype=torch.float32, device=q.device)
+    if split:  # (parts: the splits' o rounded to q's dtype, for the GEMV's B operand)
+        o_part = torch.empty((B * Hkv, num_splits, R, D), dtype=q.dtype if parts else torch.float32, device=q.device)
         lse_part = torch.empty((B * Hkv, num_splits, R), dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = out  # unused

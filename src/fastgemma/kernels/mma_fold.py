@@ -191,14 +191,10 @@ def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, 
                 splits: int, persist: int, fresh: bool, hw: int, pdl: bool,
                 lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lse given: x is an attention's split partials (`mma_rows`)."""
-    weight = MmaWeight(words, sz, N, x.shape[1] if lse is None else _parts_k(x), group_size)
+    weight = MmaWeight(words, sz, N, words.shape[1] * 64, group_size)  # words [N/16, K/64, 32, 4]
     return mma_rows(x, weight, res, post, pre, offset=offset,
                     config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl, lse=lse)
 
-
-def _parts_k(o_part: torch.Tensor) -> int:
-    """The GEMV's K from the partials [Hkv, splits, heads per KV head, head dim]."""
-    return o_part.shape[0] * o_part.shape[2] * o_part.shape[3]
 
 
 @mma_rows_op.register_fake

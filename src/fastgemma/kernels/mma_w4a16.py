@@ -384,9 +384,10 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     at every step, across tile boundaries: the source loads the next tile's first groups while the
     current tile's last ones are summed. (In the sm_90a code ptxas places those loads after the
     tile's last mma, so each tile still waits a round trip: docs/results.md, runs GC-GF; at E4B's
-    shapes the table's entries have one tile per program.) FRESH: see `_group_acc`. FOLD (kernels/norm_fold.py, one output row, the f_ arguments): 1 the producer's store;
-    2 the consumer: x holds the two rows, the producer's NPART partials are read after the wait and
-    added in tile order, the store combines the two columns, programs < K / HB write h. ONE
+    shapes the table's entries have one tile per program.) FRESH: see `_group_acc`. FOLD
+    (kernels/norm_fold.py, one output row, the f_ arguments): 1 the producer's store; 2 the consumer:
+    x holds the two rows, the producer's NPART partials are read after the wait and added in tile
+    order, the store combines the two columns, programs < K / HB write h. ONE
     (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store).
     NS > 0 (one output row): x is an attention's NS split partials [Hkv, NS, PG, PD] (bf16) with their
     lse at lse_ptr, the combine folded in (kernels/attn_fold.py)."""

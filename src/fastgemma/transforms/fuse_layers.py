@@ -174,13 +174,13 @@ class _Fold:
     @staticmethod
     def takes_parts(prod, splits: int, heads: int, head_dim: int) -> bool:
         """Whether the producer prod can take a one-row attention's `splits` partials of `heads` heads of
-        head_dim (fuse.attn_fold, kernels/attn_fold.py): its one-row config is persistent, at most 8
-        splits, each of its groups in one head."""
-        from ..kernels.attn_fold import MAX_SPLITS
+        head_dim (fuse.attn_fold, kernels/attn_fold.py): its one-row config is persistent, the attention
+        has more than one split (one writes its output itself), and the partials fit (`parts_shape_problem`)."""
+        from ..kernels.attn_fold import parts_shape_problem
 
         cfg = _mma_cfg(prod, 1, "none", torch.bfloat16)
-        return (cfg is not None and cfg.persist > 0 and 1 < splits <= MAX_SPLITS and head_dim % prod.group_size == 0
-                and heads * head_dim == prod.in_features)
+        return (cfg is not None and cfg.persist > 0 and splits > 1
+                and parts_shape_problem(heads, head_dim, splits, prod.in_features, prod.group_size) is None)
 
     def produce(self, x, mod, res, post, pre):
         """x: the activation row, or (o_part, lse): a one-row attention's split partials."""
