@@ -186,3 +186,59 @@ def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
     # the exact-tokens switch wins over the fold (a recipe with it + batch_invariant)
     t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=True)
     assert t.describe()["norm_fold"] is False and t.describe()["batch_invariant"] is True
+
+
+@pytest.mark.parametrize("N0,K0,N1,G,cfg0,cfg1,epilogue,scale", [
+    # persistent producer (4 tiles on 2 programs) and consumer; group 64
+    (128, 256, 192, 64, MmaConfig(1, 1, 2, persist=1), MmaConfig(1, 2, 1, persist=1, fresh=True), "none", True),
+    # the one-tile producer kernel (the PLE projection's), a GeGLU consumer with one pair per program; group 128
+    (128, 256, 96, 128, MmaConfig(2, 1), MmaConfig(2, 1, 2, persist=9, fresh=True), "geglu", False),
+])
+def test_row_wise_fold_gives_each_row_its_one_row_result(N0, K0, N1, G, cfg0, cfg1, epilogue, scale):
+    """cols=True: 5 rows through the producer and consumer at once equal each row through them alone, bit
+    for bit (the verify pass's rows equal the AR steps'), and match the twins and float64 per row."""
+    from fastgemma.kernels.mma_fold import mma_fold, mma_fold_ref, mma_rows, mma_rows_ref
+
+    M = 5
+    q0, s0, z0 = _weights(N0, K0, G, seed=N0 + K0)
+    q1, s1, z1 = _weights(N1, N0, G, seed=N1)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(M, K0, generator=g).bfloat16()
+    a = (torch.randn(M, N0, generator=g) * 2).bfloat16()
+    post, pre = (torch.randn(N0, generator=g) * 0.3).bfloat16(), (torch.randn(N0, generator=g) * 0.3).bfloat16()
+    sc = torch.tensor([0.7]).bfloat16() if scale else None
+    eps, off = 1e-6, 1.0 if scale else 0.0
+    w0, w1 = MmaWeight.from_codes(q0, s0, z0, G), MmaWeight.from_codes(q1, s1, z1, G)
+
+    def run(xs, res):
+        y, rows, parts = mma_rows(xs, w0, res, post, pre, offset=off, config=cfg0, cols=True)
+        out, h = mma_fold(rows, parts, w1, res, y, post, sc, eps=eps, offset=off, epilogue=epilogue, config=cfg1)
+        return y, rows, parts, out, h
+
+    y, rows, parts, out, h = run(x, a)
+    assert rows.shape == (2, M, N0) and parts.shape[1:] == (8, 4) and out.shape[0] == M and h.shape == (M, N0)
+    for m in range(M):
+        y1, rows1, parts1, out1, h1 = run(x[m:m + 1].contiguous(), a[m:m + 1].contiguous())
+        assert torch.equal(y1[0], y[m]) and torch.equal(rows1[:, 0], rows[:, m])
+        assert torch.equal(parts1[:, 0], parts[:, m])
+        assert torch.equal(out1[0], out[m]) and torch.equal(h1[0], h[m])
+        # against float64, row by row
+        y64, h64, want = _exact(x[m:m + 1], q0, s0, z0, a[m:m + 1], post, pre, sc, q1, s1, z1, G, eps, off, epilogue)
+        assert (y[m].double() - y64[0]).abs().max().item() <= 2 ** -7 * y64.abs().max().item()
+        tol = (2 ** -6 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
+        assert (out[m].double() - want[0]).abs().max().item() <= tol
+        assert (h[m].double() - h64[0]).abs().max().item() <= 2 ** -6 * h64.abs().max().item()
+    _, rows_t, parts_t = mma_rows_ref(x, pack_int4(q0), s0, z0, G, a, post, pre, offset=off,
+                                      tile_rows=16 * cfg0.tiles, cols=True)
+    assert rows_t.shape == rows.shape and parts_t.shape == parts.shape
+    # the partials: each row's sums over each tile, from the kernel's own y (columns past M: zero)
+    yf, af = y.double(), a.double()
+    u = yf * (post.double() + off)
+    sums = torch.stack([yf * yf, af * af, af * u, u * u], -1).reshape(M, -1, 16 * cfg0.tiles, 4).sum(2)
+    assert torch.allclose(parts[:, :M].double(), sums.transpose(0, 1), rtol=1e-5, atol=1e-4)
+    assert (parts[:, M:] == 0).all()
+    ref, href = mma_fold_ref(rows, parts, pack_int4(q1), s1, z1, G, a, y, post, sc, eps=eps, offset=off,
+                             epilogue=epilogue)
+    tol = (2 ** -6 if epilogue == "none" else 2 ** -5) * ref.double().abs().max().item()
+    assert ref.shape == out.shape and (out.double() - ref.double()).abs().max().item() <= tol
+    assert href.shape == h.shape and (h.double() - href.double()).abs().max().item() <= 2 ** -6 * h.double().abs().max()
