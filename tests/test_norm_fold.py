@@ -2,6 +2,7 @@
 one-row tensor-core int4 GEMVs folded into them. Under TRITON_INTERPRET=1 (mma emulated): the
 producer's store and the consumer's combine against float64 sums and their twins, h as
 kernels/residual_norm.py's kernel writes it, refusals, and the fused step with `fuse.norm_fold`."""
+import copy
 import dataclasses
 
 import pytest
@@ -183,9 +184,64 @@ def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
     assert max(errs) <= 0.1, errs
     with pytest.raises(ValueError, match="int4_mma"):
         FuseLayers(backend="triton", norm_fold=True)
-    # the exact-tokens switch wins over the fold (a recipe with it + batch_invariant)
-    t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=True)
-    assert t.describe()["norm_fold"] is False and t.describe()["batch_invariant"] is True
+    # under batch_invariant the fold takes its row-wise form (test below); the attention's fold is off
+    t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, attn_qkv=True, batch_invariant=True,
+                   norm_fold=True, attn_fold=True)
+    assert t.describe()["norm_fold"] is True and t.describe()["attn_fold"] is False
+
+
+def test_verify_rows_with_the_fold_equal_the_one_row_steps(monkeypatch, wide_tiles):
+    """fuse.batch_invariant + fuse.norm_fold, bf16, int4 g64 on the tensor-core kernel (interpreter): a
+    3-row verify step through the row-wise fold gives every row's hidden state bit for bit as the one-row
+    steps at those positions (context past the window: the ring wraps), o and every PLE projection but
+    the last as the fold's producers, and stays within bf16 rounding of the step without the fold."""
+    import fastgemma.kernels.decode_attention as da
+    import fastgemma.kernels.mma_fold as fold_mod
+    import fastgemma.kernels.mma_w4a16 as mma_mod
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.engine.generator import Generator
+    from fastgemma.model.config import FULL, GEMMA4_TINY, SLIDING
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.quant import Int4Linear, Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    cfg_model = dataclasses.replace(GEMMA4_TINY, ple_dim=64, num_layers=4, num_kv_shared_layers=2,
+                                    layer_types=(SLIDING, FULL) * 2)
+    model = synthetic_model(cfg_model, "cpu", torch.bfloat16, seed=3)
+    model.step_attention = da.decode_attention_op
+    FuseLayers(backend="triton").apply(model)
+    Int4Quant(group_size=64, skip=("per_layer_input_gate",), backend="triton").apply(model)
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            cfg = (MmaConfig(1, 1) if name.endswith(("o_proj", "per_layer_projection"))
+                   else MmaConfig(2 if "gate_up" in name else 1, 1, 2, persist=1, fresh=True))
+            monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, False), cfg)
+    calls = {"rows": 0}
+    real_rows = fold_mod.mma_rows
+    monkeypatch.setattr(fold_mod, "mma_rows", lambda *a, **k: calls.__setitem__("rows", calls["rows"] + 1)
+                        or real_rows(*a, **k))
+    steps = {}
+    for fold in (False, True):
+        t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=fold)
+        t.apply(model)
+        t.validate(model)
+        steps[fold] = (model.fused_decode, model.fused_verify)
+    prompt, toks = torch.tensor([list(range(5, 24))]), torch.tensor([[40, 41, 42]])
+    P, T = prompt.shape[1], toks.shape[1]
+    cache0 = KVCache(cfg_model, 1, 32, dtype=torch.bfloat16)
+    Generator(model, cache0, prefill_chunk=32).prefill(prompt)  # the prompt's path has no fold
+    out = {}
+    for fold, (dec, ver) in steps.items():
+        model.fused_decode, model.fused_verify = dec, ver
+        caches = [copy.deepcopy(cache0) for _ in range(2)]
+        calls["rows"] = 0
+        wide = model.step(toks, torch.arange(P, P + T)[None], caches[0])  # [1, T, H]
+        assert calls["rows"] == (2 * cfg_model.num_layers - 1 if fold else 0)  # o per layer, each PLE projection
+        one = torch.cat([model.step(toks[:, i:i + 1], torch.tensor([[P + i]]), caches[1]) for i in range(T)], 1)
+        assert torch.equal(wide, one)
+        out[fold] = wide.float()
+    err = ((out[True] - out[False]).abs().max() / out[False].abs().max()).item()
+    assert err <= 0.1, err  # two valid bf16 roundings of a tiny random model (as in the test above)
 
 
 @pytest.mark.parametrize("N0,K0,N1,G,cfg0,cfg1,epilogue,scale", [

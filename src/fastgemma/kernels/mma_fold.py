@@ -15,6 +15,8 @@ independent), so a k+1-row verify pass gives its rows' one-row results bit for b
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -141,6 +143,10 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
         raise ValueError(f"mma_fold epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     _cuda_or_interpret(rows, "mma_fold")
     cfg = config or mma_config(N, K, M, epilogue)
+    if cols and cfg is not None and not cfg.hw:
+        # two accumulators and two x rows per lane: one lane row per thread (sm_90a, E4B's gate|up: 146
+        # registers, no spills; 255 and ~300 bytes spilled with a thread's two tiles)
+        cfg = dataclasses.replace(cfg, hw=cfg.warps * cfg.tiles)
     problem = consumer_problem(cfg, N, K, G, epilogue)
     if problem:
         raise ValueError(f"mma_fold: {problem}")
@@ -241,7 +247,7 @@ def mma_fold_op(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz
                 group_size: int, epilogue: str, res: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
                 scale: torch.Tensor | None, eps: float, offset: float, tiles: int, warps: int, depth: int, iters: int,
                 splits: int, persist: int, fresh: bool, hw: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = MmaWeight(words, sz, N, rows.shape[1], group_size)
+    weight = MmaWeight(words, sz, N, rows.shape[-1], group_size)
     return mma_fold(rows, parts, weight, res, y, post, scale, eps=eps, offset=offset, epilogue=epilogue,
                     config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl)
 

@@ -411,10 +411,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T, M)
     _pdl_wait(PDL)
     pv = 0.0
-    if (FOLD == 2) and COLS:  # each row's sums, added at once ([NPART, 8, 4] would hold too many registers)
-        pv = _fold_parts_cols(f_parts, NPART, NP2)
-        fin = _h_inputs_rows(f_res, f_y, f_post, pid, M, K, HB)
-    elif FOLD == 2:
+    if (FOLD == 2) and (not COLS):  # (COLS: each row's partials and h's inputs after the main loop: registers)
         pv = _fold_parts(f_parts, NPART, NP2)
         fin = _h_inputs(f_res, f_y, f_post, pid, K, HB)
     if (FOLD == 1) and ONE:
@@ -427,14 +424,14 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     if ONE:
         _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                      stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r,
-                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS)
+                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS, NPART, NP2)
     else:
         for j in range(0, NITER):
             buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr,
                                                 sz_ptr,
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
                                                 f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
-                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS)
+                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS, NPART, NP2)
 
 
 @triton.jit
@@ -443,7 +440,7 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, 
                  K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                  DEPTH: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HB: tl.constexpr, ONE: tl.constexpr, NS: tl.constexpr, PG: tl.constexpr,
-                 PD: tl.constexpr, COLS: tl.constexpr):
+                 PD: tl.constexpr, COLS: tl.constexpr, NPART: tl.constexpr, NP2: tl.constexpr):
     """`_mma_stream_kernel`'s step j: program tile pid + j * nprog from the groups in flight `buf`,
     the next tile's first ones loaded as this one's are used (none with ONE) -> (buf, the next tile's
     word and scale / zero pointers)."""
@@ -486,12 +483,13 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, 
             fa = _fold_res(it, it < NPT, f_res, T, M, N)
         _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T, M, stride_om, COLS)
     elif (FOLD == 2) and COLS:
-        r1, r2s = _fold_scalars_cols(pv, f_scale, eps, K, HAS_SCALE)
+        r1, r2s = _fold_scalars_cols(_fold_parts_cols(f_parts, NPART, NP2), f_scale, eps, K, HAS_SCALE)
         y2 = tl.sum(tl.reshape(acc2, (W, T * 32, 4)), axis=0)
         comb = _at_cols(r2s, T * 32) * (y + _at_cols(r1, T * 32) * y2)
         _tile_store(comb, it, it < NPT, out_ptr, M, stride_om, T, EPI)
         if (j == 0) & (pid * HB < K):
-            _h_store_rows(fin, r1, f_scale, f_h, off, pid, M, K, HB, HAS_SCALE)
+            _h_store_rows(_h_inputs_rows(f_res, f_y, f_post, pid, M, K, HB), r1, f_scale, f_h, off, pid, M, K, HB,
+                          HAS_SCALE)
     elif FOLD == 2:
         r1, r2s = _fold_scalars(pv, f_scale, eps, K, HAS_SCALE)
         _tile_store(_norm_combine(y, r1, r2s, T * 32), it, it < NPT, out_ptr, 1, stride_om, T, EPI)

@@ -190,9 +190,8 @@ def _fold_scalars_cols(tot, scale_ptr, eps, K: tl.constexpr, HAS_SCALE: tl.const
 
 @triton.jit
 def _at_cols(v, R: tl.constexpr):
-    """[8] per-row values -> [R, 4] in the accumulator layout (element c of lane r: column (r % 4) * 2 + c % 2)."""
-    m = ((tl.arange(0, R)[:, None] % 4) * 2 + tl.arange(0, 4)[None, :] % 2)[:, :, None]
-    return tl.sum(tl.where(m == tl.arange(0, 8)[None, None, :], v[None, None, :], 0.0), axis=2)
+    """[8] per-row values -> [R, 4] in the accumulator layout (element h*2 + p of lane g*4 + tq: column tq*2 + p)."""
+    return tl.reshape(tl.broadcast_to(tl.reshape(v, (1, 4, 1, 2)), (R // 4, 4, 2, 2)), (R, 4))
 
 
 @triton.jit
