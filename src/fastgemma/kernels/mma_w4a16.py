@@ -39,8 +39,8 @@ from .attn_fold import _col_sum, _part_group_ptrs, _part_weights, _part_x_ptrs
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
-from .norm_fold import (_at_cols, _fold_parts, _fold_parts_cols, _fold_res, _fold_scalars, _fold_scalars_cols,
-                        _fold_store, _fold_weights, _h_inputs, _h_inputs_rows, _h_store, _h_store_rows, _norm_combine)
+from .norm_fold import (_fold_parts, _fold_res, _fold_scalars, _fold_store, _fold_weights, _h_inputs, _h_store,
+                        _norm_combine)
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
@@ -329,12 +329,11 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
                       f_res, f_post, f_pre, f_rows, f_parts, off,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                       DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
-                      EMU: tl.constexpr, FOLD: tl.constexpr = 0, COLS: tl.constexpr = False):
+                      EMU: tl.constexpr, FOLD: tl.constexpr = 0):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
     next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
     (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them.
-    FOLD 1 (S 1): the producer's store of kernels/norm_fold.py (the f_ arguments; one row, or M rows
-    with COLS, its partials per row)."""
+    FOLD 1 (S 1, one row): the producer's store of kernels/norm_fold.py (the f_ arguments)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -359,11 +358,11 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
             nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
             nxt = _first_loads(nw_ptrs, nsz_ptrs, it + nprog < NPT, NG, NG, BG, R)
         if FOLD == 1:
-            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T, M)
-            fa = _fold_res(it, it < NPT, f_res, T, M, N)
+            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T)
+            fa = _fold_res(it, it < NPT, f_res, T)
         y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU)
         if FOLD == 1:
-            _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T, M, stride_om, COLS)
+            _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
         elif S > 1:
             _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T, S, EPI)
         else:
@@ -379,7 +378,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
                        FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
                        HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False,
-                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1, COLS: tl.constexpr = False):
+                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the source loads the next tile's first groups while the
@@ -391,10 +390,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     order, the store combines the two columns, programs < K / HB write h. ONE
     (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store).
     NS > 0 (one output row): x is an attention's NS split partials [Hkv, NS, PG, PD] (bf16) with their
-    lse at lse_ptr, the combine folded in (kernels/attn_fold.py). COLS (the row-wise fold, M rows, each
-    computed as it is at one row): FOLD 1 stores M rows and each row's partials; FOLD 2 takes x [2, M, K]
-    (the a p rows, then the u p rows) as two B operands, sums each row's two columns in two accumulators
-    with the same words, weighs them by that row's scalars and writes M rows of h."""
+    lse at lse_ptr, the combine folded in (kernels/attn_fold.py)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -408,39 +404,37 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
     fin = (0.0, 0.0, 0.0)  # FOLD 1, ONE: the producer tile's a, post, pre; FOLD 2: h's inputs; loaded early
     if (FOLD == 1) and ONE:
-        fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T, M)
+        fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T)
     _pdl_wait(PDL)
     pv = 0.0
-    if (FOLD == 2) and (not COLS):  # (COLS: each row's partials and h's inputs after the main loop: registers)
+    if FOLD == 2:
         pv = _fold_parts(f_parts, NPART, NP2)
         fin = _h_inputs(f_res, f_y, f_post, pid, K, HB)
     if (FOLD == 1) and ONE:
-        fin = (_fold_res(pid, pid < NPT, f_res, T, M, N), fpw, fp)
+        fin = (_fold_res(pid, pid < NPT, f_res, T), fpw, fp)
     if NS > 0:
         x_ptrs = _part_x_ptrs(x_ptr, r, oj, NS, PG, PD)
     else:
         x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
-    x2_ptrs = x_ptrs + M * (stride_xm // 2)  # COLS, FOLD 2: the u p rows
     if ONE:
-        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                      stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r,
-                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS, NPART, NP2)
+                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
     else:
         for j in range(0, NITER):
-            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr,
-                                                sz_ptr,
+            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr,
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
                                                 f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
-                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS, NPART, NP2)
+                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
 
 
 @triton.jit
-def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                  stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj,
                  K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                  DEPTH: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HB: tl.constexpr, ONE: tl.constexpr, NS: tl.constexpr, PG: tl.constexpr,
-                 PD: tl.constexpr, COLS: tl.constexpr, NPART: tl.constexpr, NP2: tl.constexpr):
+                 PD: tl.constexpr):
     """`_mma_stream_kernel`'s step j: program tile pid + j * nprog from the groups in flight `buf`,
     the next tile's first ones loaded as this one's are used (none with ONE) -> (buf, the next tile's
     word and scale / zero pointers)."""
@@ -451,7 +445,6 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, 
     nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
     more = it + nprog < NPT
     acc = tl.zeros((R, 4), dtype=tl.float32)
-    acc2 = tl.zeros((R, 4), dtype=tl.float32)  # COLS, FOLD 2: the u p columns
     for g in tl.static_range(NG):
         cur = buf[0]
         nbuf = ()
@@ -470,8 +463,6 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, 
                              wsel, True)
         else:
             acc = _group_acc(acc, cur, x_ptrs + g * BG * 32, BG, R, FRESH, EMU, 1.0, False)
-            if (FOLD == 2) and COLS:
-                acc2 = _group_acc(acc2, cur, x2_ptrs + g * BG * 32, BG, R, FRESH, EMU, 1.0, False)
     y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
     if NS > 0:
         y = _col_sum(y, T)
@@ -479,17 +470,9 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, 
         if ONE:  # loaded before the main loop (before the PDL wait for the weights)
             fa, fpw, fp = fin
         else:
-            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T, M)
-            fa = _fold_res(it, it < NPT, f_res, T, M, N)
-        _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T, M, stride_om, COLS)
-    elif (FOLD == 2) and COLS:
-        r1, r2s = _fold_scalars_cols(_fold_parts_cols(f_parts, NPART, NP2), f_scale, eps, K, HAS_SCALE)
-        y2 = tl.sum(tl.reshape(acc2, (W, T * 32, 4)), axis=0)
-        comb = _at_cols(r2s, T * 32) * (y + _at_cols(r1, T * 32) * y2)
-        _tile_store(comb, it, it < NPT, out_ptr, M, stride_om, T, EPI)
-        if (j == 0) & (pid * HB < K):
-            _h_store_rows(_h_inputs_rows(f_res, f_y, f_post, pid, M, K, HB), r1, f_scale, f_h, off, pid, M, K, HB,
-                          HAS_SCALE)
+            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T)
+            fa = _fold_res(it, it < NPT, f_res, T)
+        _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
     elif FOLD == 2:
         r1, r2s = _fold_scalars(pv, f_scale, eps, K, HAS_SCALE)
         _tile_store(_norm_combine(y, r1, r2s, T * 32), it, it < NPT, out_ptr, 1, stride_om, T, EPI)
