@@ -2,7 +2,6 @@
 one-row tensor-core int4 GEMVs folded into them. Under TRITON_INTERPRET=1 (mma emulated): the
 producer's store and the consumer's combine against float64 sums and their twins, h as
 kernels/residual_norm.py's kernel writes it, refusals, and the fused step with `fuse.norm_fold`."""
-import copy
 import dataclasses
 
 import pytest
@@ -184,117 +183,6 @@ def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
     assert max(errs) <= 0.1, errs
     with pytest.raises(ValueError, match="int4_mma"):
         FuseLayers(backend="triton", norm_fold=True)
-    # under batch_invariant the fold takes its row-wise form (test below); the attention's fold is off
-    t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, attn_qkv=True, batch_invariant=True,
-                   norm_fold=True, attn_fold=True)
-    assert t.describe()["norm_fold"] is True and t.describe()["attn_fold"] is False
-
-
-def test_verify_rows_with_the_fold_equal_the_one_row_steps(monkeypatch, wide_tiles):
-    """fuse.batch_invariant + fuse.norm_fold, bf16, int4 g64 on the tensor-core kernel (interpreter): a
-    3-row verify step through the row-wise fold gives every row's hidden state bit for bit as the one-row
-    steps at those positions (context past the window: the ring wraps), o and every PLE projection but
-    the last as the fold's producers, and stays within bf16 rounding of the step without the fold."""
-    import fastgemma.kernels.decode_attention as da
-    import fastgemma.kernels.mma_fold as fold_mod
-    import fastgemma.kernels.mma_w4a16 as mma_mod
-    from fastgemma.engine.cache import KVCache
-    from fastgemma.engine.generator import Generator
-    from fastgemma.model.config import FULL, GEMMA4_TINY, SLIDING
-    from fastgemma.transforms.fuse_layers import FuseLayers
-    from fastgemma.transforms.quant import Int4Linear, Int4Quant
-    from fastgemma.weights.synthetic import synthetic_model
-
-    cfg_model = dataclasses.replace(GEMMA4_TINY, ple_dim=64, num_layers=4, num_kv_shared_layers=2,
-                                    layer_types=(SLIDING, FULL) * 2)
-    model = synthetic_model(cfg_model, "cpu", torch.bfloat16, seed=3)
-    model.step_attention = da.decode_attention_op
-    FuseLayers(backend="triton").apply(model)
-    Int4Quant(group_size=64, skip=("per_layer_input_gate",), backend="triton").apply(model)
-    for name, m in model.named_modules():
-        if isinstance(m, Int4Linear):
-            cfg = (MmaConfig(1, 1) if name.endswith(("o_proj", "per_layer_projection"))
-                   else MmaConfig(2 if "gate_up" in name else 1, 1, 2, persist=1, fresh=True))
-            monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, False), cfg)
-    calls = {"rows": 0}
-    real_rows = fold_mod.mma_rows
-    monkeypatch.setattr(fold_mod, "mma_rows", lambda *a, **k: calls.__setitem__("rows", calls["rows"] + 1)
-                        or real_rows(*a, **k))
-    steps = {}
-    for fold in (False, True):
-        t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=fold)
-        t.apply(model)
-        t.validate(model)
-        steps[fold] = (model.fused_decode, model.fused_verify)
-    prompt, toks = torch.tensor([list(range(5, 24))]), torch.tensor([[40, 41, 42]])
-    P, T = prompt.shape[1], toks.shape[1]
-    cache0 = KVCache(cfg_model, 1, 32, dtype=torch.bfloat16)
-    Generator(model, cache0, prefill_chunk=32).prefill(prompt)  # the prompt's path has no fold
-    out = {}
-    for fold, (dec, ver) in steps.items():
-        model.fused_decode, model.fused_verify = dec, ver
-        caches = [copy.deepcopy(cache0) for _ in range(2)]
-        calls["rows"] = 0
-        wide = model.step(toks, torch.arange(P, P + T)[None], caches[0])  # [1, T, H]
-        assert calls["rows"] == (2 * cfg_model.num_layers - 1 if fold else 0)  # o per layer, each PLE projection
-        one = torch.cat([model.step(toks[:, i:i + 1], torch.tensor([[P + i]]), caches[1]) for i in range(T)], 1)
-        assert torch.equal(wide, one)
-        out[fold] = wide.float()
-    err = ((out[True] - out[False]).abs().max() / out[False].abs().max()).item()
-    assert err <= 0.1, err  # two valid bf16 roundings of a tiny random model (as in the test above)
-
-
-@pytest.mark.parametrize("N0,K0,N1,G,cfg0,cfg1,epilogue,scale", [
-    # persistent producer (4 tiles on 2 programs) and consumer; group 64
-    (128, 256, 192, 64, MmaConfig(1, 1, 2, persist=1), MmaConfig(1, 2, 1, persist=1, fresh=True), "none", True),
-    # the one-tile producer kernel (the PLE projection's), a GeGLU consumer with one pair per program; group 128
-    (128, 256, 96, 128, MmaConfig(2, 1), MmaConfig(2, 1, 2, persist=9, fresh=True), "geglu", False),
-])
-def test_row_wise_fold_gives_each_row_its_one_row_result(N0, K0, N1, G, cfg0, cfg1, epilogue, scale):
-    """cols=True: 5 rows through the producer and consumer at once equal each row through them alone, bit
-    for bit (the verify pass's rows equal the AR steps'), and match the twins and float64 per row."""
-    from fastgemma.kernels.mma_fold import mma_fold, mma_fold_ref, mma_rows, mma_rows_ref
-
-    M = 5
-    q0, s0, z0 = _weights(N0, K0, G, seed=N0 + K0)
-    q1, s1, z1 = _weights(N1, N0, G, seed=N1)
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(M, K0, generator=g).bfloat16()
-    a = (torch.randn(M, N0, generator=g) * 2).bfloat16()
-    post, pre = (torch.randn(N0, generator=g) * 0.3).bfloat16(), (torch.randn(N0, generator=g) * 0.3).bfloat16()
-    sc = torch.tensor([0.7]).bfloat16() if scale else None
-    eps, off = 1e-6, 1.0 if scale else 0.0
-    w0, w1 = MmaWeight.from_codes(q0, s0, z0, G), MmaWeight.from_codes(q1, s1, z1, G)
-
-    def run(xs, res):
-        y, rows, parts = mma_rows(xs, w0, res, post, pre, offset=off, config=cfg0, cols=True)
-        out, h = mma_fold(rows, parts, w1, res, y, post, sc, eps=eps, offset=off, epilogue=epilogue, config=cfg1)
-        return y, rows, parts, out, h
-
-    y, rows, parts, out, h = run(x, a)
-    assert rows.shape == (2, M, N0) and parts.shape[1:] == (8, 4) and out.shape[0] == M and h.shape == (M, N0)
-    for m in range(M):
-        y1, rows1, parts1, out1, h1 = run(x[m:m + 1].contiguous(), a[m:m + 1].contiguous())
-        assert torch.equal(y1[0], y[m]) and torch.equal(rows1[:, 0], rows[:, m])
-        assert torch.equal(parts1[:, 0], parts[:, m])
-        assert torch.equal(out1[0], out[m]) and torch.equal(h1[0], h[m])
-        # against float64, row by row
-        y64, h64, want = _exact(x[m:m + 1], q0, s0, z0, a[m:m + 1], post, pre, sc, q1, s1, z1, G, eps, off, epilogue)
-        assert (y[m].double() - y64[0]).abs().max().item() <= 2 ** -7 * y64.abs().max().item()
-        tol = (2 ** -6 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
-        assert (out[m].double() - want[0]).abs().max().item() <= tol
-        assert (h[m].double() - h64[0]).abs().max().item() <= 2 ** -6 * h64.abs().max().item()
-    _, rows_t, parts_t = mma_rows_ref(x, pack_int4(q0), s0, z0, G, a, post, pre, offset=off,
-                                      tile_rows=16 * cfg0.tiles, cols=True)
-    assert rows_t.shape == rows.shape and parts_t.shape == parts.shape
-    # the partials: each row's sums over each tile, from the kernel's own y (columns past M: zero)
-    yf, af = y.double(), a.double()
-    u = yf * (post.double() + off)
-    sums = torch.stack([yf * yf, af * af, af * u, u * u], -1).reshape(M, -1, 16 * cfg0.tiles, 4).sum(2)
-    assert torch.allclose(parts[:, :M].double(), sums.transpose(0, 1), rtol=1e-5, atol=1e-4)
-    assert (parts[:, M:] == 0).all()
-    ref, href = mma_fold_ref(rows, parts, pack_int4(q1), s1, z1, G, a, y, post, sc, eps=eps, offset=off,
-                             epilogue=epilogue)
-    tol = (2 ** -6 if epilogue == "none" else 2 ** -5) * ref.double().abs().max().item()
-    assert ref.shape == out.shape and (out.double() - ref.double()).abs().max().item() <= tol
-    assert href.shape == h.shape and (h.double() - href.double()).abs().max().item() <= 2 ** -6 * h.double().abs().max()
+    # the exact-tokens switch wins over the fold (a recipe with it + batch_invariant)
+    t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=True)
+    assert t.describe()["norm_fold"] is False and t.describe()["batch_invariant"] is True

@@ -7,11 +7,6 @@ their torch twins and their opaque ops for torch.compile.
 
 give, up to bf16 rounding, what kernels/residual_norm.py's launch between the two GEMVs gives:
 h = (a + rmsnorm(y) (post + off)) s and out = epilogue(rmsnorm(h) (pre + off) W_gu^T).
-
-The row-wise form (`cols=True` in mma_rows; mma_fold follows its partials): M <= 8 rows, each row's
-partials kept apart and each row summed, weighed and stored as at M = 1 (the mma's columns are
-independent), so a k+1-row verify pass gives its rows' one-row results bit for bit
-(fuse.batch_invariant with fuse.norm_fold).
 """
 from __future__ import annotations
 
@@ -39,9 +34,6 @@ def _vec(t: torch.Tensor, n: int, what: str, name: str) -> torch.Tensor:
     return t.reshape(-1).contiguous()
 
 
-COLS = 8  # the row-wise partials' rows per tile: one per B column
-
-
 def rows_tiles(N: int, cfg: MmaConfig) -> int:
     """The producer's tiles (rows of its partials) for W [N, K] on cfg."""
     return N // 16 // cfg.tiles
@@ -65,51 +57,43 @@ def consumer_problem(cfg: MmaConfig | None, N: int, K: int, G: int, epilogue: st
 
 def mma_rows(x: torch.Tensor, weight: MmaWeight, res: torch.Tensor, post: torch.Tensor, pre: torch.Tensor, *,
              offset: float = 0.0, config: MmaConfig | None = None, pdl: bool = False,
-             lse: torch.Tensor | None = None, cols: bool = False):
+             lse: torch.Tensor | None = None):
     """One row x [1, K] @ W^T -> (y [1, N] bf16, rows [2, N] bf16: a (pre + off) and y (post + off)
     (pre + off), parts [tiles, 4] fp32: each tile's sums of y^2, a^2, a u, u^2); a = res [N]. With lse:
     x is a one-row attention's split partials [Hkv, splits, heads per KV head, head dim] (bf16) and lse
     theirs [Hkv, splits, heads per KV head], combined in the GEMV (kernels/attn_fold.py; persistent
-    configs only). cols (the row-wise form): x [M, K], M <= 8, res [M, N] -> y [M, N], rows [2, M, N],
-    parts [tiles, 8, 4] (row m's sums in row m)."""
+    configs only)."""
     N, K, G = weight.N, weight.K, weight.group_size
-    M = x.shape[0] if cols and x.dim() == 2 else 1
-    cfg = config or mma_config(N, K, M)
-    if cols and (lse is not None or x.dim() != 2 or not 1 <= M <= COLS or x.shape[1] != K
-                 or x.dtype != torch.bfloat16 or x.stride(1) != 1):
-        raise ValueError(f"mma_rows(cols=True) takes bf16 rows x [M <= {COLS}, {K}], contiguous along K, no lse; "
-                         f"got {tuple(x.shape)} {x.dtype}")
+    cfg = config or mma_config(N, K, 1)
     if lse is not None:
         problem = parts_problem(x, lse, K, G) or (None if cfg is None or cfg.persist else
                                                   f"the partials take the persistent kernel (persist > 0), got {cfg}")
         if problem:
             raise ValueError(f"mma_rows: {problem}")
-    elif not cols and (x.dim() != 2 or x.shape != (1, K) or x.dtype != torch.bfloat16 or x.stride(1) != 1):
+    elif x.dim() != 2 or x.shape != (1, K) or x.dtype != torch.bfloat16 or x.stride(1) != 1:
         raise ValueError(f"mma_rows takes one bf16 row x [1, {K}], contiguous, got {tuple(x.shape)} {x.dtype}")
-    res = _vec(res, M * N, "res", "mma_rows")
-    post, pre = (_vec(t, N, w, "mma_rows") for t, w in ((post, "post"), (pre, "pre")))
+    res, post, pre = (_vec(t, N, w, "mma_rows") for t, w in ((res, "res"), (post, "post"), (pre, "pre")))
     _cuda_or_interpret(x, "mma_rows")
     problem = producer_problem(cfg, N, K, G)
     if problem:
         raise ValueError(f"mma_rows: {problem}")
     n_tiles = rows_tiles(N, cfg)
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    rows = torch.empty((2, M, N) if cols else (2, N), device=x.device, dtype=x.dtype)
-    parts = torch.empty((n_tiles, COLS, N_PARTS) if cols else (n_tiles, N_PARTS), device=x.device,
-                        dtype=torch.float32)
-    common = dict(K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=0, EMU=_INTERPRET, FOLD=1, COLS=cols,
-                  num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
+    out = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    rows = torch.empty(2, N, device=x.device, dtype=x.dtype)
+    parts = torch.empty(n_tiles, N_PARTS, device=x.device, dtype=torch.float32)
+    common = dict(K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=0, EMU=_INTERPRET, FOLD=1, num_warps=cfg.num_warps,
+                  **pdl_args(pdl, x.device))
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         niter = triton.cdiv(n_tiles, grid[0])
         part = dict(NS=x.shape[1], PG=x.shape[2], PD=x.shape[3]) if lse is not None else {}
-        _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
+        _mma_stream_kernel[grid](x, weight.words, weight.sz, out, 1, N, N // 2, x.stride(0), out.stride(0), n_tiles,
                                  niter, res, res, post, pre, res, rows, parts, res, 0.0, float(offset),
                                  lse if lse is not None else x, DEPTH=min(cfg.depth, K // cfg.warps // G),
                                  FRESH=cfg.fresh, ONE=niter == 1, **part, **common)
     else:
         grid = (triton.cdiv(n_tiles, cfg.iters),)
-        _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, out, out, M, N, N // 2, x.stride(0), out.stride(0),
+        _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, out, out, 1, N, N // 2, x.stride(0), out.stride(0),
                                 n_tiles, res, post, pre, rows, parts, float(offset), DEPTH=cfg.depth,
                                 ITERS=cfg.iters, S=1, **common)
     return out, rows, parts
@@ -120,44 +104,37 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
              epilogue: str = "none", config: MmaConfig | None = None, pdl: bool = False):
     """From `mma_rows`' rows [2, K] and parts [P, 4] (its a = res, its y and post): one row of
     epilogue(rmsnorm(h) (pre + off) @ W^T) -> (out [1, N] (geglu: [1, N/2]), h [1, K]), where
-    h = (a + rmsnorm(y) (post + off)) * scale (pre is in the rows). The row-wise form (parts
-    [P, 8, 4], rows [2, M, K], res and y [M, K]): M rows of each."""
+    h = (a + rmsnorm(y) (post + off)) * scale (pre is in the rows)."""
     N, K, G = weight.N, weight.K, weight.group_size
-    cols = parts.dim() == 3
-    M = rows.shape[1] if cols and rows.dim() == 3 else 1
-    want = (2, M, K) if cols else (2, K)
-    if tuple(rows.shape) != want or rows.dtype != torch.bfloat16 or not rows.is_contiguous() or M > COLS:
-        raise ValueError(f"mma_fold takes the producer's rows {list(want)} bf16 (M <= {COLS}), got "
-                         f"{tuple(rows.shape)} {rows.dtype}")
-    pw = (COLS, N_PARTS) if cols else (N_PARTS,)
-    if tuple(parts.shape[1:]) != pw or parts.dtype != torch.float32 or not parts.is_contiguous():
-        raise ValueError(f"mma_fold takes the producer's parts [tiles, {', '.join(map(str, pw))}] fp32, got "
-                         f"{tuple(parts.shape)} {parts.dtype}")
-    res, y = (_vec(t, M * K, w, "mma_fold") for t, w in ((res, "res"), (y, "y")))
-    post = _vec(post, K, "post", "mma_fold")
+    if rows.dim() != 2 or rows.shape != (2, K) or rows.dtype != torch.bfloat16 or not rows.is_contiguous():
+        raise ValueError(f"mma_fold takes the producer's rows [2, {K}] bf16, got {tuple(rows.shape)} {rows.dtype}")
+    if parts.dim() != 2 or parts.shape[1] != N_PARTS or parts.dtype != torch.float32 or not parts.is_contiguous():
+        raise ValueError(f"mma_fold takes the producer's parts [tiles, {N_PARTS}] fp32, got {tuple(parts.shape)} "
+                         f"{parts.dtype}")
+    res, y, post = (_vec(t, K, w, "mma_fold") for t, w in ((res, "res"), (y, "y"), (post, "post")))
     if scale is not None and (scale.numel() != 1 or not scale.is_floating_point()):
         raise ValueError(f"mma_fold: scale is one float value, got {tuple(scale.shape)} {scale.dtype}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"mma_fold epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     _cuda_or_interpret(rows, "mma_fold")
-    cfg = config or mma_config(N, K, M, epilogue)
+    cfg = config or mma_config(N, K, 1, epilogue)
     problem = consumer_problem(cfg, N, K, G, epilogue)
     if problem:
         raise ValueError(f"mma_fold: {problem}")
     epi = EPILOGUES[epilogue]
-    out = torch.empty(M, N // 2 if epi else N, device=rows.device, dtype=rows.dtype)
-    h = torch.empty(M, K, device=rows.device, dtype=rows.dtype)
+    out = torch.empty(1, N // 2 if epi else N, device=rows.device, dtype=rows.dtype)
+    h = torch.empty(1, K, device=rows.device, dtype=rows.dtype)
     n_tiles = (N // 2) // 16 if epi else N // 16 // cfg.tiles
     grid = (persistent_programs(n_tiles, cfg.persist, rows.device),)
     hb = max(64, triton.next_power_of_2(triton.cdiv(K, grid[0])))  # h's entries per writing program
     niter = triton.cdiv(n_tiles, grid[0])
-    _mma_stream_kernel[grid](rows, weight.words, weight.sz, out, M if cols else 2, N, N // 2, K, out.stride(0), n_tiles,
+    _mma_stream_kernel[grid](rows, weight.words, weight.sz, out, 2, N, N // 2, K, out.stride(0), n_tiles,
                              niter, res, y, post, res, scale if scale is not None else res,
                              rows, parts, h, float(eps), float(offset), rows,
                              K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                              DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                              FOLD=2, NPART=parts.shape[0], NP2=parts_block(parts.shape[0]),
-                             HAS_SCALE=scale is not None, HB=hb, ONE=niter == 1, COLS=cols,
+                             HAS_SCALE=scale is not None, HB=hb, ONE=niter == 1,
                              num_warps=cfg.num_warps, **pdl_args(pdl, rows.device))
     return out, h
 
@@ -167,36 +144,29 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
 
 
 def mma_rows_ref(x, qweight, scales, zeros, group_size: int, res, post, pre, *, offset: float = 0.0,
-                 tile_rows: int = 16, cols: bool = False):
+                 tile_rows: int = 16):
     """The twin of `mma_rows` from the standard packing; tile_rows: 16 x the config's tiles."""
     y = mma_w4a16_ref(x, qweight, scales, zeros, group_size)
-    M, N = y.shape
-    a, yf = res.reshape(M, N).float(), y.float()
+    a, yf = res.reshape(-1).float(), y.reshape(-1).float()
     u = yf * (post.reshape(-1).float() + offset)
     p = pre.reshape(-1).float() + offset
     rows = torch.stack([a * p, u * p]).to(y.dtype)
-    per_tile = torch.stack([yf * yf, a * a, a * u, u * u], dim=-1).reshape(M, -1, tile_rows, N_PARTS).sum(2)
-    if not cols:
-        return y, rows.reshape(2, N), per_tile[0]
-    parts = per_tile.new_zeros(per_tile.shape[1], COLS, N_PARTS)
-    parts[:, :M] = per_tile.transpose(0, 1)
-    return y, rows, parts
+    per_tile = torch.stack([yf * yf, a * a, a * u, u * u], dim=-1).reshape(-1, tile_rows, N_PARTS).sum(1)
+    return y, rows, per_tile
 
 
 def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, post, scale=None, *, eps: float,
                  offset: float = 0.0, epilogue: str = "none"):
     """The twin of `mma_fold`: fp32 sums of the two rows, combined, the epilogue rounded as the kernel
-    rounds; h as kernels/residual_norm.py rounds it, with the partials' r1 (each row's, row-wise)."""
-    K = rows.shape[-1]
-    M = rows.shape[1] if parts.dim() == 3 else 1
+    rounds; h as kernels/residual_norm.py rounds it, with the partials' r1."""
+    K = rows.shape[1]
     dt = rows.dtype
-    tot = parts.double().sum(0).float().reshape(-1, N_PARTS)[:M]  # [M, 4]
-    syy, saa, sau, suu = tot.unbind(-1)
-    r1 = torch.rsqrt(syy / K + eps)[:, None]
+    syy, saa, sau, suu = parts.double().sum(0).float()
+    r1 = torch.rsqrt(syy / K + eps)
     s = scale.reshape(()).float() if scale is not None else torch.tensor(1.0)
-    r2s = s * torch.rsqrt(s * s * (saa + r1[:, 0] * (2 * sau + r1[:, 0] * suu)) / K + eps)[:, None]
+    r2s = s * torch.rsqrt(s * s * (saa + r1 * (2 * sau + r1 * suu)) / K + eps)
     w = dequantize_int4(qweight, scales, zeros, group_size, dtype=torch.float32)
-    d = F.linear(rows.float().reshape(2, M, K), w)
+    d = F.linear(rows.float(), w)
     out = r2s * (d[0] + r1 * d[1])
     if epilogue == "geglu":
         gate, up = out.chunk(2, dim=-1)
@@ -205,10 +175,10 @@ def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, p
     def rnd(t):
         return t.to(dt).float()
 
-    h = rnd(res.reshape(M, K).float() + rnd(y.reshape(M, K).float() * r1 * (post.reshape(-1).float() + offset)))
+    h = rnd(res.reshape(-1).float() + rnd(y.reshape(-1).float() * r1 * (post.reshape(-1).float() + offset)))
     if scale is not None:
         h = rnd(h * s)
-    return out.to(dt), h.to(dt)
+    return out.to(dt).reshape(1, -1), h.to(dt).reshape(1, -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,21 +189,19 @@ def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, p
 def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, res: torch.Tensor,
                 post: torch.Tensor, pre: torch.Tensor, offset: float, tiles: int, warps: int, depth: int, iters: int,
                 splits: int, persist: int, fresh: bool, hw: int, pdl: bool,
-                lse: torch.Tensor | None = None, cols: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """lse given: x is an attention's split partials; cols: the row-wise form (`mma_rows`)."""
+                lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lse given: x is an attention's split partials (`mma_rows`)."""
     weight = MmaWeight(words, sz, N, words.shape[1] * 64, group_size)  # words [N/16, K/64, 32, 4]
     return mma_rows(x, weight, res, post, pre, offset=offset,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl, lse=lse,
-                    cols=cols)
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl, lse=lse)
 
 
 
 @mma_rows_op.register_fake
 def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, iters, splits, persist, fresh, hw,
-      pdl, lse=None, cols=False):
-    M, n_tiles = (x.shape[0] if cols else 1), rows_tiles(N, MmaConfig(tiles))
-    return (x.new_empty((M, N)), x.new_empty((2, M, N) if cols else (2, N)),
-            x.new_empty((n_tiles, COLS, N_PARTS) if cols else (n_tiles, N_PARTS), dtype=torch.float32))
+      pdl, lse=None):
+    return (x.new_empty((1, N)), x.new_empty((2, N)),
+            x.new_empty((rows_tiles(N, MmaConfig(tiles)), N_PARTS), dtype=torch.float32))
 
 
 @torch.library.custom_op("fastgemma::mma_fold", mutates_args=())
@@ -241,7 +209,7 @@ def mma_fold_op(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz
                 group_size: int, epilogue: str, res: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
                 scale: torch.Tensor | None, eps: float, offset: float, tiles: int, warps: int, depth: int, iters: int,
                 splits: int, persist: int, fresh: bool, hw: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = MmaWeight(words, sz, N, rows.shape[-1], group_size)
+    weight = MmaWeight(words, sz, N, rows.shape[1], group_size)
     return mma_fold(rows, parts, weight, res, y, post, scale, eps=eps, offset=offset, epilogue=epilogue,
                     config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl)
 
@@ -249,5 +217,4 @@ def mma_fold_op(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz
 @mma_fold_op.register_fake
 def _(rows, parts, words, sz, N, group_size, epilogue, res, y, post, scale, eps, offset, tiles, warps, depth, iters,
       splits, persist, fresh, hw, pdl):
-    M = rows.shape[1] if parts.dim() == 3 else 1
-    return rows.new_empty((M, N // 2 if epilogue == "geglu" else N)), rows.new_empty((M, rows.shape[-1]))
+    return rows.new_empty((1, N // 2 if epilogue == "geglu" else N)), rows.new_empty((1, rows.shape[1]))

@@ -39,8 +39,8 @@ from .attn_fold import _col_sum, _part_group_ptrs, _part_weights, _part_x_ptrs
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
-from .norm_fold import (_at_rows, _fold_parts, _fold_parts_cols, _fold_res, _fold_scalars, _fold_scalars_cols,
-                        _fold_store, _fold_weights, _h_inputs, _h_inputs_rows, _h_store, _h_store_rows, _norm_combine)
+from .norm_fold import (_fold_parts, _fold_res, _fold_scalars, _fold_store, _fold_weights, _h_inputs, _h_store,
+                        _norm_combine)
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
@@ -230,32 +230,17 @@ def _first_loads(w_ptrs, sz_ptrs, ok, NG: tl.constexpr, DEPTH: tl.constexpr, BG:
 
 
 @triton.jit
-def _combine_words(a, u, c1, c2):
-    """Two rows' bf16 pairs (int32 words) -> the words of c2 (a + c1 u), each value rounded to bf16."""
-    alo, ahi = _bf16_pairs(a)
-    ulo, uhi = _bf16_pairs(u)
-    lo = (c2 * (alo + c1 * ulo)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = (c2 * (ahi + c1 * uhi)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-    return lo | (hi << 16)
-
-
-@triton.jit
 def _group_acc(acc, grp, xg, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr,
-               wsel, WEIGH: tl.constexpr, xg2=0, c1=0.0, c2=0.0, COMBINE: tl.constexpr = False):
+               wsel, WEIGH: tl.constexpr):
     """acc + a group's sums from its words `grp` (BG word blocks, then the scale / zero words) and its x
     words from xg (the group's first block): P = sum (128 + q) x and sum x by the mmas, then s P +
     (z - 128 s) sum x (WEIGH: times wsel, kernels/attn_fold.py's weights). FRESH: each 64-k block's mmas
-    start from zero and are added after (chains of 4 dependent mmas instead of one through the group).
-    COMBINE (the row-wise norm fold's consumer): x = c2 (row at xg + c1 row at xg2), rounded to bf16, the
-    lane's row's scalars c1, c2 [R, 4]."""
+    start from zero and are added after (chains of 4 dependent mmas instead of one through the group)."""
     p = tl.zeros((R, 4), dtype=tl.float32)
     xs = tl.zeros((R, 4), dtype=tl.float32)
     for i in tl.static_range(BG):
         xa = tl.load(xg + i * 32)
         xb = tl.load(xg + i * 32 + 4)
-        if COMBINE:
-            xa = _combine_words(xa, tl.load(xg2 + i * 32), c1, c2)
-            xb = _combine_words(xb, tl.load(xg2 + i * 32 + 4), c1, c2)
         if FRESH:
             xs += _ones_mma(xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
             p += _tile_mma(grp[i], xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
@@ -344,12 +329,11 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
                       f_res, f_post, f_pre, f_rows, f_parts, off,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                       DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
-                      EMU: tl.constexpr, FOLD: tl.constexpr = 0, COLS: tl.constexpr = False):
+                      EMU: tl.constexpr, FOLD: tl.constexpr = 0):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
     next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
     (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them.
-    FOLD 1 (S 1): the producer's store of kernels/norm_fold.py (the f_ arguments; one row, or M rows
-    with COLS, its partials per row)."""
+    FOLD 1 (S 1, one row): the producer's store of kernels/norm_fold.py (the f_ arguments)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -374,11 +358,11 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
             nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
             nxt = _first_loads(nw_ptrs, nsz_ptrs, it + nprog < NPT, NG, NG, BG, R)
         if FOLD == 1:
-            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T, M)
-            fa = _fold_res(it, it < NPT, f_res, T, M, N)
+            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T)
+            fa = _fold_res(it, it < NPT, f_res, T)
         y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU)
         if FOLD == 1:
-            _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T, M, stride_om, COLS)
+            _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
         elif S > 1:
             _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T, S, EPI)
         else:
@@ -394,7 +378,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
                        FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
                        HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False,
-                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1, COLS: tl.constexpr = False):
+                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the source loads the next tile's first groups while the
@@ -406,10 +390,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     order, the store combines the two columns, programs < K / HB write h. ONE
     (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store).
     NS > 0 (one output row): x is an attention's NS split partials [Hkv, NS, PG, PD] (bf16) with their
-    lse at lse_ptr, the combine folded in (kernels/attn_fold.py). COLS (the row-wise fold, M rows, each
-    computed as it is at one row): FOLD 1 stores M rows and each row's partials; FOLD 2 reduces each
-    row's partials right after the wait, takes x [2, M, K] (the a p rows, then the u p rows) and feeds
-    the mmas x = r2 s (a p + r1 u p) rounded to bf16, row by row, and writes M rows of h."""
+    lse at lse_ptr, the combine folded in (kernels/attn_fold.py)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -423,42 +404,37 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
     fin = (0.0, 0.0, 0.0)  # FOLD 1, ONE: the producer tile's a, post, pre; FOLD 2: h's inputs; loaded early
     if (FOLD == 1) and ONE:
-        fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T, M)
+        fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T)
     _pdl_wait(PDL)
     pv = 0.0
-    if (FOLD == 2) and COLS:  # each row's scalars before the first x: the rows are combined as they load
-        r1, r2s = _fold_scalars_cols(_fold_parts_cols(f_parts, NPART, NP2), f_scale, eps, K, HAS_SCALE)
-        pv = (r1, _at_rows(r1, R), _at_rows(r2s, R))
-    elif FOLD == 2:
+    if FOLD == 2:
         pv = _fold_parts(f_parts, NPART, NP2)
         fin = _h_inputs(f_res, f_y, f_post, pid, K, HB)
     if (FOLD == 1) and ONE:
-        fin = (_fold_res(pid, pid < NPT, f_res, T, M, N), fpw, fp)
+        fin = (_fold_res(pid, pid < NPT, f_res, T), fpw, fp)
     if NS > 0:
         x_ptrs = _part_x_ptrs(x_ptr, r, oj, NS, PG, PD)
     else:
         x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
-    x2_ptrs = x_ptrs + M * (stride_xm // 2)  # COLS, FOLD 2: the u p rows
     if ONE:
-        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                      stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r,
-                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS, NPART, NP2)
+                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
     else:
         for j in range(0, NITER):
-            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr,
-                                                sz_ptr,
+            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr,
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
                                                 f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
-                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, COLS, NPART, NP2)
+                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
 
 
 @triton.jit
-def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                  stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj,
                  K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                  DEPTH: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HB: tl.constexpr, ONE: tl.constexpr, NS: tl.constexpr, PG: tl.constexpr,
-                 PD: tl.constexpr, COLS: tl.constexpr, NPART: tl.constexpr, NP2: tl.constexpr):
+                 PD: tl.constexpr):
     """`_mma_stream_kernel`'s step j: program tile pid + j * nprog from the groups in flight `buf`,
     the next tile's first ones loaded as this one's are used (none with ONE) -> (buf, the next tile's
     word and scale / zero pointers)."""
@@ -485,9 +461,6 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, 
                 wsel = _part_weights(lse_ptr, r, oj, g, NS, K, GROUP, T, W, PG, PD)
             acc = _group_acc(acc, cur, _part_group_ptrs(x_ptrs, r, g, NS, K, GROUP, T, W, PG, PD), BG, R, FRESH, EMU,
                              wsel, True)
-        elif (FOLD == 2) and COLS:
-            acc = _group_acc(acc, cur, x_ptrs + g * BG * 32, BG, R, FRESH, EMU, 1.0, False, x2_ptrs + g * BG * 32,
-                             pv[1], pv[2], True)
         else:
             acc = _group_acc(acc, cur, x_ptrs + g * BG * 32, BG, R, FRESH, EMU, 1.0, False)
     y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
@@ -497,14 +470,9 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, x2_ptrs, pv, fin, 
         if ONE:  # loaded before the main loop (before the PDL wait for the weights)
             fa, fpw, fp = fin
         else:
-            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T, M)
-            fa = _fold_res(it, it < NPT, f_res, T, M, N)
-        _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T, M, stride_om, COLS)
-    elif (FOLD == 2) and COLS:
-        _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
-        if (j == 0) & (pid * HB < K):
-            _h_store_rows(_h_inputs_rows(f_res, f_y, f_post, pid, M, K, HB), pv[0], f_scale, f_h, off, pid, M, K, HB,
-                          HAS_SCALE)
+            fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T)
+            fa = _fold_res(it, it < NPT, f_res, T)
+        _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
     elif FOLD == 2:
         r1, r2s = _fold_scalars(pv, f_scale, eps, K, HAS_SCALE)
         _tile_store(_norm_combine(y, r1, r2s, T * 32), it, it < NPT, out_ptr, 1, stride_om, T, EPI)

@@ -40,61 +40,52 @@ N_PARTS = 4  # sum y^2, sum a^2, sum a u, sum u^2
 
 
 @triton.jit
-def _fold_rows_idx(it, ok, T: tl.constexpr, M):
-    """A producer tile's [T*32, 4] sums: output entry, B column (= input row) and validity (element c
-    of lane r % 32 = g*4 + tq: entry g + 8 (c // 2) of tile it*T + r // 32, column tq * 2 + c % 2; the
-    M rows are columns 0 .. M - 1)."""
+def _fold_rows_idx(it, ok, T: tl.constexpr):
+    """A producer tile's [T*32, 4] sums at one row: output index and validity (element c of lane
+    r % 32 = g*4 + tq: row g + 8 (c // 2) of tile it*T + r // 32, B column tq * 2 + c % 2; the one
+    row is column 0)."""
     rt = tl.arange(0, T * 32)[:, None]
     c2 = tl.arange(0, 4)[None, :]
     rows = (it * T + rt // 32) * 16 + rt % 32 // 4 + 8 * (c2 // 2)
-    m = (rt % 4) * 2 + c2 % 2
-    return rows, m, (m < M) & ok
+    return rows, (rt % 4 == 0) & (c2 % 2 == 0) & ok
 
 
 @triton.jit
-def _fold_weights(it, ok, post_ptr, pre_ptr, T: tl.constexpr, M):
+def _fold_weights(it, ok, post_ptr, pre_ptr, T: tl.constexpr):
     """The producer tile's post and pre at its output entries, as stored (weights: loadable before
     the PDL wait)."""
-    rows, _, valid = _fold_rows_idx(it, ok, T, M)
+    rows, valid = _fold_rows_idx(it, ok, T)
     return tl.load(post_ptr + rows, mask=valid, other=0.0), tl.load(pre_ptr + rows, mask=valid, other=0.0)
 
 
 @triton.jit
-def _fold_res(it, ok, res_ptr, T: tl.constexpr, M, N):
-    """The producer tile's a at its output entries, row m of res [M, N] in column m (an earlier
-    kernel's output: after the wait)."""
-    rows, m, valid = _fold_rows_idx(it, ok, T, M)
-    return tl.load(res_ptr + m * N + rows, mask=valid, other=0.0)
+def _fold_res(it, ok, res_ptr, T: tl.constexpr):
+    """The producer tile's a at its output entries (an earlier kernel's output: after the wait)."""
+    rows, valid = _fold_rows_idx(it, ok, T)
+    return tl.load(res_ptr + rows, mask=valid, other=0.0)
 
 
 @triton.jit
-def _fold_store(y, it, ok, out_ptr, a, pw, p, rows_ptr, parts_ptr, N, off, T: tl.constexpr, M, stride_om,
-                COLS: tl.constexpr):
+def _fold_store(y, it, ok, out_ptr, a, pw, p, rows_ptr, parts_ptr, N, off, T: tl.constexpr):
     """The producer's store: y (rounded), rows_ptr[0] = a p and rows_ptr[1] = u p at the tile's
     entries (p = pre + off, u = y (post + off)), and parts[it] = (sum y^2, sum a^2, sum a u, sum u^2)
-    over them, the four in one reduction. COLS (the row-wise fold, M rows): rows_ptr [2, M, N], and
-    parts[it] [8, 4] holds those sums per B column (row m in column m)."""
+    over them, the four in one reduction."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
     R: tl.constexpr = T * 32
-    rows, m, valid = _fold_rows_idx(it, ok, T, M)
+    rows, valid = _fold_rows_idx(it, ok, T)
     yb = tl.where(valid, _rnd(y, DT), 0.0)
-    tl.store(out_ptr + m * stride_om + rows, yb.to(DT), mask=valid)
+    tl.store(out_ptr + rows, yb.to(DT), mask=valid)
     a = a.to(tl.float32)
     u = yb * (pw.to(tl.float32) + off)
     p = p.to(tl.float32) + off
-    tl.store(rows_ptr + m * N + rows, (a * p).to(DT), mask=valid)
-    tl.store(rows_ptr + (M + m) * N + rows, (u * p).to(DT), mask=valid)
-    if COLS:  # [R, 4, 2, 2] -> per B column (y^2, a^2, a u, u^2), the four in one reduction
-        q = tl.join(tl.join(yb * yb, a * u), tl.join(a * a, u * u))
-        tot = tl.sum(tl.sum(tl.sum(tl.reshape(q, (T, 8, 4, 2, 2, 4)), axis=3), axis=1), axis=0)  # [tq, p, 4]
-        tl.store(parts_ptr + it * 32 + tl.arange(0, 32), tl.reshape(tot, (32,)), mask=(tl.arange(0, 32) < 32) & ok)
-    else:
-        # each lane's sums, then [R, 2, 2] -> [R, 4]: (y^2, a^2, a u, u^2) (a join nests its pair innermost),
-        # the four added over the program in one reduction
-        sq = tl.join(tl.join(tl.sum(yb * yb, axis=1), tl.sum(a * u, axis=1)),
-                     tl.join(tl.sum(a * a, axis=1), tl.sum(u * u, axis=1)))
-        tot = tl.sum(tl.reshape(sq, (R, 4)), axis=0)
-        tl.store(parts_ptr + it * 4 + tl.arange(0, 4), tot, mask=(tl.arange(0, 4) < 4) & ok)
+    tl.store(rows_ptr + rows, (a * p).to(DT), mask=valid)
+    tl.store(rows_ptr + N + rows, (u * p).to(DT), mask=valid)
+    # each lane's sums, then [R, 2, 2] -> [R, 4]: (y^2, a^2, a u, u^2) (a join nests its pair innermost),
+    # the four added over the program in one reduction
+    sq = tl.join(tl.join(tl.sum(yb * yb, axis=1), tl.sum(a * u, axis=1)),
+                 tl.join(tl.sum(a * a, axis=1), tl.sum(u * u, axis=1)))
+    tot = tl.sum(tl.reshape(sq, (R, 4)), axis=0)
+    tl.store(parts_ptr + it * 4 + tl.arange(0, 4), tot, mask=(tl.arange(0, 4) < 4) & ok)
 
 
 @triton.jit
@@ -152,62 +143,6 @@ def _h_store(hin, r1, scale_ptr, h_ptr, off, pid, K: tl.constexpr, HB: tl.conste
         s = tl.load(scale_ptr).to(tl.float32)
     h = _h_values(a.to(tl.float32), y.to(tl.float32), post.to(tl.float32), r1, s, off, HAS_SCALE, DT)
     tl.store(h_ptr + k, h.to(DT), mask=k < K)
-
-
-@triton.jit
-def _fold_parts_cols(parts_ptr, NPART: tl.constexpr, NP2: tl.constexpr):
-    """The row-wise producer's partials [NPART, 8, 4] added in tile order -> [8, 4]: each row's sums."""
-    i = tl.arange(0, NP2)[:, None]
-    c = tl.arange(0, 32)[None, :]
-    pv = tl.load(parts_ptr + i * 32 + c, mask=(i < NPART) & (c < 32), other=0.0)
-    return tl.reshape(tl.sum(pv, axis=0), (8, 4))
-
-
-@triton.jit
-def _fold_scalars_cols(tot, scale_ptr, eps, K: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """Each row's sums [8, 4] -> (r1, r2 s) [8]: the weights of its two columns' sums."""
-    c = tl.arange(0, 4)[None, :]
-    syy = tl.sum(tl.where(c == 0, tot, 0.0), axis=1)
-    saa = tl.sum(tl.where(c == 1, tot, 0.0), axis=1)
-    sau = tl.sum(tl.where(c == 2, tot, 0.0), axis=1)
-    suu = tl.sum(tl.where(c == 3, tot, 0.0), axis=1)
-    r1 = 1.0 / tl.sqrt(syy / K + eps)
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr).to(tl.float32)
-    hh = s * s * (saa + r1 * (2.0 * sau + r1 * suu))
-    return r1, s / tl.sqrt(hh / K + eps)
-
-
-@triton.jit
-def _at_rows(v, R: tl.constexpr):
-    """[8] per-row values -> [R, 4] in the B operand's layout (lane g*4 + tq of each warp slot loads row g)."""
-    return tl.reshape(tl.broadcast_to(tl.reshape(v, (1, 8, 1, 1)), (R // 32, 8, 4, 4)), (R, 4))
-
-
-@triton.jit
-def _h_inputs_rows(a_ptr, y_ptr, post_ptr, pid, M, K: tl.constexpr, HB: tl.constexpr):
-    """`_h_inputs` for M rows: [8, HB] each (rows past M, entries past K: zero)."""
-    k = pid * HB + tl.arange(0, HB)[None, :]
-    m = tl.arange(0, 8)[:, None]
-    ok = (k < K) & (m < M)
-    return (tl.load(a_ptr + m * K + k, mask=ok, other=0.0), tl.load(y_ptr + m * K + k, mask=ok, other=0.0),
-            tl.load(post_ptr + k + m * 0, mask=ok, other=0.0))
-
-
-@triton.jit
-def _h_store_rows(hin, r1, scale_ptr, h_ptr, off, pid, M, K: tl.constexpr, HB: tl.constexpr,
-                  HAS_SCALE: tl.constexpr):
-    """`_h_store` for M rows, row m with its own r1 (r1 [8])."""
-    DT: tl.constexpr = h_ptr.dtype.element_ty
-    a, y, post = hin
-    k = pid * HB + tl.arange(0, HB)[None, :]
-    m = tl.arange(0, 8)[:, None]
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr).to(tl.float32)
-    h = _h_values(a.to(tl.float32), y.to(tl.float32), post.to(tl.float32), r1[:, None], s, off, HAS_SCALE, DT)
-    tl.store(h_ptr + m * K + k, h.to(DT), mask=(k < K) & (m < M))
 
 
 def parts_block(n_parts: int) -> int:

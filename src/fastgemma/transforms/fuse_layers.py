@@ -153,21 +153,20 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
 
 
 class _Fold:
-    """fuse.norm_fold: the residual update + norm between two tensor-core GEMVs folded into them
-    (kernels/norm_fold.py): `pair` says whether a producer / consumer pair takes it at M rows,
-    `produce` runs the producer (its output, the two rows and the partials), `consume` the consumer
-    (its output and h). rows: the row-wise form (kernels/mma_fold.py, each row's partials apart: the
-    verify pass, and the one-row step under batch_invariant, whose rows it then gives bit for bit);
-    invariant: the tensor-core kernel's configs of batch_invariant (one at every row count)."""
+    """fuse.norm_fold: the residual update + norm between two one-row tensor-core GEMVs folded into
+    them (kernels/norm_fold.py): `pair` says whether a producer / consumer pair takes it, `produce`
+    runs the producer (its output, the two rows and the partials), `consume` the consumer (its
+    output and h)."""
 
-    def __init__(self, eps: float, off: float, pdl: bool, rows: bool = False, invariant: bool = False):
-        self.eps, self.off, self.pdl, self.rows, self.invariant = eps, off, pdl, rows, invariant
+    def __init__(self, eps: float, off: float, pdl: bool):
+        self.eps, self.off, self.pdl = eps, off, pdl
 
-    def pair(self, prod, cons, epilogue: str, M: int = 1) -> bool:
+    @staticmethod
+    def pair(prod, cons, epilogue: str) -> bool:
         from ..kernels.mma_fold import consumer_problem, producer_problem
 
-        pc = _mma_cfg(prod, M, "none", torch.bfloat16, self.invariant)
-        cc = _mma_cfg(cons, M, epilogue, torch.bfloat16, self.invariant)
+        pc = _mma_cfg(prod, 1, "none", torch.bfloat16)
+        cc = _mma_cfg(cons, 1, epilogue, torch.bfloat16)
         return (pc is not None and cc is not None and prod.out_features == cons.in_features
                 and producer_problem(pc, prod.out_features, prod.in_features, prod.group_size) is None
                 and consumer_problem(cc, cons.out_features, cons.in_features, cons.group_size, epilogue) is None)
@@ -184,21 +183,20 @@ class _Fold:
                 and parts_shape_problem(heads, head_dim, splits, prod.in_features, prod.group_size) is None)
 
     def produce(self, x, mod, res, post, pre):
-        """x: the activation rows [M, K] (one row unless `rows`), or (o_part, lse): a one-row attention's
-        split partials."""
+        """x: the activation row, or (o_part, lse): a one-row attention's split partials."""
         from ..kernels.mma_fold import mma_rows_op
         from ..kernels.mma_w4a16 import config_args
 
-        x, lse = x if isinstance(x, tuple) else (x.reshape(-1, mod.in_features), None)
-        cfg = _mma_cfg(mod, x.shape[0] if lse is None else 1, "none", x.dtype, self.invariant)
+        x, lse = x if isinstance(x, tuple) else (x.reshape(1, -1), None)
+        cfg = _mma_cfg(mod, 1, "none", x.dtype)
         return mma_rows_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size,
-                           res.reshape(-1), post, pre, self.off, *config_args(cfg), self.pdl, lse, self.rows)
+                           res.reshape(-1), post, pre, self.off, *config_args(cfg), self.pdl, lse)
 
     def consume(self, mod, rows, parts, res, y, post, scale, epilogue: str = "none"):
         from ..kernels.mma_fold import mma_fold_op
         from ..kernels.mma_w4a16 import config_args
 
-        cfg = _mma_cfg(mod, rows.shape[1] if self.rows else 1, epilogue, rows.dtype, self.invariant)
+        cfg = _mma_cfg(mod, 1, epilogue, rows.dtype)
         return mma_fold_op(rows, parts, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue,
                            res.reshape(-1), y.reshape(-1), post, scale, self.eps, self.off, *config_args(cfg),
                            self.pdl)
@@ -331,18 +329,17 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     row computed as `fused_verify` computes it with the same switch (the embedding's PLE path, each
     linear, the attention's tiles and splits, the last norm), so a verify pass's rows equal the AR
     steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend);
-    norm_fold (with int4_mma, Triton): the residual update + norm between o and gate|up, and between the
-    PLE projection (down without PLE) and the next layer's q|k|v or q, folded into those tensor-core
-    GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it (under batch_invariant
-    its row-wise form, as `fused_verify` runs it);
+    norm_fold (with int4_mma, Triton, not batch_invariant): the residual update + norm between o and
+    gate|up, and between the PLE projection (down without PLE) and the next layer's q|k|v or q, folded
+    into those tensor-core GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it;
     attn_fold (with norm_fold and attn_qkv): the attention's combine folded into o where o is the fold's
     producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers)."""
     c = model.config
     x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
-    fold = _Fold(c.rms_eps, c.norm_offset, pdl, batch_invariant, batch_invariant) \
-        if norm_fold and int4_mma and triton_ops else None
+    fold = _Fold(c.rms_eps, c.norm_offset, pdl) if norm_fold and int4_mma and triton_ops and not batch_invariant \
+        else None
     h = x.reshape(1, -1)
     # a residual update not yet applied: (res, y, norm, scale, rows, parts): h = (res + norm(y)) * scale;
     # rows / parts: the fold's, when the GEMV that made y was its producer (else None)
@@ -359,7 +356,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
             qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
         folds_o = fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu")
         at = layer.self_attn
-        attn_parts = (folds_o and attn_fold and attn_qkv and not fold.rows and fold.takes_parts(
+        attn_parts = (folds_o and attn_fold and attn_qkv and fold.takes_parts(
             lin["o"], _attn_splits(layer, cache, attn_tiles), at.num_heads, at.head_dim))
         attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv, attn_tiles,
                            attn_parts)
@@ -449,8 +446,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
                  qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
-                 attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None,
-                 norm_fold: bool = False):
+                 attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -469,10 +465,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
     tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
     tiles per position with the one-row split count, the embedding's PLE path in kernels): the
-    verify pass's rows equal the AR steps' bit for bit.
-    norm_fold (with int4_mma, Triton): the norm fold's row-wise form (kernels/mma_fold.py) where
-    `fused_decode` folds: o -> gate|up and the PLE projection (down without PLE) -> the next q|k|v or q,
-    no norm launch between them; each row as the one-row step under batch_invariant computes it."""
+    verify pass's rows equal the AR steps' bit for bit."""
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
 
@@ -488,44 +481,27 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     lead = x.shape[:-1]
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     h = x.reshape(-1, x.shape[-1])
-    M = h.shape[0]
-    fold = _Fold(eps, off, pdl, True, batch_invariant) if norm_fold and int4_mma and triton_ops else None
-    # a residual update not yet applied: (res, y, norm, scale, rows, parts), as in `fused_decode`
-    pend = None
-    layers = list(model.layers)
-    for i, layer in enumerate(layers):
+    pend = None  # a residual update not yet applied: (res, y, norm, scale)
+    for i, layer in enumerate(model.layers):
         lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
-        if pend is not None and pend[4] is not None:
-            qkv, h = fold.consume(lin["in"], pend[4], pend[5], pend[0], pend[1], pend[2].weight, pend[3])
-            qkv = qkv.reshape(*lead, -1)
+        if pend is None:
+            h, xin = rn(h, pre=pre)
         else:
-            h, xin = rn(h, pre=pre) if pend is None else rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
-            qkv = gemm(lin["in"], xin.reshape(*lead, -1))
+            h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
+        qkv = gemm(lin["in"], xin.reshape(*lead, -1))
         attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
                            attn_tiles)
-        post_a, pre_f = layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight
-        if fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu", M):
-            o, rows, parts = fold.produce(attn.reshape(M, -1), lin["o"], h, post_a, pre_f)
-            act, h = fold.consume(lin["gate_up"], rows, parts, h, o, post_a, None, "geglu")
-        else:
-            o = gemm(lin["o"], attn).reshape(h.shape)
-            h, xff = rn(h, o, post_a, None, pre_f)
-            act = gemm(lin["gate_up"], xff, "geglu")
+        o = gemm(lin["o"], attn).reshape(h.shape)
+        h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
+        act = gemm(lin["gate_up"], xff, "geglu")
+        dn = gemm(lin["down"], act)
         if layer.ple:
-            dn = gemm(lin["down"], act)
             h, _ = rn(h, dn, layer.post_feedforward_layernorm.weight)
-            x_last = gemm(lin["ple_gate"], h, "gelu_mul", ple[:, :, i].reshape(M, -1))
-            last, norm = lin["ple_proj"], layer.post_per_layer_input_norm
+            g = gemm(lin["ple_gate"], h, "gelu_mul", ple[:, :, i].reshape(h.shape[0], -1))
+            pend = (h, gemm(lin["ple_proj"], g), layer.post_per_layer_input_norm, layer.layer_scalar)
         else:
-            x_last, last, norm = act, lin["down"], layer.post_feedforward_layernorm
-        nxt = (_layer_linears(i + 1, layers[i + 1])["in"], layers[i + 1].input_layernorm.weight) \
-            if fold is not None and i + 1 < len(layers) else None
-        if nxt is not None and fold.pair(last, nxt[0], "none", M):
-            y, rows, parts = fold.produce(x_last.reshape(M, -1), last, h, norm.weight, nxt[1])
-            pend = (h, y, norm, layer.layer_scalar, rows, parts)
-        else:
-            pend = (h, gemm(last, x_last).reshape(h.shape), norm, layer.layer_scalar, None, None)
+            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
     _, out = rn(pend[0], pend[1], pend[2].weight, pend[3], model.norm.weight)
     return out.reshape(*lead, -1)
 
@@ -617,16 +593,17 @@ class FuseLayers:
         if norm_fold and not int4_mma:  # (like int4_mma, it does nothing on the torch backend)
             raise ValueError("fuse.norm_fold folds the norms into the tensor-core int4 GEMVs: it needs "
                              "fuse.int4_mma=true")
-        if attn_fold and not (norm_fold and attn_qkv):
+        if norm_fold and batch_invariant:
+            # its rounding differs from the verify pass's norm kernel: the rows would no longer match, so the
+            # exact-tokens switch wins (a recipe with the fold, e.g. experiment=frontier, + batch_invariant)
+            log.warning("fuse.norm_fold is off under fuse.batch_invariant: the fold rounds otherwise than the "
+                        "verify pass's norm kernel")
+            norm_fold = False
+        if attn_fold and not batch_invariant and not (norm_fold and attn_qkv):  # (batch_invariant: off with the fold)
             raise ValueError("fuse.attn_fold folds the attention's combine into o as the norm fold's producer: it "
                              "needs fuse.norm_fold=true and fuse.attn_qkv=true")
-        if attn_fold and batch_invariant:
-            # one row's splits as o's B columns: the verify pass's rows have no such form, so the exact-tokens
-            # switch wins (a recipe with the fold, e.g. experiment=frontier, + batch_invariant)
-            log.warning("fuse.attn_fold is off under fuse.batch_invariant: the verify pass's rows cannot take it")
-            attn_fold = False
         self.norm_fold = bool(norm_fold)
-        self.attn_fold = bool(attn_fold)
+        self.attn_fold = bool(attn_fold) and self.norm_fold
         self.batch_invariant = bool(batch_invariant)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
@@ -675,7 +652,7 @@ class FuseLayers:
         # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
         # ms, and replay traces primed with every draft rejected no longer reproduced)
         model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton",
-                                               norm_fold=self.norm_fold, **dict(body, attn_qkv=False))
+                                               **dict(body, attn_qkv=False))
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head,
                                                draft_loop=self.draft_loop, **step)
