@@ -196,7 +196,6 @@ def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, 
                     config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl=pdl, lse=lse)
 
 
-
 @mma_rows_op.register_fake
 def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, iters, splits, persist, fresh, hw,
       pdl, lse=None):
