@@ -13,7 +13,8 @@
 #             per-group kernel on separate scales / zeros (default: the packed words, as the engine runs it)
 #   mma       the int4 GEMV on the tensor cores (kernels/mma_w4a16.py) vs the current kernels, 1 and 8 rows,
 #             every E4B shape (mma_w4a16.bench_mma); MMA_CASES=name,..., MMA_MS=1,8, MMA_TRY=1x4s4,2x4d2,...
-#             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH])
+#             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH][rG]); writes the entries
+#             faster alone than the shipped table's to mma_faster.txt (`bench.stack --mma-table +$(cat ...)`)
 #   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
@@ -99,11 +100,14 @@ bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh 
     int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles, E4B_CASES as C
 cs = '${INT4FUSED_CASES:-}'
 bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
-    mma) run mma python3 -c "from fastgemma.kernels.mma_w4a16 import bench_mma, parse_config
+    mma) run mma python3 -c "from fastgemma.kernels.mma_w4a16 import bench_mma, faster_entries, parse_config
 from fastgemma.kernels.fused_w4a16 import E4B_CASES as C
 cs, try_ = '${MMA_CASES:-}', '${MMA_TRY:-}'
-bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')),
-          configs=[parse_config(c) for c in try_.split(',')] if try_ else None)" ;;
+rows = bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')),
+                 configs=[parse_config(c) for c in try_.split(',')] if try_ else None)
+e = faster_entries(rows)
+open('$out/mma_faster.txt', 'w').write(e)
+print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 'none')" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
     draftloop) run draftloop python3 -m fastgemma.bench.draft_loop ${DRAFTLOOP_ARGS:-} ;;

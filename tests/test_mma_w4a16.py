@@ -324,7 +324,7 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
     """bench_mma on tiny cases with a stub timer: every candidate of this kernel and the fused int4
     GEMV it is compared with at one row (plain, and timed-only with the case's prologue) runs and
     matches the twin; without a GPU and without a timer it says what it needs."""
-    from fastgemma.kernels.mma_w4a16 import bench_mma, mma_candidates, parse_config
+    from fastgemma.kernels.mma_w4a16 import bench_mma, faster_entries, mma_candidates, parse_config
 
     cases = {"r": (64, 256, "residual"), "g": (64, 256, "geglu"), "p": (64, 256, "plain")}
     rows = bench_mma(cases, ms=(1,), device="cpu", timer=lambda fn: (fn(), 2.0)[1])
@@ -341,6 +341,13 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
     assert sum("floor" in r["kernel"] for r in rows) == 2
     assert [r["kernel"] for r in rows if r["kernel"].startswith("mma")] == [
         "mma 1x16 rows, 1 warps, d64, iters 1, splits 2", "mma 2x16 rows, 1 warps, d64, iters 1, splits 1"]
+    assert [r["config"] for r in rows if r["kernel"].startswith("mma")] == ["1x1s2", "2x1"]
+    # the entries faster than the table's, for bench.stack --mma-table +ENTRIES
+    table = {(64, 256, False): parse_config("2x1")}
+    timed = [dict(r, us={"1x1s2": 1.5, "2x1": 2.0}.get(r["config"], r["us"])) for r in rows]
+    assert faster_entries(timed, table) == "p@1=1x1s2"
+    assert faster_entries(timed, table, margin_us=0.6) == ""
+    assert faster_entries(timed, {}) == ""  # the table's config not timed: nothing to beat
     assert all(r["ok"] for r in rows)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="bench_mma needs a CUDA device"):
@@ -386,10 +393,17 @@ def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
 
 
 def test_persistent_config_text_and_refusals():
-    from fastgemma.kernels.mma_w4a16 import config_args, config_problem, parse_config
+    from fastgemma.kernels.mma_w4a16 import config_args, config_problem, format_config, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
-    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8)  # mma_w4a16_op's order
+    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0)  # mma_w4a16_op's order
+    assert parse_config("2x4d2p9r128") == MmaConfig(2, 4, 2, persist=9, regs=128)
+    assert parse_config("2x4d2p9r128").launch == {"num_warps": 4, "maxnreg": 128}
+    assert parse_config("2x4n8").launch == {"num_warps": 8}
+    for text in ("2x4d5p9f", "1x1s8", "2x8d3p1", "2x4i2", "2x4d2p9fn8r128", "1x4"):
+        assert format_config(parse_config(text)) == text
+    assert "regs" in config_problem(MmaConfig(2, 4, regs=16), 64, 1024, 128, "none")
+    assert "regs" in config_problem(MmaConfig(2, 4, regs=256), 64, 1024, 128, "none")
     assert parse_config("2x4d5p9fn8") == MmaConfig(2, 4, 5, persist=9, fresh=True, hw=8)
     assert parse_config("2x4n8").num_warps == 8 and parse_config("2x4").num_warps == 4
     assert "hw" in config_problem(MmaConfig(2, 4, hw=3), 64, 1024, 128, "none")

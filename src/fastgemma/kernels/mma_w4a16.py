@@ -501,7 +501,12 @@ class MmaConfig:
     program (0: `warps`). The program's tensors hold warps x tiles lane rows of 32; with fewer hardware
     warps each thread holds several of them (more loads in flight per thread, more registers), with
     warps x tiles (the most allowed) one each. Timed slower than hw 0 on every E4B shape tried (run EB:
-    gate|up at one row 11.75 us, 13.69 on 8 hardware warps, 21.47 on 2; down 7.07, 9.08 on 16)."""
+    gate|up at one row 11.75 us, 13.69 on 8 hardware warps, 21.47 on 2; down 7.07, 9.08 on 16).
+    regs: a cap on the registers per thread (ptxas' `.maxnreg`; 0: its own choice), so that more
+    programs fit on a multiprocessor at once (65,536 registers each): ptxas hoists every weight load
+    of a one-tile program ahead of its mmas whatever the depth, so gate|up's `2x4d5p9f` takes 210
+    registers, 2 programs per multiprocessor, and its 640 programs run in ~2.4 waves; above the cap
+    ptxas spills to local memory."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -510,10 +515,16 @@ class MmaConfig:
     persist: int = 0
     fresh: bool = False
     hw: int = 0
+    regs: int = 0
 
     @property
     def num_warps(self) -> int:
         return self.hw or self.warps
+
+    @property
+    def launch(self) -> dict:
+        """The launch's compile options: warps, and the register cap where one is set."""
+        return dict(num_warps=self.num_warps, **({"maxnreg": self.regs} if self.regs else {}))
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
@@ -560,19 +571,29 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f][nH]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
-    multiprocessor, f fresh chains, H hardware warps; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH][rG]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains, H hardware warps, G registers per thread at most; e.g. '1x4s4', '2x4d2',
+    '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
-    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0))
+    return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
+                     int(m.group(9) or 0))
+
+
+def format_config(cfg: MmaConfig) -> str:
+    """`parse_config`'s text for cfg (defaults left out): parse_config(format_config(c)) == c."""
+    return (f"{cfg.tiles}x{cfg.warps}" + (f"d{cfg.depth}" if cfg.depth != MmaConfig.depth else "")
+            + (f"i{cfg.iters}" if cfg.iters != 1 else "") + (f"s{cfg.splits}" if cfg.splits != 1 else "")
+            + (f"p{cfg.persist}" if cfg.persist else "") + ("f" if cfg.fresh else "")
+            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else ""))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -637,6 +658,8 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
         return f"depth must be >= 1, got {cfg}"
     if cfg.hw < 0 or (cfg.hw and (cfg.warps * cfg.tiles) % cfg.hw):
         return f"hw (hardware warps) must divide warps x tiles = {cfg.warps * cfg.tiles}, got {cfg}"
+    if cfg.regs and not 24 <= cfg.regs <= 255:
+        return f"regs (registers per thread at most) must be 0 or 24..255, got {cfg}"
     if cfg.splits < 1 or (cfg.splits > 1 and cfg.iters > 1):
         return f"splits must be >= 1, and > 1 only with iters 1, got {cfg}"
     if K % (cfg.warps * cfg.splits * G):
@@ -688,12 +711,12 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
                                  niter, *([x] * 8), 0.0, 0.0, x,
                                  K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 ONE=niter == 1, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
+                                 ONE=niter == 1, **cfg.launch, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
                             n_tiles, *([x] * 5), 0.0, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
-                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, num_warps=cfg.num_warps, **pdl_args(pdl, x.device))
+                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, **cfg.launch, **pdl_args(pdl, x.device))
     return out
 
 
@@ -721,18 +744,19 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 pdl: bool) -> torch.Tensor:
+                 regs: int, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs),
+                     pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. hw arguments)."""
-    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. regs arguments)."""
+    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -766,7 +790,8 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
     engine launches now (one row: the fused int4
     GEMV with the case's prologue, and without it; 8 rows: the per-group tl.dot kernel), weights
     rotated out of L2, PDL launches, each output checked against the twin first. Prints a table;
-    returns one dict per (case, rows, kernel)."""
+    returns one dict per (case, rows, kernel); `config` is this kernel's config as `parse_config` reads
+    it (None for the other kernels)."""
     from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
     from .fused_w4a16 import E4B_CASES, case_inputs, fused_w4a16
     from .read_floor import read_floor
@@ -795,25 +820,25 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
             runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
                      + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
-                     + (f", {c.hw} hw warps" if c.hw else ""), mma,
-                     lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl))
+                     + (f", {c.hw} hw warps" if c.hw else "") + (f", <= {c.regs} registers" if c.regs else ""), mma,
+                     lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl), format_config(c))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
             if M == 1:
                 kw = dict(eps=1e-6, pdl=pdl, epilogue=epi)
                 runs.append(("fused int4 GEMV, plain", std,
-                             lambda q_, s_, z_: fused_w4a16(x, q_, s_, z_, group_size, **kw)[0]))
+                             lambda q_, s_, z_: fused_w4a16(x, q_, s_, z_, group_size, **kw)[0], None))
                 if mode != "plain":
                     kw_case = dict(eps=1e-6, pdl=pdl, **case_inputs(mode, K, vec))
                     runs.append((f"fused int4 GEMV, {mode} prologue (timed only)", std,
-                                 lambda q_, s_, z_: fused_w4a16(x, q_, s_, z_, group_size, **kw_case)[0]))
+                                 lambda q_, s_, z_: fused_w4a16(x, q_, s_, z_, group_size, **kw_case)[0], None))
             else:
                 sz = pack_scale_zero(sc, zr)
                 runs.append(("per-group tl.dot (w4a16_matmul)", std,
-                             lambda q_, s_, z_: w4a16_matmul(x, q_, s_, z_, group_size, epilogue=epi, sz=sz)))
+                             lambda q_, s_, z_: w4a16_matmul(x, q_, s_, z_, group_size, epilogue=epi, sz=sz), None))
             runs += [(f"read the words only, {b * 4 // 1024} KB per program (floor)", mma,
-                      lambda mw_, b=b, w=w: read_floor(mw_.words, b, w, pdl)) for b, w in ((2048, 4), (8192, 8))]
-            for label, bufs, call in runs:
+                      lambda mw_, b=b, w=w: read_floor(mw_.words, b, w, pdl), None) for b, w in ((2048, 4), (8192, 8))]
+            for label, bufs, call, cfg_text in runs:
                 try:
                     got = call(*bufs[0])
                     us = timer(rotating(bufs, call))
@@ -824,8 +849,30 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                 err = float("nan") if timed_only else max_rel_err(got, ref)
                 ok = timed_only or err < WRONG_REL_ERR
                 gbs = (mw.words.numel() * 4 if "floor" in label else nbytes) / us / 1e3
-                rows.append(dict(case=name, N=N, K=K, M=M, kernel=label, us=us, gbps=gbs, max_rel_err=err, ok=ok))
+                rows.append(dict(case=name, N=N, K=K, M=M, kernel=label, config=cfg_text, us=us, gbps=gbs,
+                                 max_rel_err=err, ok=ok))
                 check = "-" if timed_only else f"{'ok' if ok else 'WRONG'} {err:.1e}"
                 print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<48} | {us:8.2f} | {gbs:6.0f} | {check}")
         del std, mma
     return rows
+
+
+def faster_entries(rows: list[dict], table: dict | None = None, margin_us: float = 0.2) -> str:
+    """From `bench_mma`'s rows, the table entries ('CASE@ROWS=CONFIG' joined by ',', `parse_table`'s
+    form, spaces as '_') whose fastest correct config beats the one `table` (default MMA_CONFIGS) holds
+    for that shape by more than margin_us, where the table's was timed in the same rows; '' if none.
+    For `bench.stack --mma-table +ENTRIES`: the configs faster alone, timed in the step."""
+    table = MMA_CONFIGS if table is None else table
+    best: dict[tuple[str, int], dict] = {}
+    for r in rows:
+        key = (r["case"], r["M"])
+        if r.get("config") and r["ok"] and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    out = []
+    for (case, M), r in best.items():
+        have = table.get((r["N"], r["K"], M > 1))
+        mine = [x["us"] for x in rows if (x["case"], x["M"]) == (case, M) and have is not None
+                and x.get("config") == format_config(have)]
+        if mine and r["config"] != format_config(have) and r["us"] < mine[0] - margin_us:
+            out.append(f"{case.replace(' ', '_')}@{M}={r['config']}")
+    return ",".join(out)
