@@ -29,10 +29,12 @@ D16 = [["tt.divisibility", 16]]
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def build(fn, sig, constexprs, aligned, warps, stages=None):
+def build(fn, sig, constexprs, aligned, warps, stages=None, maxnreg=None):
     sig = dict(sig, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn, sig, constexprs=constexprs, attrs={(i,): D16 for i in aligned})
     options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    if maxnreg is not None:  # a launch's register cap (mma_w4a16.MmaConfig.regs)
+        options["maxnreg"] = maxnreg
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")

@@ -270,6 +270,11 @@ for name, K, T, W, EPI, D, F, one in [("gate|up", 2560, 2, 4, 1, 5, True, True),
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=F, PDL=True, EMU=False, ONE=one, NS=0)
     ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)
     print(f"stream\t{name}\t{spills}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
+# a register cap (MmaConfig.regs, the launch's maxnreg) reaches ptxas: gate|up's entry under 128 and 96
+for cap in (128, 96):
+    ce = dict(K=2560, GROUP=128, T=2, W=4, EPI=1, DEPTH=2, FRESH=False, PDL=True, EMU=False, ONE=True, NS=0)
+    ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), 4, maxnreg=cap)
+    print(f"cap\t{cap}\t{regs}\t{spills}")
 # the norm fold (kernels/norm_fold.py) on the table's one-row entries: o as the producer (one tile per program),
 # gate|up and q|k|v as consumers (80 / 160 partials, the layer scalar), o full and the PLE projection producing
 fsig = dict(ssig, **{n: "*bf16" for n in ("f_res", "f_y", "f_post", "f_pre", "f_scale", "f_rows", "f_h")},
@@ -310,6 +315,8 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
     stream = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "stream"}
     # (down spilled 84 bytes at 255 registers while it held a next tile's words; ONE drops them)
     assert stream == {n: ["0", "['[1, 4][32, 1]']"] for n in ("gate|up", "down", "gate|up looping")}, stream
+    caps = [f[1:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "cap"]
+    assert len(caps) == 2 and all(int(regs) <= int(cap) for cap, regs, _ in caps), caps
     # and the norm fold's producers and consumers: no spills, the same operand layouts
     fold = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "fold"}
     assert len(fold) == 6, r.stdout
