@@ -122,3 +122,43 @@ def test_ops_trace_under_torch_compile():
     assert got[0].shape == (4, 32) and got[1].shape == (4, 64)
     assert _err(got[0], w4a16_torch(x, qw, s, z, 128, epilogue="geglu")) < 1e-5
     assert _err(got[1], skinny_matmul_ref(x, w, epilogue="gelu_mul", aux=aux)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 4e-3)])
+@pytest.mark.parametrize("epilogue", ["none", "gelu_mul"])
+@pytest.mark.parametrize("M,N,config", [(8, 96, SkinnyConfig(16, 128, 1, 1)), (5, 100, SkinnyConfig(16, 64, 3, 1)),
+                                        (16, 64, SkinnyConfig(32, 32, 4, 2))])
+def test_fold_matches_the_twin_and_the_unfolded_gemm(M, N, config, epilogue, dtype, tol):
+    """skinny_fold (fuse.ple_fold): epilogue(h W^T) for h = a + rmsnorm(y) (post + off) without h, split-K
+    through its own fixup and not, N tails; against its twin, and against the GEMM of h itself (bf16: other
+    roundings, within a few of its units; float16 for the 16-bit case, as above)."""
+    from fastgemma.kernels.residual_norm import residual_norm_ref
+    from fastgemma.kernels.skinny_gemm import skinny_fold, skinny_fold_op, skinny_fold_ref
+
+    a, y = _x(M, dtype, 1), _x(M, dtype, 2) * 3
+    post = _x(1, dtype, 3)[0]
+    w = (torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * 0.05).to(dtype)
+    aux = torch.randn(M, N, generator=torch.Generator().manual_seed(5)).to(dtype) if epilogue == "gelu_mul" else None
+    kw = dict(eps=1e-6, offset=0.5, epilogue=epilogue, aux=aux)
+    got = skinny_fold(a, y, post, w, config=config, **kw)
+    ref = skinny_fold_ref(a, y, post, w, **kw)
+    assert got.dtype == dtype and got.shape == (M, N) and _err(got, ref) < tol
+    h, _ = residual_norm_ref(a, y, post, eps=1e-6, offset=0.5)
+    assert _err(got, skinny_matmul_ref(h, w, epilogue=epilogue, aux=aux)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # a row's result does not depend on the rows beside it (the verify pass's rows equal the one-row step's)
+    one = skinny_fold(a[2:3], y[2:3], post, w, config=config, **dict(kw, aux=None if aux is None else aux[2:3]))
+    assert torch.equal(one, got[2:3])
+    assert torch.equal(skinny_fold_op(a, y, post, w, 1e-6, 0.5, epilogue, aux),
+                       skinny_fold(a, y, post, w, **kw))  # the op: the shape's own config
+
+
+def test_fold_refuses_what_it_cannot_do():
+    from fastgemma.kernels.skinny_gemm import skinny_fold
+
+    a, w = _x(2, torch.float32), torch.randn(32, K)
+    with pytest.raises(ValueError, match="epilogues are none and gelu_mul"):
+        skinny_fold(a, a, a[0], w, eps=1e-6, epilogue="geglu")
+    with pytest.raises(ValueError, match="rows a, y"):
+        skinny_fold(a, a[:, :100], a[0], w, eps=1e-6)
+    with pytest.raises(ValueError, match="w \\[N"):
+        skinny_fold(a, a, a[0], w[:, :100], eps=1e-6)
