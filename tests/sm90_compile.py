@@ -22,7 +22,7 @@ from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
 from fastgemma.kernels.qkv_finish import _qkv_finish_kernel
 from fastgemma.kernels.residual_norm import _residual_norm_kernel
-from fastgemma.kernels.skinny_gemm import _dense_fold_kernel, _dense_mma_kernel, fold_config
+from fastgemma.kernels.skinny_gemm import _dense_mma_kernel
 from fastgemma.kernels.w4a16 import _group_mma_kernel
 
 D16 = [["tt.divisibility", 16]]
@@ -127,28 +127,14 @@ def main():
         ptx, regs, spills = build(_dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
         mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
         print(f"skinny\t{name}\t{regs}\t{spills}\t{mma}\t{len(re.findall(r'atom.global.gpu.acq_rel.add', ptx))}")
-    # the PLE gate with the residual update folded in (fuse.ple_fold): two dots per weight tile, its own fixup
-    fold_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "w_ptr", "out_ptr")}
-    fold_sig.update(ws_ptr="*fp32", ss_ptr="*fp32", cnt_ptr="*i32", aux_ptr="*bf16", M="i32", N="i32", stride_am="i32",
-                    stride_ym="i32", stride_wn="i32", stride_om="i32", stride_auxm="i32", eps="fp32", off="fp32")
-    cfg = fold_config(256, 2560)
-    ce = dict(K=2560, K_SPLIT=2560 // cfg.split_k, SPLIT=cfg.split_k, BLOCK_M=16, BLOCK_N=cfg.block_n,
-              BLOCK_K=cfg.block_k, EPI=2, EVEN_N=True, DOT_PRECISION="tf32")
-    ptx, regs, spills = build(_dense_fold_kernel, fold_sig, ce, tuple(range(9)), cfg.num_warps, cfg.num_stages)
-    mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
-    print(f"skinny\tskinny ple gate folded\t{regs}\t{spills}\t{mma}\t"
-          f"{len(re.findall(r'atom.global.gpu.acq_rel.add', ptx))}")
     # the wider step's residual update + norm, a 2,560-wide row in registers (8 warps): no spills
     # ("norm" lines: name, registers, spills)
-    rn_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr", "x_ptr", "y0_ptr",
-                                   "post0_ptr")}
-    rn_sig.update(stride_a="i32", stride_y="i32", stride_h="i32", stride_x="i32", stride_y0="i32", eps="fp32",
-                  off="fp32")
-    for name, has_y, has_scale, has_pre, y0 in [
-            ("residual norm", True, False, True, False), ("residual scale norm", True, True, True, False),
-            ("norm", False, False, True, False), ("two residual updates, scale, norm", True, True, True, True)]:
-        ce = dict(K=2560, BLOCK=4096, HAS_Y=has_y, HAS_SCALE=has_scale, HAS_PRE=has_pre, PDL=False, HAS_Y0=y0)
-        _, regs, spills = build(_residual_norm_kernel, rn_sig, ce, tuple(range(14)), 8)
+    rn_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr", "x_ptr")}
+    rn_sig.update(stride_a="i32", stride_y="i32", stride_h="i32", stride_x="i32", eps="fp32", off="fp32")
+    for name, has_y, has_scale, has_pre in [("residual norm", True, False, True),
+                                            ("residual scale norm", True, True, True), ("norm", False, False, True)]:
+        ce = dict(K=2560, BLOCK=4096, HAS_Y=has_y, HAS_SCALE=has_scale, HAS_PRE=has_pre)
+        _, regs, spills = build(_residual_norm_kernel, rn_sig, ce, tuple(range(11)), 8)
         print(f"norm\t{name}\t{regs}\t{spills}")
     # PDL launches of the verify pass's kernels ("pdl" lines: name, registers, spills, waits, launch
     # triggers, global loads / cp.async copies before the wait, mma instructions before the trigger,
@@ -171,7 +157,7 @@ def main():
               DOT_PRECISION="tf32")
     pdl_line("skinny ple gate", _dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
     pdl_line("residual norm", _residual_norm_kernel, rn_sig,
-             dict(K=2560, BLOCK=4096, HAS_Y=True, HAS_SCALE=True, HAS_PRE=True, HAS_Y0=True), tuple(range(14)), 8)
+             dict(K=2560, BLOCK=4096, HAS_Y=True, HAS_SCALE=True, HAS_PRE=True), tuple(range(11)), 8)
     # the q/k/v kernel of a sliding store layer (D 256) and a full one (D 512, 2 warps)
     qkv_sig = {"qkv_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
                "idx_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "T": "i32",

@@ -473,21 +473,9 @@ def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path, wide_tiles):
     assert lines[0]["stack"]["FuseLayers"]["attn_qkv"] is True
     assert [(r["spec"], r.get("verify_attn_qkv")) for r in lines[1:]] == [("none", None), ("replay", "on"),
                                                                            ("replay", "off")]
-    # --verify-ple-fold: as --variant says ('plefold'), on,off a row each; the AR step keeps the variant's
-    out = tmp_path / "ple_fold.jsonl"
-    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
-               "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
-               "--fuse", "layers", "--variant", "attn_pdl+plefold", "--verify-ple-fold", "on,off",
-               "--head", "pruned:50", "--out", str(out)])
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert lines[0]["stack"]["FuseLayers"]["ple_fold"] is True
-    assert [(r["spec"], r.get("verify_ple_fold")) for r in lines[1:]] == [("none", None), ("replay", "on"),
-                                                                           ("replay", "off")]
-    assert all(r["identity_rate"] == 1.0 for r in lines[2:])
     from fastgemma.bench.stack import parse_variant
 
     assert parse_variant("attn_pdl+attn_qkv") == {"attn_pdl": True, "attn_qkv": True}
-    assert parse_variant("mma+inv+plefold") == {"int4_mma": True, "batch_invariant": True, "ple_fold": True}
     with pytest.raises(SystemExit, match="--verify-mma on needs 'mma' in --variant"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--verify-mma", "on"])
     with pytest.raises(SystemExit, match="CASE@ROWS=TxW"):  # --mma-table as bench.stack reads it

@@ -79,27 +79,3 @@ def test_bad_inputs_are_refused():
         residual_norm(a, scale=scale, pre=pre, eps=1e-6)
     with pytest.raises(ValueError, match="nothing to do"):
         residual_norm_ref(a, eps=1e-6)
-    with pytest.raises(ValueError, match="earlier update"):
-        residual_norm(a, y, post, pre=pre, y0=y, eps=1e-6)  # y0 without post0
-    with pytest.raises(ValueError, match="earlier update"):
-        residual_norm(a, pre=pre, y0=y, post0=post, eps=1e-6)  # without y
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("has_scale,has_pre", [(True, True), (False, False)])
-def test_an_earlier_update_equals_two_launches(dtype, has_scale, has_pre):
-    """y0 / post0 (fuse.ple_fold): the kernel's h and x equal those of the update by y0 alone, then
-    the one by y, bit for bit; the twin the same with its own (two-call) arithmetic."""
-    a, y, post, scale, pre = _inputs(5, dtype, seed=2)
-    y0, post0 = y.flip(0) * 0.5, post.flip(0)
-    kw = dict(scale=scale if has_scale else None, pre=pre if has_pre else None, eps=1e-6, offset=0.5)
-    a1, _ = residual_norm(a, y0, post0, eps=1e-6, offset=0.5)
-    for fn in (residual_norm, residual_norm_ref):
-        h, x = fn(a, y, post, y0=y0, post0=post0, **kw)
-        h2, x2 = fn(fn(a, y0, post0, eps=1e-6, offset=0.5)[0], y, post, **kw)
-        assert torch.equal(h, h2) and (x is None and x2 is None or torch.equal(x, x2))
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
-    torch.testing.assert_close(residual_norm(a, y, post, y0=y0, post0=post0, **kw)[0].float(),
-                               residual_norm_ref(a, y, post, y0=y0, post0=post0, **kw)[0].float(), **tol)
-    h_op, _ = residual_norm_op(a, y, post, kw["scale"], kw["pre"], 1e-6, 0.5, False, y0, post0)
-    assert torch.equal(h_op, residual_norm(a1, y, post, **kw)[0])

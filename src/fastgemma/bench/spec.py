@@ -134,8 +134,7 @@ VERIFY_SWITCHES = {
 
 # record key -> fused_verify's keyword for each switch of the fused k+1-row pass
 VERIFY_KWARGS = {"verify_norms": "norm_kernels", "verify_pdl": "pdl", "verify_qkv": "qkv_kernel",
-                 "attn_pdl": "attn_pdl", "verify_mma": "int4_mma", "verify_attn_qkv": "attn_qkv",
-                 "verify_ple_fold": "ple_fold"}
+                 "attn_pdl": "attn_pdl", "verify_mma": "int4_mma", "verify_attn_qkv": "attn_qkv"}
 
 
 def _switch_key(flag: str) -> str:
@@ -214,10 +213,6 @@ def main(argv=None):
                     help="with --fuse layers and epilogues on: the k+1-row pass's q/k/v norms, RoPE and cache writes in "
                          "the attention's split kernel (on; not the engine's: fuse.attn_qkv is the one-row step's and "
                          "the drafter's) or as --verify-qkv says (off); on,off: a row each")
-    ap.add_argument("--verify-ple-fold", default="",
-                    help="with --fuse layers and epilogues on: the residual update before the k+1-row pass's PLE gate "
-                         "folded into the gate and the next update's kernel (on) or launched on its own (off); on,off: "
-                         "a row each (default: as --variant says, 'plefold'; the AR step keeps --variant's)")
     ap.add_argument("--mma-table", default="",
                     help="with 'mma' in --variant: the tensor-core int4 kernel's table for this run instead of "
                          "its own, as bench.stack --mma-table writes it (e.g. 'down@8=1x1s8,o_full@1=2x8', or 'none')")
@@ -279,8 +274,6 @@ def main(argv=None):
     variant_mma = a.fuse == "layers" and "mma" in a.variant.split("+")
     switch_rows["verify_mma"] = _on_off("--verify-mma", a.verify_mma or ("on" if variant_mma else "off"))
     switch_rows["verify_attn_qkv"] = _on_off("--verify-attn-qkv", a.verify_attn_qkv)
-    variant_ple = a.fuse == "layers" and "plefold" in a.variant.split("+")
-    switch_rows["verify_ple_fold"] = _on_off("--verify-ple-fold", a.verify_ple_fold or ("on" if variant_ple else "off"))
     if "on" in switch_rows["verify_mma"] and not variant_mma:
         raise SystemExit("--verify-mma on needs 'mma' in --variant (it gives the int4 linears the kernel's copy)")
     switch_sets = [dict(zip(switch_rows, rows)) for rows in itertools.product(*switch_rows.values())]
@@ -406,19 +399,18 @@ def main(argv=None):
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
     print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | "
-          "attn qkv | ple fold | prefill | "
+          "attn qkv | prefill | "
           "profile | k | "
           "tok/s | x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
           "top1 vs AR | top1 conf | accept_by_pos |")
-    print("|" + "---|" * 31)
+    print("|" + "---|" * 30)
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
               f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('attn_pdl') or ''} | "
-              f"{r.get('verify_mma') or ''} | {r.get('verify_attn_qkv') or ''} | {r.get('verify_ple_fold') or ''} | "
-              f"{r.get('prefill', '')} | "
+              f"{r.get('verify_mma') or ''} | {r.get('verify_attn_qkv') or ''} | {r.get('prefill', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "

@@ -68,7 +68,7 @@ def int4_group_size(cfg) -> int:
 
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
                 "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold",
-                "afold": "attn_fold", "plefold": "ple_fold"}
+                "afold": "attn_fold"}
 
 
 def parse_variant(v: str) -> dict:
@@ -79,9 +79,7 @@ def parse_variant(v: str) -> dict:
     'inv': batch_invariant, the verify pass's rows bit-equal to the one-row step's; 'dloop': draft_loop,
     the speculative draft loop in one persistent kernel; 'fold': norm_fold, with 'mma' the norms between
     o and gate|up and before the next q|k|v folded into those GEMVs; 'afold': attn_fold, with 'fold' and
-    'attn_qkv' the sliding layers' attention combine folded into o; 'plefold': ple_fold, the residual update
-    before the PLE gate folded into its skinny GEMM in the verify pass and the batch_invariant step) -> FuseLayers
-    options."""
+    'attn_qkv' the sliding layers' attention combine folded into o) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
     bad = [o for o in opts if o not in VARIANT_OPTS]
     if bad:

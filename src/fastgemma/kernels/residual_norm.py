@@ -4,10 +4,6 @@ program per row with the whole row in registers: one read of the inputs, one wri
     h = (a + rmsnorm(y) * (post + off)) * scale      (y given; scale optional)   else h = a
     x = rmsnorm(h) * (pre + off)                     (pre given)
 
-with y0 given (and y), an earlier update first: a <- a + rmsnorm(y0) * (post0 + off), rounded as
-`residual_norm(a, y0, post0)`'s h (fuse.ple_fold: the update before the PLE gate, which then reads
-a and y0 rather than its result, runs here with the next one).
-
 the one-row fused GEMV's `pro=2` / `pro=1` prologue (kernels/fused_gemv.py) as a kernel of its own,
 rounded to the activation dtype at the same points (norm output, residual add, layer scalar, norm),
 so the result matches the eager layer up to the order of the fp32 sums. Compiled, the same work was
@@ -21,45 +17,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_gemv import _h_values, _rnd
+from .fused_gemv import _h_block, _rnd
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_ptr, y0_ptr, post0_ptr,
-                          stride_a, stride_y, stride_h, stride_x, stride_y0, eps, off,
+def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_ptr,
+                          stride_a, stride_y, stride_h, stride_x, eps, off,
                           K: tl.constexpr, BLOCK: tl.constexpr, HAS_Y: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          HAS_PRE: tl.constexpr, PDL: tl.constexpr = False, HAS_Y0: tl.constexpr = False):
+                          HAS_PRE: tl.constexpr, PDL: tl.constexpr = False):
     _pdl_wait(PDL)  # every input but the norm weights is the previous kernels' output
     _pdl_trigger(PDL)
     DT: tl.constexpr = a_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     ok = k < K
-    h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
-    if HAS_Y0:  # an earlier update first (no scale): a = a + rmsnorm(y0) * (post0 + off)
-        y0 = tl.load(y0_ptr + row * stride_y0 + k, mask=ok, other=0.0).to(tl.float32)
-        inv_y0 = 1.0 / tl.sqrt(tl.sum(y0 * y0, axis=0) / K + eps)
-        p0 = tl.load(post0_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        h = _h_values(h, y0, p0, inv_y0, 1.0, off, False, DT)
-    if HAS_Y:  # the one-row prologue's residual update (fused_gemv._h_values), the row as one block
+    if HAS_Y:  # the one-row prologue's residual update (fused_gemv._h_block), the row as one block
         y = tl.load(y_ptr + row * stride_y + k, mask=ok, other=0.0).to(tl.float32)
         inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / K + eps)
         scale = 1.0
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
-        post = tl.load(post_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        h = _h_values(h, y, post, inv_y, scale, off, HAS_SCALE, DT)
+        h = _h_block(a_ptr + row * stride_a, y_ptr + row * stride_y, post_ptr, 0, k, inv_y, scale, off, K, BLOCK,
+                     HAS_SCALE, DT)
         tl.store(h_ptr + row * stride_h + k, h.to(DT), mask=ok)
+    else:
+        h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
     if HAS_PRE:
         pre = tl.load(pre_ptr + k, mask=ok, other=0.0).to(tl.float32)
         inv_x = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
         tl.store(x_ptr + row * stride_x + k, _rnd(h * inv_x * (pre + off), DT).to(DT), mask=ok)
 
 
-def _check(a, y, post, scale, pre, y0=None, post0=None):
+def _check(a, y, post, scale, pre):
     if a.dim() != 2:
         raise ValueError(f"residual_norm takes rows [M, K], got a {tuple(a.shape)}")
     K = a.shape[1]
@@ -72,24 +64,18 @@ def _check(a, y, post, scale, pre, y0=None, post0=None):
         raise ValueError("residual_norm: scale is one value and needs y")
     if y is None and pre is None:
         raise ValueError("residual_norm: nothing to do (neither y nor pre)")
-    if (y0 is None) != (post0 is None) or (y0 is not None and (
-            y is None or y0.shape != a.shape or post0.shape != (K,))):
-        raise ValueError(f"residual_norm: an earlier update takes y0 like a {tuple(a.shape)} and post0 [{K}] "
-                         "together, with y")
 
 
 def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, offset: float = 0.0,
-                  pdl: bool = False, y0=None, post0=None):
+                  pdl: bool = False):
     """a, y [M, K] (rows contiguous), post / pre [K], scale [1] -> (h [M, K] or None without y,
-    x [M, K] or None without pre); y0 [M, K] and post0 [K]: an earlier update; see the module
-    docstring. `pdl` (sm90+): programmatic dependent launch (this one waits for the previous kernel
-    before it reads, then lets the next launch)."""
-    _check(a, y, post, scale, pre, y0, post0)
+    x [M, K] or None without pre); see the module docstring. `pdl` (sm90+): programmatic dependent
+    launch (this one waits for the previous kernel before it reads, then lets the next launch)."""
+    _check(a, y, post, scale, pre)
     if not (a.is_cuda or _INTERPRET):
         raise RuntimeError("residual_norm runs on CUDA tensors (or with TRITON_INTERPRET=1); use residual_norm_ref")
     a = a if a.stride(1) == 1 else a.contiguous()
     y = y if y is None or y.stride(1) == 1 else y.contiguous()
-    y0 = y0 if y0 is None or y0.stride(1) == 1 else y0.contiguous()
     M, K = a.shape
     h = torch.empty_like(a) if y is not None else None
     x = torch.empty_like(a) if pre is not None else None
@@ -97,19 +83,17 @@ def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, off
     _residual_norm_kernel[(M,)](
         a, y if y is not None else a, post if post is not None else a, scale if scale is not None else a,
         pre if pre is not None else a, h if h is not None else a, x if x is not None else a,
-        y0 if y0 is not None else a, post0 if post0 is not None else a,
         a.stride(0), y.stride(0) if y is not None else 0, h.stride(0) if h is not None else 0,
-        x.stride(0) if x is not None else 0, y0.stride(0) if y0 is not None else 0, float(eps), float(offset),
+        x.stride(0) if x is not None else 0, float(eps), float(offset),
         K=K, BLOCK=block, HAS_Y=y is not None, HAS_SCALE=scale is not None, HAS_PRE=pre is not None,
-        HAS_Y0=y0 is not None, num_warps=max(1, min(8, block // 512)), **pdl_args(pdl, a.device),
+        num_warps=max(1, min(8, block // 512)), **pdl_args(pdl, a.device),
     )
     return h, x
 
 
-def residual_norm_ref(a, y=None, post=None, scale=None, pre=None, *, eps: float, offset: float = 0.0, y0=None,
-                      post0=None):
+def residual_norm_ref(a, y=None, post=None, scale=None, pre=None, *, eps: float, offset: float = 0.0):
     """The torch twin: fp32 arithmetic rounded to a's dtype at the kernel's points."""
-    _check(a, y, post, scale, pre, y0, post0)
+    _check(a, y, post, scale, pre)
     dt = a.dtype
 
     def rnd(t):
@@ -119,9 +103,6 @@ def residual_norm_ref(a, y=None, post=None, scale=None, pre=None, *, eps: float,
         return torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
 
     h = a.float()
-    if y0 is not None:
-        y0f = y0.float()
-        h = rnd(h + rnd(y0f * inv_rms(y0f) * (post0.float() + offset)))
     if y is not None:
         yf = y.float()
         h = rnd(h + rnd(yf * inv_rms(yf) * (post.float() + offset)))
@@ -133,14 +114,13 @@ def residual_norm_ref(a, y=None, post=None, scale=None, pre=None, *, eps: float,
 
 @torch.library.custom_op("fastgemma::residual_norm", mutates_args=())
 def residual_norm_op(a: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None, scale: torch.Tensor | None,
-                     pre: torch.Tensor | None, eps: float, offset: float, pdl: bool = False,
-                     y0: torch.Tensor | None = None,
-                     post0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    h, x = residual_norm(a, y, post, scale, pre, eps=eps, offset=offset, pdl=pdl, y0=y0, post0=post0)
+                     pre: torch.Tensor | None, eps: float, offset: float,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    h, x = residual_norm(a, y, post, scale, pre, eps=eps, offset=offset, pdl=pdl)
     return (h if h is not None else a.new_empty(0)), (x if x is not None else a.new_empty(0))
 
 
 @residual_norm_op.register_fake
-def _(a, y, post, scale, pre, eps, offset, pdl=False, y0=None, post0=None):
+def _(a, y, post, scale, pre, eps, offset, pdl=False):
     return (torch.empty_like(a) if y is not None else a.new_empty(0),
             torch.empty_like(a) if pre is not None else a.new_empty(0))

@@ -6,7 +6,6 @@ layer's per-layer input. Here one launch does both: tl.dot over [BLOCK_N, BLOCK_
 split-K partials summed by the last program of each output tile (w4a16._split_store), and the
 epilogue in that store (w4a16._store_out: none, geglu, gelu_mul), rounded where the torch path
 rounds. `skinny_matmul` launches, `skinny_matmul_op` is the opaque op, `skinny_matmul_ref` the twin.
-`skinny_fold` (fuse.ple_fold) takes the residual update before the GEMM too, without its result h.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from .counters import arrival_counters
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
-from .w4a16 import _INTERPRET, _SMS, EPILOGUES, _split_store, _store_out, apply_epilogue, check_epilogue
+from .w4a16 import _INTERPRET, _SMS, EPILOGUES, _split_store, apply_epilogue, check_epilogue
 
 MAX_M = 16
 
@@ -64,68 +63,6 @@ def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, str
                  aux_ptr, stride_am, HALF, EPI, acc_u)
 
 
-@triton.jit
-def _dense_fold_kernel(a_ptr, y_ptr, post_ptr, w_ptr, out_ptr, ws_ptr, ss_ptr, cnt_ptr, aux_ptr, M, N, stride_am,
-                       stride_ym, stride_wn, stride_om, stride_auxm, eps, off, K: tl.constexpr, K_SPLIT: tl.constexpr,
-                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EPI: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """epilogue(W h) with h = a + rmsnorm(y) (post + off) folded in (fuse.ple_fold): W a and W u with
-    u = y (post + off) rounded to the activation dtype as two dots over the same weight tiles, and
-    each row's sum of y^2 over the program's K slice; summed over the K splits in split order (the
-    tile's last program to arrive, as w4a16._split_store), then W a + rsqrt(sum y^2 / K + eps) W u
-    through the epilogue (EPI 0, 2). A row's sums never see the other rows: the same at any M."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    DT: tl.constexpr = a_ptr.dtype.element_ty
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    _pdl_wait(PDL)
-    for kb in range(0, K_SPLIT, BLOCK_K):
-        k = offs_k + kb
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=m_ok[:, None], other=0.0)
-        y = tl.load(y_ptr + offs_m[:, None] * stride_ym + k[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        p = tl.load(post_ptr + k).to(tl.float32) + off
-        ss += tl.sum(y * y, axis=1)
-        u = (y * p[None, :]).to(DT)
-        w = _w_tile(w_ptrs + kb, n_ok, EVEN_N)
-        acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(w, tl.trans(u), acc_u, input_precision=DOT_PRECISION)
-    _pdl_trigger(PDL)
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT > 1:  # the partials: ws [SPLIT, 2, M, N], ss [N tiles, SPLIT, BLOCK_M]
-        ws_ptrs = ws_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(ws_ptrs + pid_k * 2 * M * N, acc, mask=mask)
-        tl.store(ws_ptrs + (pid_k * 2 + 1) * M * N, acc_u, mask=mask)
-        ss_ptrs = ss_ptr + pid_n * SPLIT * BLOCK_M + offs_m
-        tl.store(ss_ptrs + pid_k * BLOCK_M, ss)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            acc = tl.zeros_like(acc)
-            acc_u = tl.zeros_like(acc)
-            ss = tl.zeros_like(ss)
-            for sk in tl.static_range(SPLIT):  # .cg: from L2, where the other programs' partials are
-                acc += tl.load(ws_ptrs + sk * 2 * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                acc_u += tl.load(ws_ptrs + (sk * 2 + 1) * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-                ss += tl.load(ss_ptrs + sk * BLOCK_M, cache_modifier=".cg")
-            inv = 1.0 / tl.sqrt(ss / K + eps)
-            _store_out(acc + inv[None, :] * acc_u, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om,
-                       stride_auxm, EPI)
-            tl.store(cnt_ptr + pid_n, 0)
-    else:
-        inv = 1.0 / tl.sqrt(ss / K + eps)
-        _store_out(acc + inv[None, :] * acc_u, offs_n, offs_m, n_ok, m_ok, out_ptr, aux_ptr, stride_om, stride_auxm,
-                   EPI)
-
-
 @dataclass(frozen=True)
 class SkinnyConfig:
     """block_n rows of W x block_k columns per step; split_k programs along K (a divisor of
@@ -143,21 +80,6 @@ class SkinnyConfig:
 CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (256, 2560): SkinnyConfig(16, 128, 10, 2),  # the PLE gate: 4.13 / 4.48 / 9.10
 }
-
-
-# (N, K) -> tiles of `skinny_fold`: 64 k a step (at 128, two [16, 128] rows of a and y and their product held
-# beside the weight tile took 255 registers and spilled in the sm_90a build; 168 here, no spills)
-FOLD_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (256, 2560): SkinnyConfig(16, 64, 10, 2),  # the PLE gate
-}
-
-
-def fold_config(N: int, K: int) -> SkinnyConfig:
-    """`skinny_fold`'s tiles: FOLD_CONFIGS', else the GEMM's with at most 64 k a step."""
-    if (N, K) in FOLD_CONFIGS:
-        return FOLD_CONFIGS[(N, K)]
-    cfg = resolve_config(N, K)
-    return cfg if cfg.block_k <= 64 else SkinnyConfig(cfg.block_n, 64, cfg.split_k, cfg.num_warps, cfg.num_stages)
 
 
 def fits(M: int, K: int) -> bool:
@@ -227,69 +149,6 @@ def skinny_matmul_ref(x, w, config=None, epilogue: str = "none", aux=None):
     """The twin: F.linear in x's dtype, then the epilogue in torch."""
     check_epilogue(epilogue, x.shape[0], w.shape[0], aux)
     return apply_epilogue(F.linear(x, w), epilogue, aux)
-
-
-def skinny_fold(a: torch.Tensor, y: torch.Tensor, post: torch.Tensor, w: torch.Tensor, *, eps: float,
-                offset: float = 0.0, epilogue: str = "none", aux: torch.Tensor | None = None,
-                config: SkinnyConfig | None = None, pdl: bool = False) -> torch.Tensor:
-    """epilogue(h @ w^T) for h = a + rmsnorm(y) (post + offset), rows a, y [M, K] (M <= 16), post [K],
-    without h: `_dense_fold_kernel`'s two sums per weight tile, the norm applied in the K splits'
-    fixup. Epilogues none and gelu_mul (the PLE gate's). `skinny_fold_ref` is the twin."""
-    if not (a.is_cuda or _INTERPRET):
-        raise RuntimeError("skinny_fold runs on CUDA tensors (or with TRITON_INTERPRET=1); use skinny_fold_ref")
-    _fold_check(a, y, post, w, epilogue, aux)
-    M, K = a.shape
-    N = w.shape[0]
-    a, y = (t if t.stride(1) == 1 else t.contiguous() for t in (a, y))
-    w = w if w.stride(1) == 1 else w.contiguous()
-    cfg = resolve_config(N, K, config or fold_config(N, K))
-    split = cfg.split_k
-    out = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    n_tiles = triton.cdiv(N, cfg.block_n)
-    ws = torch.empty(split * 2 * M * N, device=a.device, dtype=torch.float32) if split > 1 else out
-    ss = torch.empty(n_tiles * split * 16, device=a.device, dtype=torch.float32) if split > 1 else out
-    cnt = arrival_counters(a.device, n_tiles, "skinny fold split-K") if split > 1 else out
-    _dense_fold_kernel[(n_tiles, split)](
-        a, y, post, w, out, ws, ss, cnt, aux if aux is not None else a, M, N, a.stride(0), y.stride(0), w.stride(0),
-        out.stride(0), aux.stride(0) if aux is not None else 0, float(eps), float(offset), K=K, K_SPLIT=K // split,
-        SPLIT=split, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=EPILOGUES[epilogue],
-        EVEN_N=N % cfg.block_n == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl, a.device))
-    return out
-
-
-def _fold_check(a, y, post, w, epilogue, aux) -> None:
-    if a.dim() != 2 or a.shape[0] > MAX_M or y.shape != a.shape or post.shape != (a.shape[1],):
-        raise ValueError(f"skinny_fold takes rows a, y [M <= {MAX_M}, K] and post [K], got {tuple(a.shape)}, "
-                         f"{tuple(y.shape)}, {tuple(post.shape)}")
-    if w.dim() != 2 or w.shape[1] != a.shape[1] or w.dtype != a.dtype or y.dtype != a.dtype:
-        raise ValueError(f"skinny_fold: w [N, {a.shape[1]}] and y in a's dtype {a.dtype} needed, got "
-                         f"{tuple(w.shape)} {w.dtype}, {y.dtype}")
-    if epilogue not in ("none", "gelu_mul"):
-        raise ValueError(f"skinny_fold's epilogues are none and gelu_mul, got {epilogue!r}")
-    check_epilogue(epilogue, a.shape[0], w.shape[0], aux)
-
-
-def skinny_fold_ref(a, y, post, w, *, eps: float, offset: float = 0.0, epilogue: str = "none", aux=None):
-    """The twin: W a + r W u in fp32 (u = y (post + offset) rounded to a's dtype, r = rsqrt(mean y^2 +
-    eps) per row), rounded to a's dtype, then the epilogue."""
-    _fold_check(a, y, post, w, epilogue, aux)
-    yf = y.float()
-    u = (yf * (post.float() + offset)).to(a.dtype).float()
-    r = torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
-    wf = w.float()
-    return apply_epilogue((F.linear(a.float(), wf) + r * F.linear(u, wf)).to(a.dtype), epilogue, aux)
-
-
-@torch.library.custom_op("fastgemma::skinny_fold", mutates_args=())
-def skinny_fold_op(a: torch.Tensor, y: torch.Tensor, post: torch.Tensor, w: torch.Tensor, eps: float,
-                   offset: float, epilogue: str, aux: torch.Tensor | None, pdl: bool = False) -> torch.Tensor:
-    return skinny_fold(a, y, post, w, eps=eps, offset=offset, epilogue=epilogue, aux=aux, pdl=pdl)
-
-
-@skinny_fold_op.register_fake
-def _(a, y, post, w, eps, offset, epilogue, aux, pdl=False):
-    return a.new_empty((a.shape[0], w.shape[0]))
 
 
 @torch.library.custom_op("fastgemma::skinny_matmul", mutates_args=())

@@ -105,34 +105,13 @@ def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = Fals
                         pdl)
 
 
-def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool, early=None):
-    """kernels/residual_norm.py's rows (triton_ops) or its twin -> (h, x); early: (y0, post0), an
-    update applied first (`_ple_gate_fold`'s, deferred to here)."""
+def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool):
+    """kernels/residual_norm.py's rows (triton_ops) or its twin -> (h, x)."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
-    y0, post0 = early if early is not None else (None, None)
-    y0 = y0.reshape(a.shape) if y0 is not None else None
     if triton_ops:
-        return residual_norm_op(a, y, post, scale, pre, eps, off, pdl, y0, post0)
-    return residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off, y0=y0, post0=post0)
-
-
-def _ple_gate_fold(mod, a, y, post, aux, eps: float, off: float, triton_ops: bool, pdl: bool, invariant: bool):
-    """fuse.ple_fold: gelu_tanh(W_gate h) * aux for h = a + rmsnorm(y) (post + off) without h, on the
-    skinny GEMM (kernels/skinny_gemm.skinny_fold, or its twin) where the wider steps' dense PLE gate
-    runs on it (`_epilogue_call`'s test); None elsewhere (an int4 or large gate: the update runs as
-    before). The caller applies the update later, with the next one (`_residual_norm`'s early)."""
-    from ..kernels.skinny_gemm import fits, skinny_fold_op, skinny_fold_ref
-    from .quant import Int4Linear
-
-    a2, y2 = a.reshape(-1, a.shape[-1]), y.reshape(-1, a.shape[-1])
-    if isinstance(mod, Int4Linear) or not fits(*a2.shape) or not (
-            invariant or mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES):
-        return None
-    aux2 = aux.reshape(a2.shape[0], -1)
-    if triton_ops:
-        return skinny_fold_op(a2, y2, post, mod.weight, eps, off, "gelu_mul", aux2, pdl)
-    return skinny_fold_ref(a2, y2, post, mod.weight, eps=eps, offset=off, epilogue="gelu_mul", aux=aux2)
+        return residual_norm_op(a, y, post, scale, pre, eps, off, pdl)
+    return residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
 
 
 def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, invariant: bool = False,
@@ -147,19 +126,16 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
     from ..kernels.skinny_gemm import skinny_matmul_op, skinny_matmul_ref
     from .quant import Int4Linear
 
-    def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none", early=None):
+    def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
         cfg = _mma_cfg(mod, 1, epilogue, a.dtype, invariant) if mma and aux is None else None
         dense = invariant and not isinstance(mod, Int4Linear)
         if invariant and isinstance(mod, Int4Linear) and cfg is None and triton_ops:
             raise _no_invariant_config(mod, epilogue)
-        if early is not None and not (cfg is not None or dense):
-            raise ValueError("an earlier residual update (fuse.ple_fold) runs in kernels/residual_norm.py: the "
-                             "GEMV with its prologue does not take it")
         if cfg is not None or dense:
             a2, h = a.reshape(1, -1), None
             if y is not None or pre is not None:
                 h, x = _residual_norm(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
-                                      triton_ops, pdl, early)
+                                      triton_ops, pdl)
                 a2 = x if pre is not None else h
                 h = h if y is not None else None
             if cfg is not None:
@@ -341,7 +317,7 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
-                 norm_fold: bool = False, attn_fold: bool = False, ple_fold: bool = False):
+                 norm_fold: bool = False, attn_fold: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -357,9 +333,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     gate|up, and between the PLE projection (down without PLE) and the next layer's q|k|v or q, folded
     into those tensor-core GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it;
     attn_fold (with norm_fold and attn_qkv): the attention's combine folded into o where o is the fold's
-    producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers); ple_fold (with
-    batch_invariant, as `fused_verify`'s): the residual update before the PLE gate folded into it and
-    into the next update's kernel (`_ple_gate_fold`)."""
+    producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers)."""
     c = model.config
     x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
@@ -367,9 +341,8 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     fold = _Fold(c.rms_eps, c.norm_offset, pdl) if norm_fold and int4_mma and triton_ops and not batch_invariant \
         else None
     h = x.reshape(1, -1)
-    # a residual update not yet applied: (res, y, norm, scale, rows, parts, early): h = (res + norm(y)) * scale;
-    # rows / parts: the fold's, when the GEMV that made y was its producer (else None); early: (y0, post0), an
-    # update of res to apply first (ple_fold), else None
+    # a residual update not yet applied: (res, y, norm, scale, rows, parts): h = (res + norm(y)) * scale;
+    # rows / parts: the fold's, when the GEMV that made y was its producer (else None)
     pend = None
     layers = list(model.layers)
     for i, layer in enumerate(layers):
@@ -380,7 +353,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
         elif pend[4] is not None:
             qkv, h = fold.consume(lin["in"], pend[4], pend[5], pend[0], pend[1], pend[2].weight, pend[3])
         else:
-            qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre, early=pend[6])
+            qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
         folds_o = fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu")
         at = layer.self_attn
         attn_parts = (folds_o and attn_fold and attn_qkv and fold.takes_parts(
@@ -399,29 +372,23 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
             if fold is not None and i + 1 < len(layers) else None
         last = lin["ple_proj"] if layer.ple else lin["down"]
         folds = nxt is not None and fold.pair(last, nxt[0], "none")
-        early = None
         if layer.ple:
             dn, _ = call(act, lin["down"])
-            post_f = layer.post_feedforward_layernorm.weight
-            g = _ple_gate_fold(lin["ple_gate"], h, dn, post_f, ple[0, 0, i], c.rms_eps, c.norm_offset, triton_ops,
-                               pdl, True) if ple_fold and batch_invariant else None
-            if g is None:
-                g, h = call(h, lin["ple_gate"], dn, post_f, aux=ple[0, 0, i], epilogue="gelu_mul")
-            else:
-                early = (dn, post_f)
+            g, h = call(h, lin["ple_gate"], dn, layer.post_feedforward_layernorm.weight, aux=ple[0, 0, i],
+                        epilogue="gelu_mul")
             norm, x_last = layer.post_per_layer_input_norm, g
         else:
             norm, x_last = layer.post_feedforward_layernorm, act
         if folds:
             y, rows, parts = fold.produce(x_last, last, h, norm.weight, nxt[1])
-            pend = (h, y, norm, layer.layer_scalar, rows, parts, None)
+            pend = (h, y, norm, layer.layer_scalar, rows, parts)
         else:
             y, _ = call(x_last, last)
-            pend = (h, y, norm, layer.layer_scalar, None, None, early)
+            pend = (h, y, norm, layer.layer_scalar, None, None)
     res, y, norm, scale = pend[:4]  # the last layer's update, in torch (no GEMV follows it)
     if batch_invariant:  # in the verify pass's kernel
         _, out = _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, model.norm.weight,
-                                c.rms_eps, c.norm_offset, triton_ops, pdl, pend[6])
+                                c.rms_eps, c.norm_offset, triton_ops, pdl)
         return out.reshape(1, 1, -1)
     return model.norm((res + norm(y)) * scale).reshape(1, 1, -1)
 
@@ -479,8 +446,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
                  qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
-                 attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None,
-                 ple_fold: bool = False):
+                 attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -499,15 +465,12 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
     tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
     tiles per position with the one-row split count, the embedding's PLE path in kernels): the
-    verify pass's rows equal the AR steps' bit for bit.
-    ple_fold: the residual update before the PLE gate not launched on its own: the gate sums W a and
-    W (y post) and applies the row's norm in its store (`_ple_gate_fold`), the next update's kernel
-    applies this one first (one residual-norm launch fewer per PLE layer)."""
+    verify pass's rows equal the AR steps' bit for bit."""
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
 
-    def rn(a, y=None, post=None, scale=None, pre=None, early=None):
-        h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl, early)
+    def rn(a, y=None, post=None, scale=None, pre=None):
+        h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl)
         return (h if y is not None else a), (x if pre is not None else None)
 
     def gemm(mod, x, epilogue="none", aux=None):
@@ -518,14 +481,14 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     lead = x.shape[:-1]
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     h = x.reshape(-1, x.shape[-1])
-    pend = None  # a residual update not yet applied: (res, y, norm, scale, early), early as in `fused_decode`
+    pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
         lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
         if pend is None:
             h, xin = rn(h, pre=pre)
         else:
-            h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre, pend[4])
+            h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
         qkv = gemm(lin["in"], xin.reshape(*lead, -1))
         attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
                            attn_tiles)
@@ -534,17 +497,12 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         act = gemm(lin["gate_up"], xff, "geglu")
         dn = gemm(lin["down"], act)
         if layer.ple:
-            post_f, p_in = layer.post_feedforward_layernorm.weight, ple[:, :, i].reshape(h.shape[0], -1)
-            g = _ple_gate_fold(lin["ple_gate"], h, dn, post_f, p_in, eps, off, triton_ops and norm_kernels, pdl,
-                               batch_invariant) if ple_fold else None
-            early = None if g is None else (dn, post_f)
-            if g is None:
-                h, _ = rn(h, dn, post_f)
-                g = gemm(lin["ple_gate"], h, "gelu_mul", p_in)
-            pend = (h, gemm(lin["ple_proj"], g), layer.post_per_layer_input_norm, layer.layer_scalar, early)
+            h, _ = rn(h, dn, layer.post_feedforward_layernorm.weight)
+            g = gemm(lin["ple_gate"], h, "gelu_mul", ple[:, :, i].reshape(h.shape[0], -1))
+            pend = (h, gemm(lin["ple_proj"], g), layer.post_per_layer_input_norm, layer.layer_scalar)
         else:
-            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar, None)
-    _, out = rn(pend[0], pend[1], pend[2].weight, pend[3], model.norm.weight, pend[4])
+            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
+    _, out = rn(pend[0], pend[1], pend[2].weight, pend[3], model.norm.weight)
     return out.reshape(*lead, -1)
 
 
@@ -622,7 +580,7 @@ class FuseLayers:
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
-                 attn_fold: bool = False, ple_fold: bool = False):
+                 attn_fold: bool = False):
         from ..kernels.decode_attention import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -646,7 +604,6 @@ class FuseLayers:
                              "needs fuse.norm_fold=true and fuse.attn_qkv=true")
         self.norm_fold = bool(norm_fold)
         self.attn_fold = bool(attn_fold) and self.norm_fold
-        self.ple_fold = bool(ple_fold)
         self.batch_invariant = bool(batch_invariant)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
@@ -690,12 +647,12 @@ class FuseLayers:
                     attn_qkv=step["attn_qkv"] and not self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
                                                triton_ops=self.backend == "triton", norm_fold=self.norm_fold,
-                                               attn_fold=self.attn_fold, ple_fold=self.ple_fold, **body)
+                                               attn_fold=self.attn_fold, **body)
         # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax
         # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
         # ms, and replay traces primed with every draft rejected no longer reproduced)
         model.fused_verify = functools.partial(fused_verify, triton_ops=self.backend == "triton",
-                                               ple_fold=self.ple_fold, **dict(body, attn_qkv=False))
+                                               **dict(body, attn_qkv=False))
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head,
                                                draft_loop=self.draft_loop, **step)
@@ -759,5 +716,4 @@ class FuseLayers:
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
                 "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
-                "norm_fold": self.norm_fold, "attn_fold": self.attn_fold, "ple_fold": self.ple_fold,
-                "verify_epilogues": True}
+                "norm_fold": self.norm_fold, "attn_fold": self.attn_fold, "verify_epilogues": True}
