@@ -506,7 +506,8 @@ class MmaConfig:
     programs fit on a multiprocessor at once (65,536 registers each): ptxas hoists every weight load
     of a one-tile program ahead of its mmas whatever the depth, so gate|up's `2x4d5p9f` takes 210
     registers, 2 programs per multiprocessor, and its 640 programs run in ~2.4 waves; above the cap
-    ptxas spills to local memory."""
+    ptxas spills to local memory. Timed slower on every E4B shape, so the table sets none (run GR:
+    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
