@@ -44,6 +44,19 @@ def test_bench_smoke_writes_one_record(tmp_path, capsys, caplog):
     assert "timed: 3 prompts x 16 new tokens" in logged
 
 
+def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path):
+    """spec=replay through the bench task: the warm-up's and the timed prompts' reference traces are
+    recorded before their requests (no request primes its own, which would warn and time a greedy pass)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="spec=replay: no reference trace")
+        rec = run_job(TINY + ["task=bench", "spec=replay", "spec.depth=2"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    assert "replay traces (3 prompts)" in rec["details"]["setup_s"]
+    assert rec["metrics"]["tokens_per_step"] >= 1 and rec["metrics"]["accept_by_pos"]
+
+
 def test_weight_bytes_per_token_counts_the_head_and_one_ple_row(tmp_path):
     import torch
 

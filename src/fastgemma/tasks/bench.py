@@ -61,6 +61,8 @@ def run(ctx):
     gen = engine.generator
     with phase(f"warm-up ({len(warm)} request{'s' * (len(warm) != 1)})", setup, dev, compiles):
         for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
+            if hasattr(gen, "prime"):  # spec=replay: the warm-up prompt's reference trace first, as below
+                gen.prime(p.ids, wl.max_new_tokens)
             gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
     # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled)
     longest = max(len(p.ids) for p in prompts)
