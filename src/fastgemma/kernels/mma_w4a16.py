@@ -872,8 +872,10 @@ def faster_entries(rows: list[dict], table: dict | None = None, margin_us: float
     out = []
     for (case, M), r in best.items():
         have = table.get((r["N"], r["K"], M > 1))
-        mine = [x["us"] for x in rows if (x["case"], x["M"]) == (case, M) and have is not None
-                and x.get("config") == format_config(have)]
-        if mine and r["config"] != format_config(have) and r["us"] < mine[0] - margin_us:
+        if have is None:
+            continue
+        text = format_config(have)
+        mine = next((x["us"] for x in rows if (x["case"], x["M"]) == (case, M) and x.get("config") == text), None)
+        if mine is not None and r["config"] != text and r["us"] < mine - margin_us:
             out.append(f"{case.replace(' ', '_')}@{M}={r['config']}")
     return ",".join(out)
