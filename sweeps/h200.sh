@@ -28,6 +28,10 @@
 #   draftloop the k-step draft loop: the fused drafter step vs kernels/draft_loop.py's persistent kernel, drafts
 #             compared, and a grid barrier alone (bench.draft_loop; DRAFTLOOP_ARGS, e.g. "--programs 132,66
 #             --splits 16,32 --barriers 1000")
+#   floor     what one dependent kernel boundary costs: chains of tiny phases (read the previous vector, one
+#             dot, write a share) as stream-ordered launches, PDL launches, or one launch with grid
+#             barriers, per program count, each chain checked against its twin (bench.floor; FLOOR_ARGS,
+#             default "--no-work": the boundary alone too)
 #   prefill   time to first token per prompt length and prompt path: eager, compiled, graph (padded,
 #             one CUDA graph per padded length), compiled_graph (bench.prefill; PREFILL_ARGS, e.g.
 #             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
@@ -69,7 +73,7 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
   mkdir -p "$COMPILE_CACHE/inductor" "$COMPILE_CACHE/triton"
   export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi
-part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: GEMV_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, FLOOR_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -111,6 +115,7 @@ print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
     draftloop) run draftloop python3 -m fastgemma.bench.draft_loop ${DRAFTLOOP_ARGS:-} ;;
+    floor) run floor python3 -m fastgemma.bench.floor ${FLOOR_ARGS:---no-work} --out "$out/floor.jsonl" ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     invariance) run invariance python3 -m fastgemma.bench.invariance ${INVARIANCE_ARGS:-} --out "$out/invariance.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
@@ -123,7 +128,7 @@ print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 
            task.table=true "hydra.run.dir=$out/cli" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, attention, head, drafthead, draftloop, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stack, attention, head, drafthead, draftloop, floor, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

@@ -1,0 +1,135 @@
+"""kernels/phase_floor.py in the interpreter against its twin, and bench/floor.py's arithmetic and
+refusals with a stub timer (the GPU timings themselves are not tests)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fastgemma.bench import floor
+from fastgemma.kernels.phase_floor import (PhaseError, phase_chain, phase_persistent, phase_ref,
+                                           ring_weights)
+
+
+def _x(hidden, seed=0):
+    v = torch.randn(hidden, generator=torch.Generator().manual_seed(seed))
+    x = torch.zeros(2, hidden)
+    x[0] = v
+    return x
+
+
+@pytest.mark.parametrize("programs,hidden,n", [(1, 40, 3), (3, 40, 5), (7, 37, 4), (37, 37, 3), (5, 130, 6)])
+@pytest.mark.parametrize("style", ["graph", "pdl"])
+def test_chain_equals_the_twin(programs, hidden, n, style):
+    """Shares that do not divide the vector (37 values over 7 programs), a program per value, the
+    last programs without a share (130 values: 5 programs of 26)."""
+    x, w = _x(hidden), ring_weights(programs, hidden)
+    want = phase_ref(x, w, n)
+    phase_chain(x, w, n, style)
+    assert torch.equal(x[n % 2], want)
+
+
+def test_ring_weights_rotate_the_values():
+    """Each phase moves a program's value to the program before it: after P phases the vector is
+    back where it started (its shares' first values), and no two phases in between agree with it."""
+    P, H = 4, 16
+    x, w = _x(H), ring_weights(P, H)
+    start = phase_ref(x, w, P)
+    seen = [phase_ref(x, w, n) for n in range(1, P)]
+    assert all(not torch.equal(s, start) for s in seen)
+    assert torch.equal(phase_ref(x, w, 2 * P), start)
+    assert len(set(start.tolist())) == P
+
+
+def test_persistent_equals_the_twin_and_resets_its_barrier():
+    x, w = _x(48), ring_weights(1, 48)
+    bar, err = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for n in (5, 2):  # a second launch starts from a reset barrier
+        x[0] = _x(48, seed=n)[0]
+        want = phase_ref(x, w, n)
+        phase_persistent(x, w, n, bar, err)
+        assert torch.equal(x[n % 2], want)
+        assert bar.tolist() == [0, 0] and err.item() == 0
+
+
+def test_boundary_only_touches_nothing():
+    x = _x(32)
+    before = x.clone()
+    phase_chain(x, ring_weights(2, 32), 3, "pdl", work=False)
+    phase_persistent(x, ring_weights(1, 32), 3, torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), work=False)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("x,w,n,msg", [
+    (torch.zeros(3, 8), torch.zeros(1, 8), 1, "pair of fp32"),
+    (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(1, 8), 1, "pair of fp32"),
+    (torch.zeros(2, 8), torch.zeros(1, 9), 1, "w must be fp32"),
+    (torch.zeros(2, 8), torch.zeros(9, 8), 1, "programs must be in"),
+    (torch.zeros(2, 8), torch.zeros(2, 8), 0, "positive integer"),
+    (torch.zeros(2, 8), torch.zeros(2, 8), True, "positive integer"),
+])
+def test_bad_inputs_are_refused(x, w, n, msg):
+    with pytest.raises(PhaseError, match=msg):
+        phase_chain(x, w, n)
+
+
+def test_bad_style_is_refused():
+    with pytest.raises(PhaseError, match="style is one of"):
+        phase_chain(_x(8), ring_weights(2, 8), 1, "barrier")
+
+
+def test_bench_slope_rows_and_table(tmp_path, monkeypatch):
+    """A stub timer that charges 3 us per launch plus 10 us per phase of a chain, 2 us per barrier
+    phase plus 5 per launch: the slope between n and 2n phases takes the fixed costs out. Barrier
+    rows above one program are skipped on a CPU (the interpreter runs programs one at a time)."""
+    launches = []
+    real_chain, real_pers = floor.phase_chain, floor.phase_persistent
+
+    def chain(x, w, n, style, work=True):
+        launches.append(("chain", n))
+        real_chain(x, w, n, style, work=work)
+
+    def pers(x, w, n, bar, err, work=True):
+        launches.append(("barrier", n))
+        real_pers(x, w, n, bar, err, work=work)
+
+    def timer(fn):
+        launches.clear()
+        fn()
+        (kind, n), = launches
+        return 3 + 10 * n if kind == "chain" else 5 + 2 * n
+
+    monkeypatch.setattr(floor, "phase_chain", chain)
+    monkeypatch.setattr(floor, "phase_persistent", pers)
+    with open(tmp_path / "f.jsonl", "w") as f:
+        rows = floor.bench_floor(programs=(1, 3), phases=4, hidden=24, works=(True, False), timer=timer,
+                                 device="cpu", out=f)
+    got = {(r["style"], r["work"], r["programs"]): r for r in rows}
+    assert len(rows) == 12
+    assert got[("graph", True, 3)]["us_per_phase"] == 10.0
+    assert got[("pdl", False, 1)]["us_per_phase"] == 10.0
+    assert got[("barrier", True, 1)]["us_per_phase"] == 2.0
+    assert "resident" in got[("barrier", True, 3)]["skipped"]
+    lines = [json.loads(s) for s in (tmp_path / "f.jsonl").read_text().splitlines()]
+    assert len(lines) == 10 and all("us_per_phase" in r for r in lines)
+    t = floor.table(rows, step_launches=100)
+    assert "| barrier | read + dot + write | 2.00 | - |" in t
+    assert "| pdl | boundary only | 10.00 | 10.00 |" in t
+    assert "barrier work 1: 200" in t
+
+
+def test_a_stale_vector_is_caught(monkeypatch):
+    """A chain that skips its last phase leaves another vector than the twin's: the bench says so."""
+    real = floor.phase_chain
+    monkeypatch.setattr(floor, "phase_chain", lambda x, w, n, style, work=True: real(x, w, n - 1, style, work=work))
+    with pytest.raises(RuntimeError, match="differs from the twin"):
+        floor.bench_floor(programs=(3,), styles=("graph",), phases=4, hidden=9, timer=lambda fn: 0.0, device="cpu")
+
+
+def test_cli_refuses_bad_arguments(capsys):
+    for argv, msg in ((["--programs", "0,2"], "positive integers"), (["--styles", "graph,warp"], "styles are"),
+                      (["--phases", "0"], "must be positive")):
+        with pytest.raises(SystemExit):
+            floor.main(argv)
+        assert msg in capsys.readouterr().err
