@@ -19,7 +19,8 @@
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
 #             STACK_ARGS, e.g. "--bodies int4 --variants base,attn_pdl+qkv": the fused step's options per
-#             body); nf4 needs bitsandbytes (a wheel in .whl)
+#             body; "--timeline 3 --floor $OUT/floor.jsonl" after the floor part: each kernel against its
+#             boundary); nf4 needs bitsandbytes (a wheel in .whl)
 #   attention a store layer's attention with its q/k/v work at one row by path and tiles, full layers at
 #             300-32k tokens of context (bench.attention; ATTENTION_ARGS, default --qkv; "" for the split
 #             kernel alone vs its twin)

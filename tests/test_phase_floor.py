@@ -133,3 +133,67 @@ def test_cli_refuses_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             floor.main(argv)
         assert msg in capsys.readouterr().err
+
+
+def _floor_file(tmp_path, lines):
+    path = tmp_path / "floor.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    return path
+
+
+def test_floor_figures_load_and_interpolate(tmp_path):
+    """load_floor keeps one style's figures with work (a later line wins); floor_us is linear between
+    the measured program counts and takes the nearest end outside them."""
+    path = _floor_file(tmp_path, [
+        dict(style="pdl", work=True, programs=16, us_per_phase=1.0),
+        dict(style="pdl", work=True, programs=132, us_per_phase=2.0),
+        dict(style="pdl", work=False, programs=80, us_per_phase=0.5),
+        dict(style="graph", work=True, programs=80, us_per_phase=9.0),
+        dict(style="barrier", work=True, programs=264, skipped="resident"),
+        dict(style="pdl", work=True, programs=16, us_per_phase=1.2),
+    ])
+    pts = floor.load_floor(path)
+    assert pts == [(16, 1.2), (132, 2.0)]
+    assert floor.load_floor(path, "graph") == [(80, 9.0)]
+    assert floor.floor_us(pts, 1) == 1.2 and floor.floor_us(pts, 640) == 2.0
+    assert floor.floor_us(pts, 74) == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="no barrier figures"):
+        floor.load_floor(path, "barrier")
+    with pytest.raises(ValueError, match="style is one of"):
+        floor.load_floor(path, "warp")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"style": "pdl"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not a JSON line"):
+        floor.load_floor(bad)
+
+
+def test_timeline_with_the_floor(capsys):
+    """Each group's boundaries: n x the figure of its grid's programs; the summary's: every kernel of
+    the median call; the table gains the two columns."""
+    from fastgemma.bench.timeline import charge, print_groups, summarize, with_floor
+
+    call = [dict(name="g", grid=(64, 2, 1), start=0.0, dur=5.0), dict(name="s", grid=(1, 1, 1), start=5.0, dur=2.0),
+            dict(name="g", grid=(64, 2, 1), start=7.0, dur=5.0)]
+    s = summarize([charge(call), charge(call)])
+    pts = [(1, 1.0), (256, 2.0)]
+    f = with_floor(s, pts)
+    g = {r["name"]: r for r in f["groups"]}
+    assert g["g"]["boundary_us"] == pytest.approx(2 * (1.0 + 127 / 255))
+    assert g["s"]["boundary_us"] == 1.0
+    assert f["boundary_us"] == pytest.approx(2 * (1.0 + 127 / 255) + 1.0) and "boundary_us" not in s
+    print_groups(f, "floor")
+    out = capsys.readouterr().out
+    assert f"boundaries {f['boundary_us']:.1f} us" in out and "| boundaries (floor) | above them |" in out
+    assert f"| g | 64x2x1 | 2 | 10.0 | 10.0 | 0.0 | {g['g']['boundary_us']:.1f} | {10 - g['g']['boundary_us']:.1f} |" in out
+
+
+def test_stack_floor_needs_the_timeline_and_a_floor_file(tmp_path):
+    from fastgemma.bench import stack
+
+    with pytest.raises(SystemExit, match="give --timeline N too"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--floor", str(tmp_path / "none.jsonl")])
+    with pytest.raises(SystemExit, match="--floor: .*none.jsonl"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--timeline", "3", "--floor", str(tmp_path / "none.jsonl")])
+    empty = _floor_file(tmp_path, [dict(style="graph", work=True, programs=1, us_per_phase=1.0)])
+    with pytest.raises(SystemExit, match="--floor: .*no pdl figures"):
+        stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--timeline", "3", "--floor", str(empty)])

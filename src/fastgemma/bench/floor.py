@@ -98,6 +98,39 @@ def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=STYLES, phases: int 
     return rows
 
 
+def load_floor(path, style: str = "pdl") -> list[tuple[int, float]]:
+    """bench.floor's JSONL -> sorted (programs, us per phase) of `style`'s read + dot + write figures
+    (a later line for the same program count replaces an earlier one)."""
+    if style not in STYLES:
+        raise ValueError(f"floor style is one of {', '.join(STYLES)}; got {style!r}")
+    pts = {}
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line of bench.floor ({e.msg})") from None
+            if r.get("style") == style and r.get("work") and "us_per_phase" in r:
+                pts[int(r["programs"])] = float(r["us_per_phase"])
+    if not pts:
+        raise ValueError(f"{path}: no {style} figures with work in it (write one with "
+                         f"`python -m fastgemma.bench.floor --styles {style} --out FILE`)")
+    return sorted(pts.items())
+
+
+def floor_us(points: list[tuple[int, float]], programs: int) -> float:
+    """The boundary of a launch of `programs` programs: linear between the measured program counts,
+    the nearest measured figure outside them (a lower bound above the largest count)."""
+    if programs <= points[0][0]:
+        return points[0][1]
+    for (a, fa), (b, fb) in zip(points, points[1:]):
+        if programs <= b:
+            return fa + (fb - fa) * (programs - a) / (b - a)
+    return points[-1][1]
+
+
 def table(rows: list[dict], step_launches: int | None = None) -> str:
     """Markdown: one line per (style, work), one column per program count, us per phase."""
     progs = sorted({r["programs"] for r in rows})

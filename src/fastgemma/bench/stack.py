@@ -23,7 +23,8 @@ Columns: GB read per token (body + head), tok/s (prefill included), median step 
 device's copy bandwidth, the head's pick alone (CUDA graph of one call; heads under the L2 size stay
 partly cached between calls, so small heads read optimistic), identity and greedy prefix against the
 same body with the full head. `--timeline N` traces N replays of each row's step (bench.timeline): per
-kernel and grid, its own time and its share of the step's critical path. Prints one JSON line per row
+kernel and grid, its own time and its share of the step's critical path; `--floor FILE` (bench.floor's
+JSONL) adds each kernel's boundary at its grid's PDL figure and what it takes above it. Prints one JSON line per row
 (--out: JSONL, with the timeline) and a markdown table last.
 """
 from __future__ import annotations
@@ -218,6 +219,9 @@ def main(argv=None):
     ap.add_argument("--timeline", type=int, default=0, metavar="N",
                     help="after each row's runs, trace N replays of its step (bench.timeline): each kernel's own "
                          "time and its share of the step's critical path, per kernel and grid (0: off)")
+    ap.add_argument("--floor", default=None, metavar="FILE",
+                    help="with --timeline: bench.floor's JSONL; each kernel's boundary at its grid's PDL figure and "
+                         "the critical path above it")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
@@ -228,6 +232,15 @@ def main(argv=None):
         raise SystemExit(f"--window: native or a positive number of keys, got {a.window!r}") from e
     if a.timeline < 0:
         raise SystemExit(f"--timeline: a number of replays >= 0, got {a.timeline}")
+    floor = None
+    if a.floor is not None:
+        if not a.timeline:
+            raise SystemExit("--floor adds columns to --timeline's table: give --timeline N too")
+        from .floor import load_floor
+        try:
+            floor = load_floor(a.floor)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--floor: {e}") from e
     if a.timeline and not a.device.startswith("cuda"):
         raise SystemExit("--timeline traces CUDA kernels: it needs --device cuda")
     if min(lengths) < 1 or a.new < 1:
@@ -338,10 +351,12 @@ def main(argv=None):
                 hus = head_us(model, sampler, dev)
                 tl = None
                 if a.timeline:
-                    from .timeline import print_groups, summarize, trace_kernels
+                    from .timeline import print_groups, summarize, trace_kernels, with_floor
 
                     step.begin(max(lengths))
                     tl = summarize(trace_kernels(lambda s=step: s(s.out_tok), a.timeline))
+                    if floor is not None:
+                        tl = with_floor(tl, floor)
                     print_groups(tl, f"{body} {label} + {name}, context {max(lengths)}")
             except Exception as e:
                 print(f"{body} {label} + {name}: FAILED {type(e).__name__}: {e}", flush=True)

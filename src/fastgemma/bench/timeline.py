@@ -11,11 +11,14 @@ runs several shapes).
 `trace_kernels(fn, calls)` profiles `calls` calls of fn() (CUPTI kernel records, CUDA graphs included)
 and returns one list of kernels per call; `charge` adds inc / gap / overlap; `group` sums them per
 (name, grid); `print_groups` prints the table. bench.stack --timeline runs it on the captured step.
+`with_floor` adds what bench.floor measured a dependent launch of each grid to cost at the least (the
+boundary), so the table says how much each kernel takes above it (bench.stack --floor FILE).
 """
 from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import tempfile
 
@@ -118,11 +121,31 @@ def summarize(calls: list[list[dict]], top: int = 25) -> dict:
                                              dur=round(k["dur"], 3), inc=round(k["inc"], 3)) for k in mid])
 
 
+def with_floor(s: dict, points: list[tuple[int, float]]) -> dict:
+    """A summary with each group's boundaries at bench.floor's figures (`boundary_us`: n x the figure
+    of its grid's program count) and the median call's in all (`boundary_us` of the summary)."""
+    from .floor import floor_us
+
+    def programs(grid):
+        return math.prod(grid)
+
+    groups = [dict(g, boundary_us=g["n"] * floor_us(points, programs(g["grid"]))) for g in s["groups"]]
+    total = sum(floor_us(points, programs(k["grid"])) for k in s["kernels_of_median_call"])
+    return dict(s, groups=groups, boundary_us=total)
+
+
 def print_groups(s: dict, title: str = "") -> None:
+    """The summary's table; with `with_floor`'s figures, each group's boundaries and what it takes above them."""
+    floor = "boundary_us" in s
     print(f"\n### timeline{': ' + title if title else ''}: {s['kernels']} kernels, span {s['span_us']:.1f} us, "
-          f"kernel time {s['kernel_us']:.1f} us, idle gaps {s['gap_us']:.1f} us")
-    print("| kernel | grid | n/call | us (own) | us on the critical path | idle before |")
-    print("|---|---|---|---|---|---|")
+          f"kernel time {s['kernel_us']:.1f} us, idle gaps {s['gap_us']:.1f} us"
+          + (f", boundaries {s['boundary_us']:.1f} us" if floor else ""))
+    extra = " boundaries (floor) | above them |" if floor else ""
+    print("| kernel | grid | n/call | us (own) | us on the critical path | idle before |" + extra)
+    print("|---|---|---|---|---|---|" + ("---|---|" if floor else ""))
     for r in s["groups"]:
         grid = "x".join(str(g) for g in r["grid"])
-        print(f"| {r['name'][:60]} | {grid} | {r['n']:.0f} | {r['dur_us']:.1f} | {r['inc_us']:.1f} | {r['gap_us']:.1f} |")
+        line = f"| {r['name'][:60]} | {grid} | {r['n']:.0f} | {r['dur_us']:.1f} | {r['inc_us']:.1f} | {r['gap_us']:.1f} |"
+        if floor:
+            line += f" {r['boundary_us']:.1f} | {r['inc_us'] - r['boundary_us']:.1f} |"
+        print(line)
