@@ -3,13 +3,14 @@ refusals with a stub timer (the GPU timings themselves are not tests)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from fastgemma.bench import floor
-from fastgemma.kernels.phase_floor import (PhaseError, phase_chain, phase_persistent, phase_ref,
-                                           ring_weights)
+from fastgemma.kernels.phase_floor import (WORDS, PhaseError, phase_chain, phase_persistent, phase_ref,
+                                           ring_weights, stream_buffers, stream_ref)
 
 
 def _x(hidden, seed=0):
@@ -86,13 +87,13 @@ def test_bench_slope_rows_and_table(tmp_path, monkeypatch):
     launches = []
     real_chain, real_pers = floor.phase_chain, floor.phase_persistent
 
-    def chain(x, w, n, style, work=True):
+    def chain(x, w, n, style, work=True, stream=None):
         launches.append(("chain", n))
-        real_chain(x, w, n, style, work=work)
+        real_chain(x, w, n, style, work=work, stream=stream)
 
-    def pers(x, w, n, bar, err, work=True):
+    def pers(x, w, n, bar, err, work=True, stream=None):
         launches.append(("barrier", n))
-        real_pers(x, w, n, bar, err, work=work)
+        real_pers(x, w, n, bar, err, work=work, stream=stream)
 
     def timer(fn):
         launches.clear()
@@ -114,15 +115,16 @@ def test_bench_slope_rows_and_table(tmp_path, monkeypatch):
     lines = [json.loads(s) for s in (tmp_path / "f.jsonl").read_text().splitlines()]
     assert len(lines) == 10 and all("us_per_phase" in r for r in lines)
     t = floor.table(rows, step_launches=100)
-    assert "| barrier | read + dot + write | 2.00 | - |" in t
-    assert "| pdl | boundary only | 10.00 | 10.00 |" in t
+    assert "| 0 | barrier | read + dot + write | 2.00 | - |" in t
+    assert "| 0 | pdl | boundary only | 10.00 | 10.00 |" in t
     assert "barrier work 1: 200" in t
 
 
 def test_a_stale_vector_is_caught(monkeypatch):
     """A chain that skips its last phase leaves another vector than the twin's: the bench says so."""
     real = floor.phase_chain
-    monkeypatch.setattr(floor, "phase_chain", lambda x, w, n, style, work=True: real(x, w, n - 1, style, work=work))
+    monkeypatch.setattr(floor, "phase_chain",
+                        lambda x, w, n, style, work=True, stream=None: real(x, w, n - 1, style, work=work, stream=stream))
     with pytest.raises(RuntimeError, match="differs from the twin"):
         floor.bench_floor(programs=(3,), styles=("graph",), phases=4, hidden=9, timer=lambda fn: 0.0, device="cpu")
 
@@ -197,3 +199,61 @@ def test_stack_floor_needs_the_timeline_and_a_floor_file(tmp_path):
     empty = _floor_file(tmp_path, [dict(style="graph", work=True, programs=1, us_per_phase=1.0)])
     with pytest.raises(SystemExit, match="--floor: .*no pdl figures"):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--timeline", "3", "--floor", str(empty)])
+
+
+@pytest.mark.parametrize("style", ["graph", "pdl"])
+def test_streamed_chain_reads_each_phase_copy(style):
+    """Phase i reads copy (first + i) % copies before its wait; the sink keeps the last phase's sums;
+    the vector is the twin's as without streaming."""
+    P, H, n = 3, 40, 5
+    big, sink = stream_buffers(copies=3, programs=P, blocks=2)
+    x, w = _x(H), ring_weights(P, H)
+    want = phase_ref(x, w, n)
+    phase_chain(x, w, n, style, stream=(big, sink), first=2)
+    assert torch.equal(x[n % 2], want)
+    assert torch.equal(sink, stream_ref(big, [(2 + n - 1) % 3]))
+    assert not torch.equal(stream_ref(big, [0]), stream_ref(big, [1]))  # the copies tell phases apart
+
+
+def test_streamed_persistent_reads_every_next_phase_before_its_barrier():
+    big, sink = stream_buffers(copies=2, programs=1, blocks=3)
+    x, w = _x(24), ring_weights(1, 24)
+    bar, err = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    n = 4
+    want = phase_ref(x, w, n)
+    phase_persistent(x, w, n, bar, err, stream=(big, sink))
+    assert torch.equal(x[n % 2], want) and bar.tolist() == [0, 0]
+    assert torch.equal(sink, stream_ref(big, [i % 2 for i in range(n + 1)]))
+
+
+def test_stream_buffers_and_shapes_are_checked():
+    big, sink = stream_buffers(2, 3, 1)
+    assert big.shape == (2, 3, 1, WORDS) and big.dtype == torch.int32 and sink.tolist() == [0, 0, 0]
+    with pytest.raises(PhaseError, match="must be >= 1"):
+        stream_buffers(0, 3, 1)
+    with pytest.raises(PhaseError, match=r"int32 \[copies, programs=2"):
+        phase_chain(_x(8), ring_weights(2, 8), 1, stream=(big, sink))
+    with pytest.raises(PhaseError, match=r"sink must be int32 \[3\]"):
+        phase_chain(_x(8), ring_weights(3, 8), 1, stream=(big, torch.zeros(2, dtype=torch.int32)))
+    assert floor.stream_shape(1.0, 16, 0) == (4, 2)  # 16 programs x 4 blocks x 16 KB = 1.05 MB
+    blocks, copies = floor.stream_shape(4.0, 132, 60 * 2**20)
+    assert blocks == 2 and copies == math.ceil(2 * 60 * 2**20 / (2 * 132 * WORDS * 4))
+    with pytest.raises(ValueError, match="at most 64"):
+        floor.stream_shape(64.0, 1, 0)
+
+
+def test_bench_streamed_rows_carry_their_bytes(monkeypatch):
+    """--mb: each row carries the MB its whole blocks make; the table shows them beside the figure
+    and, given the copy bandwidth, the bytes alone; the floor file ignores streamed rows."""
+    rows = floor.bench_floor(programs=(1, 2), styles=("pdl", "barrier"), phases=2, hidden=16, mbs=(0, 0.05, 4.3),
+                             timer=lambda fn: (fn(), 1.0)[1], device="cpu")
+    too_many = [r for r in rows if r["mb_asked"] == 4.3 and r["style"] == "pdl"]
+    assert [r["programs"] for r in too_many] == [1, 2] and all("at most 64" in r["skipped"] for r in too_many)
+    rows = [r for r in rows if r["mb_asked"] != 4.3]
+    got = {(r["mb_asked"], r["style"], r["programs"]): r for r in rows}
+    assert got[(0.05, "pdl", 2)]["mb"] == pytest.approx(2 * 2 * WORDS * 4 / 1e6)
+    assert got[(0.05, "pdl", 1)]["mb"] == pytest.approx(3 * WORDS * 4 / 1e6)
+    assert got[(0, "pdl", 1)]["mb"] == 0 and "skipped" in got[(0.05, "barrier", 2)]
+    t = floor.table(rows, copy_gbs=100.0)
+    assert "| 0.05 | pdl | read + dot + write | 0.00 (0.0492 MB) | 0.00 (0.0655 MB) |" in t
+    assert f"| 0.05 | the bytes alone at 0.10 TB/s | | {1e3 * 3 * WORDS * 4 / 1e6 / 100:.2f} |" in t

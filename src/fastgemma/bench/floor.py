@@ -10,7 +10,11 @@ stream, so its time is the boundary itself. Per launch style and program count:
 - `pdl`: the same with programmatic dependent launch (the engine's launches);
 - `barrier`: one persistent launch, a grid barrier between phases (at most one program per
   multiprocessor: every program must be resident).
-`--no-work` times the boundary alone too (no loads, no stores). Each figure is the slope between
+`--no-work` times the boundary alone too (no loads, no stores). `--mb 4,8` adds phases that also
+stream that many MB of weights each, read before the wait (a launch) or before the barrier that opens
+the phase (one launch), from copies larger than the L2, beside those bytes alone at the copy bandwidth:
+a phase that costs its bytes plus its boundary hides nothing, one that costs the larger of the two
+hides the boundary under streaming. Each figure is the slope between
 chains of n and 2n phases (us per phase; the graph's own launch taken out), each chain's final vector
 checked against the twin (exact: each sum has one nonzero product).
 Prints one JSON line per figure (--out: JSONL) and a markdown table last; `--step-launches N` adds
@@ -21,10 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 
 import torch
 
-from ..kernels.phase_floor import STYLES, phase_chain, phase_persistent, phase_ref, ring_weights
+from ..kernels.phase_floor import (STYLES, WORDS, phase_chain, phase_persistent, phase_ref, ring_weights,
+                                   stream_buffers, stream_ref)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -37,6 +43,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _mbs(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated MB figures, got {text!r}") from None
+    if not vals or min(vals) < 0:
+        raise argparse.ArgumentTypeError(f"expected MB figures >= 0, got {text!r}")
+    return vals
+
+
 def _styles(text: str) -> tuple[str, ...]:
     vals = tuple(text.split(","))
     bad = [v for v in vals if v not in STYLES]
@@ -45,57 +61,95 @@ def _styles(text: str) -> tuple[str, ...]:
     return vals
 
 
+MAX_BLOCKS = 64  # streamed blocks a program of one phase reads (16 KB each, unrolled in the kernel)
+
+
+def stream_shape(mb: float, programs: int, l2_bytes: int) -> tuple[int, int]:
+    """(blocks per program, copies) that stream ~mb MB per phase over `programs` programs, with copies
+    enough that a phase's words are not in the L2 from the last time (twice its size)."""
+    per_block = programs * WORDS * 4
+    blocks = max(1, round(mb * 1e6 / per_block))
+    if blocks > MAX_BLOCKS:
+        raise ValueError(f"{mb} MB a phase over {programs} programs is {blocks} blocks of {WORDS * 4 // 1024} KB a "
+                         f"program; at most {MAX_BLOCKS}: more programs or fewer MB")
+    return blocks, max(2, math.ceil(2 * l2_bytes / (blocks * per_block)))
+
+
 def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=STYLES, phases: int = 256, hidden: int = 2560,
-                works=(True,), timer=None, device: str = "cuda", out=None) -> list[dict]:
-    """One dict per (work, style, programs): us per phase, or `skipped` with the reason. `timer`:
-    fn -> median microseconds (default: CUDA graphs, 20 ms of replays)."""
+                works=(True,), mbs=(0.0,), timer=None, device: str = "cuda", out=None) -> list[dict]:
+    """One dict per (MB streamed a phase, work, style, programs): us per phase, or `skipped` with the
+    reason. `mbs`: weights each phase reads before its wait (0: none); the row's `mb` is what the
+    whole blocks make. `timer`: fn -> median microseconds (default: CUDA graphs, 20 ms of replays)."""
     from ..kernels.bench_util import timer_or_graphs
 
     dev = torch.device(device)
     timer = timer_or_graphs(timer, "bench.floor")
     # a grid barrier opens only when every program has arrived: all must be resident (the
     # interpreter runs one program after another, so one)
-    resident = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    cuda = dev.type == "cuda"
+    resident = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size if cuda else 0
     gen = torch.Generator(device="cpu").manual_seed(0)
     x0 = torch.randn(hidden, generator=gen).to(dev)
     bar = torch.zeros(2, dtype=torch.int32, device=dev)
     err = torch.zeros(1, dtype=torch.int32, device=dev)
     rows = []
-    for work in works:
-        for style in styles:
-            for P in programs:
-                row = dict(style=style, work=work, programs=P, phases=phases, hidden=hidden)
-                if style == "barrier" and P > resident:
-                    row["skipped"] = f"a barrier needs every program resident: at most {resident} here"
-                    rows.append(row)
-                    continue
-                w = ring_weights(P, hidden, dev)
-                x = torch.zeros(2, hidden, dtype=torch.float32, device=dev)
-
-                def run(n, x=x, w=w, style=style, work=work):
-                    if style == "barrier":
-                        phase_persistent(x, w, n, bar, err, work=work)
-                    else:
-                        phase_chain(x, w, n, style, work=work)
-
-                if work:
-                    x[0].copy_(x0)
-                    run(phases)
-                    want = phase_ref(torch.stack([x0, x0]), w, phases)
-                    if not torch.equal(x[phases % 2], want):
-                        raise RuntimeError(f"{style}, {P} programs: the vector after {phases} phases differs "
-                                           f"from the twin's (a phase read a stale vector?)")
-                t1, t2 = timer(lambda: run(phases)), timer(lambda: run(2 * phases))
-                if int(err.item()):
-                    raise RuntimeError(f"a grid barrier gave up waiting with {P} programs (not all resident?)")
-                row["us_per_phase"] = (t2 - t1) / phases
-                rows.append(row)
-                line = json.dumps(row)
-                print(line, flush=True)
-                if out is not None:
-                    out.write(line + "\n")
-                    out.flush()
+    for mb in mbs:
+        for work in works:
+            for style in styles:
+                for P in programs:
+                    row = dict(style=style, work=work, programs=P, phases=phases, hidden=hidden, mb=0.0,
+                               mb_asked=float(mb))
+                    if style == "barrier" and P > resident:
+                        row["skipped"] = f"a barrier needs every program resident: at most {resident} here"
+                        rows.append(row)
+                        continue
+                    stream = None
+                    if mb > 0:
+                        try:
+                            blocks, copies = stream_shape(mb, P, l2)
+                        except ValueError as e:
+                            rows.append(dict(row, skipped=str(e)))
+                            continue
+                        stream = stream_buffers(copies, P, blocks, dev)
+                        row.update(mb=P * blocks * WORDS * 4 / 1e6, copies=copies)
+                    rows.append(_time_phases(row, x0, bar, err, stream, timer))
+                    line = json.dumps(rows[-1])
+                    print(line, flush=True)
+                    if out is not None:
+                        out.write(line + "\n")
+                        out.flush()
     return rows
+
+
+def _time_phases(row, x0, bar, err, stream, timer) -> dict:
+    """The row's chains checked once (the vector against the twin, the sink against its sums), then
+    timed: us per phase = the slope between n and 2n phases."""
+    style, work, P, n = row["style"], row["work"], row["programs"], row["phases"]
+    w = ring_weights(P, x0.numel(), x0.device)
+    x = torch.zeros(2, x0.numel(), dtype=torch.float32, device=x0.device)
+
+    def run(m):
+        if style == "barrier":
+            phase_persistent(x, w, m, bar, err, work=work, stream=stream)
+        else:
+            phase_chain(x, w, m, style, work=work, stream=stream)
+
+    x[0].copy_(x0)
+    run(n)
+    if work and not torch.equal(x[n % 2], phase_ref(torch.stack([x0, x0]), w, n)):
+        raise RuntimeError(f"{style}, {P} programs: the vector after {n} phases differs from the twin's "
+                           f"(a phase read a stale vector?)")
+    if stream is not None:
+        big, sink = stream
+        R = big.shape[0]
+        read = [i % R for i in range(n + 1)] if style == "barrier" else [(n - 1) % R]
+        if not torch.equal(sink, stream_ref(big, read)):
+            raise RuntimeError(f"{style}, {P} programs: the streamed words' sums differ from the twin's")
+    t1, t2 = timer(lambda: run(n)), timer(lambda: run(2 * n))
+    if int(err.item()):
+        raise RuntimeError(f"a grid barrier gave up waiting with {P} programs (not all resident?)")
+    return dict(row, us_per_phase=(t2 - t1) / n)
 
 
 def load_floor(path, style: str = "pdl") -> list[tuple[int, float]]:
@@ -112,7 +166,7 @@ def load_floor(path, style: str = "pdl") -> list[tuple[int, float]]:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not a JSON line of bench.floor ({e.msg})") from None
-            if r.get("style") == style and r.get("work") and "us_per_phase" in r:
+            if r.get("style") == style and r.get("work") and not r.get("mb") and "us_per_phase" in r:
                 pts[int(r["programs"])] = float(r["us_per_phase"])
     if not pts:
         raise ValueError(f"{path}: no {style} figures with work in it (write one with "
@@ -131,24 +185,36 @@ def floor_us(points: list[tuple[int, float]], programs: int) -> float:
     return points[-1][1]
 
 
-def table(rows: list[dict], step_launches: int | None = None) -> str:
-    """Markdown: one line per (style, work), one column per program count, us per phase."""
+def table(rows: list[dict], step_launches: int | None = None, copy_gbs: float | None = None) -> str:
+    """Markdown: one line per (MB asked a phase, style, work), one column per program count, us per
+    phase (with streaming: and the MB the whole blocks make); with `copy_gbs`, a line per MB asked of
+    those bytes alone at that bandwidth."""
     progs = sorted({r["programs"] for r in rows})
-    keys = list(dict.fromkeys((r["style"], r["work"]) for r in rows))
-    cell = {(r["style"], r["work"], r["programs"]): r for r in rows}
-    head = "| style | phase | " + " | ".join(f"{p} programs" for p in progs) + " |"
-    lines = [head, "|" + "---|" * (2 + len(progs))]
-    for style, work in keys:
+    keys = list(dict.fromkeys((r.get("mb_asked", 0.0), r["style"], r["work"]) for r in rows))
+    cell = {(r.get("mb_asked", 0.0), r["style"], r["work"], r["programs"]): r for r in rows}
+    head = "| MB a phase | style | phase | " + " | ".join(f"{p} programs" for p in progs) + " |"
+    lines = [head, "|" + "---|" * (3 + len(progs))]
+    shown = set()
+    for mb, style, work in keys:
         vals = []
         for p in progs:
-            r = cell.get((style, work, p))
-            vals.append("" if r is None else "-" if "skipped" in r else f"{r['us_per_phase']:.2f}")
-        lines.append(f"| {style} | {'read + dot + write' if work else 'boundary only'} | " + " | ".join(vals) + " |")
+            r = cell.get((mb, style, work, p))
+            if r is None or "skipped" in r:
+                vals.append("" if r is None else "-")
+            else:
+                vals.append(f"{r['us_per_phase']:.2f}" + (f" ({r['mb']:.3g} MB)" if r["mb"] else ""))
+        phase = "read + dot + write" if work else "boundary only"
+        lines.append(f"| {mb:g} | {style} | {phase} | " + " | ".join(vals) + " |")
+        if mb and copy_gbs and mb not in shown:
+            shown.add(mb)
+            alone = [next((f"{1e3 * r['mb'] / copy_gbs:.2f}" for r in rows if r.get("mb_asked") == mb
+                           and r["programs"] == p and r.get("mb")), "") for p in progs]
+            lines.append(f"| {mb:g} | the bytes alone at {copy_gbs / 1e3:.2f} TB/s | | " + " | ".join(alone) + " |")
     if step_launches:
         lines.append("")
         lines.append(f"x {step_launches} launches (us): " + "; ".join(
             f"{r['style']} {'work' if r['work'] else 'empty'} {r['programs']}: {r['us_per_phase'] * step_launches:.0f}"
-            for r in rows if "us_per_phase" in r))
+            for r in rows if "us_per_phase" in r and not r["mb"]))
     return "\n".join(lines)
 
 
@@ -159,17 +225,25 @@ def main(argv=None):
     ap.add_argument("--phases", type=int, default=256, help="n: chains of n and 2n phases are timed")
     ap.add_argument("--hidden", type=int, default=2560, help="values in the vector each phase reads")
     ap.add_argument("--no-work", action="store_true", help="also time the boundary alone (no loads, no stores)")
+    ap.add_argument("--mb", type=_mbs, default=(0.0,),
+                    help="weights each phase streams before its wait, MB, comma-separated (0: none; e.g. 0,4,8)")
     ap.add_argument("--step-launches", type=int, default=None, help="print each figure x this launch count")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     a = ap.parse_args(argv)
     if a.phases < 1 or a.hidden < 1:
         ap.error("--phases and --hidden must be positive")
     works = (True, False) if a.no_work else (True,)
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"{name}: dependent phases of {a.hidden} fp32 values, chains of {a.phases} and {2 * a.phases}")
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    copy_gbs = None
+    if cuda and any(a.mb):
+        from ..metrics.memory import copy_bandwidth_gbs
+        copy_gbs = copy_bandwidth_gbs(torch.device("cuda"))
+    print(f"{name}: dependent phases of {a.hidden} fp32 values, chains of {a.phases} and {2 * a.phases}"
+          + (f"; copy bandwidth {copy_gbs / 1e3:.2f} TB/s" if copy_gbs else ""))
     with open(a.out, "a") if a.out else contextlib.nullcontext() as f:
-        rows = bench_floor(a.programs, a.styles, a.phases, a.hidden, works, out=f)
-    print(table(rows, a.step_launches))
+        rows = bench_floor(a.programs, a.styles, a.phases, a.hidden, works, a.mb, out=f)
+    print(table(rows, a.step_launches, copy_gbs))
 
 
 if __name__ == "__main__":

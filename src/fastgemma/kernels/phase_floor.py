@@ -7,6 +7,13 @@ phase before) and writes that sum to its share of the next vector (H / P values,
 layer op of the step has this dependency: each program needs all of the previous op's output.
 `work=False` keeps only the boundary: no loads, no stores.
 
+`stream` adds the weights a real phase reads: an int32 buffer [R, programs, blocks, WORDS]; phase i's
+program p reads copy i % R of its blocks before its wait (a launch) or before the barrier that opens
+the phase (one launch), as the step's GEMVs load their weights, and keeps a bit of each word in a
+sink [programs] (so the loads stay). R copies larger than the L2 make every phase read from memory.
+Whether a phase then costs its bytes plus its boundary, or the larger of the two, is what says how
+much of the boundaries weight streaming can hide.
+
 - `phase_chain(x, w, n, style)`: n phases as n launches, stream ordered (`graph`) or with
   programmatic dependent launch (`pdl`: the next launch starts at once, its programs wait for this
   one's end before they read).
@@ -24,6 +31,7 @@ from .draft_loop import SPIN_LIMIT, _leave, _sync
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 STYLES = ("graph", "pdl", "barrier")
+WORDS = 4096  # int32 words of a streamed block: 16 KB, 32 a thread at 4 warps
 
 
 @triton.jit
@@ -36,31 +44,53 @@ def _dot_store(src, dst, w, pid, H, C, BLOCK: tl.constexpr, BLOCK_C: tl.constexp
 
 
 @triton.jit
-def _phase_kernel(src, dst, w_ptr, H, C, WORK: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
+def _stream(big_ptr, base, NB: tl.constexpr, WB: tl.constexpr):
+    """The low bits of NB blocks of WB words at big_ptr + base, summed (the loads all issued first)."""
+    offs = tl.arange(0, WB)
+    acc = tl.zeros([WB], tl.int32)
+    for j in tl.static_range(NB):
+        acc += tl.load(big_ptr + base + j * WB + offs) & 1
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _phase_kernel(src, dst, w_ptr, H, C, big_ptr, sink_ptr, base, WORK: tl.constexpr, PDL: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr, WB: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if WORK:
         w = tl.load(w_ptr + pid * H + offs, mask=offs < H, other=0.0)
+    if NB > 0:  # this phase's weights, before the wait
+        bits = _stream(big_ptr, base + pid * (NB * WB), NB, WB)
     _pdl_trigger(PDL)
     _pdl_wait(PDL)
     if WORK:
         _dot_store(src, dst, w, pid, H, C, BLOCK, BLOCK_C)
+    if NB > 0:
+        tl.store(sink_ptr + pid, bits)
 
 
 @triton.jit
-def _persistent_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, n, H, C, WORK: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_C: tl.constexpr, SPIN: tl.constexpr):
+def _persistent_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, n, H, C, big_ptr, sink_ptr, copies,
+                       WORK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, SPIN: tl.constexpr,
+                       NB: tl.constexpr, WB: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
     if WORK:
         w = tl.load(w_ptr + pid * H + offs, mask=offs < H, other=0.0)
+    bits = 0
+    if NB > 0:  # phase 0's weights
+        bits = _stream(big_ptr, pid * (NB * WB), NB, WB)
     nb = 0
     for i in range(n):
         if WORK:
             _dot_store(x_ptr + (i % 2) * H, x_ptr + ((i + 1) % 2) * H, w, pid, H, C, BLOCK, BLOCK_C)
+        if NB > 0:  # the next phase's weights, before the barrier that opens it
+            bits += _stream(big_ptr, (((i + 1) % copies) * nprog + pid) * (NB * WB), NB, WB)
         nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
+    if NB > 0:
+        tl.store(sink_ptr + pid, bits)
     _leave(bar_ptr, nprog)
 
 
@@ -86,29 +116,66 @@ def _meta(x, w):
     return H, P, C, dict(BLOCK=triton.next_power_of_2(H), BLOCK_C=triton.next_power_of_2(C))
 
 
-def phase_chain(x: torch.Tensor, w: torch.Tensor, n: int, style: str = "graph", work: bool = True):
-    """n phases of w.shape[0] programs as n launches; phase i reads x[i % 2] and writes x[(i + 1) % 2]."""
+def stream_buffers(copies: int, programs: int, blocks: int, device="cpu", seed: int = 0):
+    """(big int32 [copies, programs, blocks, WORDS] of random words, sink int32 [programs]) for `stream`."""
+    if copies < 1 or programs < 1 or blocks < 1:
+        raise PhaseError(f"copies, programs and blocks must be >= 1; got {copies}, {programs}, {blocks}")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    big = torch.randint(-2**31, 2**31 - 1, (copies, programs, blocks, WORDS), generator=g, dtype=torch.int32)
+    return big.to(device), torch.zeros(programs, dtype=torch.int32, device=device)
+
+
+def stream_ref(big: torch.Tensor, phases) -> torch.Tensor:
+    """The sink after `phases` (the copies' indices the phases read, in order): per program, the sum
+    of its words' low bits over those phases."""
+    bits = (big & 1).sum(dim=(2, 3))  # [copies, programs]
+    return sum(bits[c] for c in phases).to(torch.int32)
+
+
+def _stream_args(stream, P):
+    if stream is None:
+        return None, None, 0, 1
+    big, sink = stream
+    if big.dim() != 4 or big.shape[1] != P or big.shape[3] != WORDS or big.dtype != torch.int32:
+        raise PhaseError(f"stream's buffer must be int32 [copies, programs={P}, blocks, {WORDS}]; got "
+                         f"{tuple(big.shape)} {big.dtype}")
+    if sink.shape != (P,) or sink.dtype != torch.int32:
+        raise PhaseError(f"stream's sink must be int32 [{P}]; got {tuple(sink.shape)} {sink.dtype}")
+    return big, sink, big.shape[2], big.shape[0]
+
+
+def phase_chain(x: torch.Tensor, w: torch.Tensor, n: int, style: str = "graph", work: bool = True, stream=None,
+                first: int = 0):
+    """n phases of w.shape[0] programs as n launches; phase i reads x[i % 2] and writes x[(i + 1) % 2].
+    stream: (big, sink) of `stream_buffers`: phase i (counted from `first`) reads copy i % copies and
+    writes its sum to the sink."""
     _check(x, w, n)
     if style not in ("graph", "pdl"):
         raise PhaseError(f"phase_chain's style is one of graph, pdl; got {style!r}")
     H, P, C, meta = _meta(x, w)
+    big, sink, NB, R = _stream_args(stream, P)
     launch = pdl_args(style == "pdl", x.device)
+    step = P * NB * WORDS
     for i in range(n):
-        _phase_kernel[(P,)](x[i % 2], x[(i + 1) % 2], w, H, C, WORK=work, num_warps=4, **launch, **meta)
+        _phase_kernel[(P,)](x[i % 2], x[(i + 1) % 2], w, H, C, big if NB else w, sink if NB else w,
+                            ((first + i) % R) * step, WORK=work, NB=NB, WB=WORDS, num_warps=4, **launch, **meta)
 
 
 def phase_persistent(x: torch.Tensor, w: torch.Tensor, n: int, bar: torch.Tensor, err: torch.Tensor,
-                     work: bool = True):
+                     work: bool = True, stream=None):
     """n phases in one launch of w.shape[0] programs, which must all be resident at once (at most one
     per multiprocessor is what the caller should ask for). bar: int32 [2] zeros, err: int32 [1]: set
-    to 1 if a barrier gave up waiting (programs not all resident)."""
+    to 1 if a barrier gave up waiting (programs not all resident). stream: as phase_chain's, the sink
+    holding phases 0..n's sum (the weights of a phase n + 1 are read too, before the last barrier)."""
     _check(x, w, n)
     H, P, C, meta = _meta(x, w)
+    big, sink, NB, R = _stream_args(stream, P)
     if x.device.type == "cuda":
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if P > sms:
             raise PhaseError(f"a grid barrier needs every program resident: at most {sms} programs here; got {P}")
-    _persistent_kernel[(P,)](x, w, bar, err, n, H, C, WORK=work, SPIN=SPIN_LIMIT, num_warps=4, **meta)
+    _persistent_kernel[(P,)](x, w, bar, err, n, H, C, big if NB else w, sink if NB else w, R, WORK=work,
+                             SPIN=SPIN_LIMIT, NB=NB, WB=WORDS, num_warps=4, **meta)
 
 
 def ring_weights(programs: int, hidden: int, device="cpu") -> torch.Tensor:
