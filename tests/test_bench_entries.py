@@ -183,6 +183,11 @@ def test_spec_profile_phases_charges_each_graph(monkeypatch, capsys):
     assert out["verify"]["span_us"] == 7 and [g["inc_us"] for g in out["verify"]["groups"]] == [5, 2]
     text = capsys.readouterr().out
     assert "### timeline: draft graph: 2 kernels, span 7.0 us" in text and "### timeline: verify graph" in text
+    out = spec.profile_phases(gen, 2, floor=[(1, 1.0), (3, 3.0)])  # --floor: k at 2 programs 2.0 us, m 1.0
+    assert out["verify"]["boundary_us"] == 3.0 and [g["boundary_us"] for g in out["verify"]["groups"]] == [2.0, 1.0]
+    assert "| k | 2x1x1 | 1 | 5.0 | 5.0 | 0.0 | 2.0 | 3.0 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="give --profile-phases N too"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--floor", "floor.jsonl"])
 
 
 def test_stack_bench_timeline_needs_a_gpu():

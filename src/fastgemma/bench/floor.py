@@ -174,6 +174,19 @@ def load_floor(path, style: str = "pdl") -> list[tuple[int, float]]:
     return sorted(pts.items())
 
 
+def floor_option(path, traced: bool, trace_flag: str):
+    """A bench's `--floor FILE`: None when not given, else the file's PDL figures; SystemExit with the
+    reason when the bench traces nothing (`trace_flag` is the option that would) or the file is unusable."""
+    if path is None:
+        return None
+    if not traced:
+        raise SystemExit(f"--floor adds columns to {trace_flag}'s table: give {trace_flag} N too")
+    try:
+        return load_floor(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--floor: {e}") from e
+
+
 def floor_us(points: list[tuple[int, float]], programs: int) -> float:
     """The boundary of a launch of `programs` programs: linear between the measured program counts,
     the nearest measured figure outside them (a lower bound above the largest count)."""

@@ -39,6 +39,7 @@ from ..engine.steps import GraphStep, StaticStep
 from ..kernels import w4a16
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
+from .floor import floor_option
 from .stack import VARIANT_OPTS, mma_table_arg
 
 
@@ -158,16 +159,19 @@ def use_prefill(gen, name: str, prompt_len: int) -> None:
     gen.warm_prefill(prompt_len)
 
 
-def profile_phases(gen, steps: int, top: int = 20) -> dict:
+def profile_phases(gen, steps: int, top: int = 20, floor=None) -> dict:
     """Kernels of the captured draft and verify graphs, `steps` replays each at the generator's
     current state (replaying them alone changes only the drafts, the verify rows and their cache
     rows): {phase: bench.timeline's summary (each kernel's own time and its share of the phase's
-    critical path, per kernel and grid)}, printed as tables."""
-    from .timeline import print_groups, summarize, trace_kernels
+    critical path, per kernel and grid)}, printed as tables; `floor` (bench.floor's figures): with
+    each kernel's boundaries."""
+    from .timeline import print_groups, summarize, trace_kernels, with_floor
 
     out = {}
     for phase, g in zip(("draft", "verify"), gen._graphs):
         row = summarize(trace_kernels(g.replay, steps), top)
+        if floor is not None:
+            row = with_floor(row, floor)
         out[phase] = row
         print_groups(row, f"{phase} graph")
     return out
@@ -222,6 +226,9 @@ def main(argv=None):
     ap.add_argument("--profile-phases", type=int, default=0,
                     help="N > 0: trace N replays of the first speculative row's draft and verify graphs "
                          "(bench.timeline: each kernel's own time and its share of the graph's critical path)")
+    ap.add_argument("--floor", default=None, metavar="FILE",
+                    help="with --profile-phases: bench.floor's JSONL; each kernel's boundary at its grid's PDL "
+                         "figure and the critical path above it")
     ap.add_argument("--prefill", default="graph",
                     help="the prompt's path, comma-separated for one row each (same captured decode graphs): "
                          "eager, graph (padded, one CUDA graph per padded length: graphs=cuda_graph), "
@@ -231,6 +238,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     dev = a.device
     cuda = dev.startswith("cuda")
+    floor = floor_option(a.floor, a.profile_phases > 0, "--profile-phases")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("fastgemma.bench.spec measures CUDA graphs on a GPU; no CUDA device here")
     if a.compile:  # one specialisation per (window, depth) generator
@@ -349,7 +357,7 @@ def main(argv=None):
             phases = None
             if a.profile_phases and cuda and gen._graphs is not None and not profiled:
                 gen._reset_state(a.prompt_len)
-                phases = profile_phases(gen, a.profile_phases)
+                phases = profile_phases(gen, a.profile_phases, floor=floor)
                 profiled = True
             primed = None
             for prof, pname in [(p, q) for p in (profiles if replay is not None else [None]) for q in prefills]:

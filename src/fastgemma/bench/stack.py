@@ -47,6 +47,7 @@ from ..metrics.identity import common_prefix
 from ..model.config import preset
 from ..transforms.window import SlidingWindow
 from ..weights.synthetic import synthetic_model
+from .floor import floor_option
 from .ladder import copy_bandwidth, decode_bytes
 
 BODIES = ("bf16", "int4", "nf4")
@@ -232,15 +233,7 @@ def main(argv=None):
         raise SystemExit(f"--window: native or a positive number of keys, got {a.window!r}") from e
     if a.timeline < 0:
         raise SystemExit(f"--timeline: a number of replays >= 0, got {a.timeline}")
-    floor = None
-    if a.floor is not None:
-        if not a.timeline:
-            raise SystemExit("--floor adds columns to --timeline's table: give --timeline N too")
-        from .floor import load_floor
-        try:
-            floor = load_floor(a.floor)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--floor: {e}") from e
+    floor = floor_option(a.floor, a.timeline > 0, "--timeline")
     if a.timeline and not a.device.startswith("cuda"):
         raise SystemExit("--timeline traces CUDA kernels: it needs --device cuda")
     if min(lengths) < 1 or a.new < 1:
