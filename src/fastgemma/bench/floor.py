@@ -33,24 +33,17 @@ from ..kernels.phase_floor import (STYLES, WORDS, phase_chain, phase_persistent,
                                    stream_buffers, stream_ref)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
-def _mbs(text: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated MB figures, got {text!r}") from None
-    if not vals or min(vals) < 0:
-        raise argparse.ArgumentTypeError(f"expected MB figures >= 0, got {text!r}")
-    return vals
+def _list_of(cast, what: str, least):
+    """An argparse type: comma-separated values of `cast`, each >= least."""
+    def parse(text: str) -> tuple:
+        try:
+            vals = tuple(cast(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not vals or min(vals) < least:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {least}, got {text!r}")
+        return vals
+    return parse
 
 
 def _styles(text: str) -> tuple[str, ...]:
@@ -233,12 +226,12 @@ def table(rows: list[dict], step_launches: int | None = None, copy_gbs: float | 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--programs", type=_ints, default=(1, 16, 80, 132, 264, 640), help="programs per phase")
+    ap.add_argument("--programs", type=_list_of(int, "program counts", 1), default=(1, 16, 80, 132, 264, 640), help="programs per phase")
     ap.add_argument("--styles", type=_styles, default=STYLES, help=f"launch styles, of {', '.join(STYLES)}")
     ap.add_argument("--phases", type=int, default=256, help="n: chains of n and 2n phases are timed")
     ap.add_argument("--hidden", type=int, default=2560, help="values in the vector each phase reads")
     ap.add_argument("--no-work", action="store_true", help="also time the boundary alone (no loads, no stores)")
-    ap.add_argument("--mb", type=_mbs, default=(0.0,),
+    ap.add_argument("--mb", type=_list_of(float, "MB figures", 0), default=(0.0,),
                     help="weights each phase streams before its wait, MB, comma-separated (0: none; e.g. 0,4,8)")
     ap.add_argument("--step-launches", type=int, default=None, help="print each figure x this launch count")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
