@@ -41,7 +41,8 @@
 #             --prompt-len 256 --new 256" (~4 min per window: the k=7 graphs compile for ~200 s); with
 #             --fuse layers, --verify-epilogues off,on compares the verify pass's GEMM epilogues in one run
 #             (--verify-norms on,off: its norm kernels; --verify-pdl on,off: its PDL launches; --attn-pdl,
-#             --verify-qkv: its attention's PDL and q/k/v kernel; --variant: the AR step's and drafter's)
+#             --verify-qkv: its attention's PDL and q/k/v kernel; --variant: the AR step's and drafter's;
+#             --profile-phases 3 --floor $OUT/floor.jsonl after the floor part: each graph's kernels against their boundaries)
 #   invariance each kernel's rows at one row vs among 8 (E4B shapes, bf16), and a k+1-row pass of the
 #             fuse.batch_invariant step against k+1 one-row steps (bench.invariance; INVARIANCE_ARGS, e.g.
 #             "--compile", "--variant attn_pdl+qkv+mma": the default step for contrast)
