@@ -1,5 +1,5 @@
 """The smallest dependent phase a decode step is made of, and its torch twin: what one kernel
-boundary costs when there are no weights to stream.
+boundary costs with no weights to stream, and with them.
 
 A phase of P programs reads the whole vector the phase before it wrote (H fp32 values), takes its
 dot with the program's own row of H weights (loaded before the wait: weights never depend on the
