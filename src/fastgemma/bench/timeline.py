@@ -11,8 +11,9 @@ runs several shapes).
 `trace_kernels(fn, calls)` profiles `calls` calls of fn() (CUPTI kernel records, CUDA graphs included)
 and returns one list of kernels per call; `charge` adds inc / gap / overlap; `group` sums them per
 (name, grid); `print_groups` prints the table. bench.stack --timeline runs it on the captured step.
-`with_floor` adds what bench.floor measured a dependent launch of each grid to cost at the least (the
-boundary), so the table says how much each kernel takes above it (bench.stack --floor FILE).
+`with_floor` adds what bench.floor measured a dependent launch of each grid to cost in a chain of
+such launches (its boundary), so the table says how much each kernel takes above it (bench.stack /
+bench.spec --floor FILE; a kernel that reads less than the floor's phase can come in under it).
 """
 from __future__ import annotations
 
@@ -126,11 +127,8 @@ def with_floor(s: dict, points: list[tuple[int, float]]) -> dict:
     of its grid's program count) and the median call's in all (`boundary_us` of the summary)."""
     from .floor import floor_us
 
-    def programs(grid):
-        return math.prod(grid)
-
-    groups = [dict(g, boundary_us=g["n"] * floor_us(points, programs(g["grid"]))) for g in s["groups"]]
-    total = sum(floor_us(points, programs(k["grid"])) for k in s["kernels_of_median_call"])
+    groups = [dict(g, boundary_us=g["n"] * floor_us(points, math.prod(g["grid"]))) for g in s["groups"]]
+    total = sum(floor_us(points, math.prod(k["grid"])) for k in s["kernels_of_median_call"])
     return dict(s, groups=groups, boundary_us=total)
 
 
