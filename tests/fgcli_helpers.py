@@ -53,7 +53,9 @@ def cli(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedP
 
 def wandb_offline_summary(run_file: Path) -> dict:
     """The last summary a W&B offline run file (run-<id>.wandb) holds: its records are protobufs in
-    LevelDB log framing (32 KiB blocks; chunk = crc32, length, type; 7-byte file header)."""
+    LevelDB log framing (32 KiB blocks; chunk = crc32, length, type; 7-byte file header). A record
+    whose chunk runs past the file's end is still being written: the records before it are read."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(run_file).read_bytes()
@@ -68,6 +70,8 @@ def wandb_offline_summary(run_file: Path) -> dict:
         if n == 0 and kind == 0:
             pos += left
             continue
+        if pos + 7 + n > len(data):  # a record still being written (the writer flushes after the run)
+            break
         chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
         if kind in (1, 2):
             buf = chunk
@@ -75,7 +79,12 @@ def wandb_offline_summary(run_file: Path) -> dict:
             buf += chunk
         if kind in (1, 4):
             rec = pb.Record()
-            rec.ParseFromString(buf)
+            try:
+                rec.ParseFromString(buf)
+            except DecodeError:
+                if pos + 7 > len(data):  # the file's last record, its bytes not all written yet
+                    break
+                raise
             which = rec.WhichOneof("record_type")
             if which == "summary":
                 out.update({i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in rec.summary.update})
