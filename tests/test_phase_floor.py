@@ -130,8 +130,8 @@ def test_a_stale_vector_is_caught(monkeypatch):
 
 
 def test_cli_refuses_bad_arguments(capsys):
-    for argv, msg in ((["--programs", "0,2"], "program counts >= 1"), (["--mb", "4,x"], "comma-separated MB"), (["--styles", "graph,warp"], "styles are"),
-                      (["--phases", "0"], "must be positive")):
+    for argv, msg in ((["--programs", "0,2"], "program counts >= 1"), (["--mb", "4,x"], "comma-separated MB"),
+                      (["--styles", "graph,warp"], "styles are"), (["--phases", "0"], "must be positive")):
         with pytest.raises(SystemExit):
             floor.main(argv)
         assert msg in capsys.readouterr().err

@@ -79,9 +79,9 @@ def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=STYLES, phases: int 
     timer = timer_or_graphs(timer, "bench.floor")
     # a grid barrier opens only when every program has arrived: all must be resident (the
     # interpreter runs one program after another, so one)
-    cuda = dev.type == "cuda"
-    resident = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size if cuda else 0
+    props = torch.cuda.get_device_properties(dev) if dev.type == "cuda" else None
+    resident = props.multi_processor_count if props else 1
+    l2 = props.L2_cache_size if props else 0
     gen = torch.Generator(device="cpu").manual_seed(0)
     x0 = torch.randn(hidden, generator=gen).to(dev)
     bar = torch.zeros(2, dtype=torch.int32, device=dev)
@@ -226,7 +226,8 @@ def table(rows: list[dict], step_launches: int | None = None, copy_gbs: float | 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--programs", type=_list_of(int, "program counts", 1), default=(1, 16, 80, 132, 264, 640), help="programs per phase")
+    ap.add_argument("--programs", type=_list_of(int, "program counts", 1), default=(1, 16, 80, 132, 264, 640),
+                    help="programs per phase")
     ap.add_argument("--styles", type=_styles, default=STYLES, help=f"launch styles, of {', '.join(STYLES)}")
     ap.add_argument("--phases", type=int, default=256, help="n: chains of n and 2n phases are timed")
     ap.add_argument("--hidden", type=int, default=2560, help="values in the vector each phase reads")

@@ -180,8 +180,9 @@ def phase_persistent(x: torch.Tensor, w: torch.Tensor, n: int, bar: torch.Tensor
 
 def ring_weights(programs: int, hidden: int, device="cpu") -> torch.Tensor:
     """w [programs, hidden] with one 1 per row: program p picks the first value of program p + 1's
-    share (the last value where that program has none). The values stay the input's (sums of one product, exact), and each phase rotates them a
-    program further, so a phase that read a stale vector gives another answer than the twin."""
+    share (the last value where that program has none). The values stay the input's (sums of one
+    product, exact), and each phase rotates them a program further, so a phase that read a stale
+    vector gives another answer than the twin."""
     C = triton.cdiv(hidden, programs)
     w = torch.zeros(programs, hidden, dtype=torch.float32, device=device)
     p = torch.arange(programs, device=device)
