@@ -23,6 +23,7 @@ from fastgemma.kernels.gemv import _prefetch_gemv_kernel
 from fastgemma.kernels.qkv_finish import _qkv_finish_kernel
 from fastgemma.kernels.residual_norm import _residual_norm_kernel
 from fastgemma.kernels.skinny_gemm import _dense_mma_kernel
+from fastgemma.kernels.stream_gemv import _stream_gemv_kernel
 from fastgemma.kernels.w4a16 import _group_mma_kernel
 
 D16 = [["tt.divisibility", 16]]
@@ -228,6 +229,7 @@ def main():
     ptx, regs, spills = build(_centroid_kernel, cent_sig, dict(H=256, BLOCK_C=64, BLOCK_H=64), (0, 1, 2), 4)
     print(f"draft\tdraft head centroids\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}")
     draft_loop_line()
+    stream_lines()
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")
@@ -238,6 +240,22 @@ def main():
         # the word loop's nibble pairs: one LOP3 with the 0x3F803F80 magic per pair of codes
         pairs = ptx.count("0x3F803F80") if ce.get("WORDS") else 0
         print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{expect}\t{pairs}")
+
+
+def stream_lines():
+    """The streamed fused GEMV on E4B's bf16 gate|up and down ("stream" lines: name, registers, spill
+    bytes, PDL waits, global loads before the wait, after it)."""
+    sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr", "w_ptr", "aux_ptr",
+                                "out_ptr")}
+    sig.update(N="i32", HALF="i32", stride_wn="i32", eps="fp32", off="fp32")
+    for name, pro, epi, K, nt, bn, bk, warps, depth in [("gate|up 8x512w4p2d8", 2, 1, 2560, 2560, 8, 512, 4, 8),
+                                                        ("down 2x1024w4p2d8", 0, 0, 10240, 1280, 2, 1024, 4, 8)]:
+        ce = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=False, HAS_PRE=pro == 2, EPI=epi, PDL=True,
+                  DEPTH=depth, NT=nt, P=264)
+        ptx, regs, spills = build(_stream_gemv_kernel, sig, ce, tuple(range(9)) + (11,), warps, stages=1)
+        wait = ptx.find("griddepcontrol.wait")
+        print(f"stream\t{name}\t{regs}\t{spills}\t{ptx.count('griddepcontrol.wait')}\t"
+              f"{ptx[:wait].count('ld.global')}\t{ptx[wait:].count('ld.global')}")
 
 
 def draft_loop_line():

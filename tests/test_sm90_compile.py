@@ -17,7 +17,7 @@ def test_gpu_only_variants_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
-            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "loop")}
+            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "loop", "stream")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy), the GEMMs' trigger after their main loop (every mma before it),
@@ -54,6 +54,12 @@ def test_gpu_only_variants_compile_for_sm90():
     loop = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "loop"}
     regs, spills, arrivals, polls, other = loop["draft loop E4B"]
     assert regs <= 255 and spills <= 512 and (arrivals, polls, other) == (27, 27, 1), loop
+    # the streamed fused GEMV (kernels/stream_gemv.py): no spills at two programs a multiprocessor (<= 255
+    # registers at 4 warps), one wait, its first blocks' weight loads before it and more after it
+    stream = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "stream"}
+    assert len(stream) == 2, stream
+    for name, (regs, spills, waits, before, after) in stream.items():
+        assert regs <= 255 and spills == 0 and waits == 1 and before > 0 and after > 0, (name, stream[name])
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}

@@ -24,6 +24,7 @@ torch twin (same rounding points).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -294,8 +295,9 @@ FUSED_CASES = {
 
 
 def parse_fused_table(spec: str) -> dict[tuple[int, int, bool, str], GemvConfig]:
-    """'CASE=NxKwW,...' (CASE a name of FUSED_CASES, '_' for its spaces; N rows and K columns per block,
-    W warps; e.g. 'PLE_gate=2x1024w4'), 'none' (an empty table: every shape autotuned), or '+' then
+    """'CASE=NxKwW[pPdD],...' (CASE a name of FUSED_CASES, '_' for its spaces; N rows and K columns per
+    block, W warps; pPdD: kernels/stream_gemv.py, P programs a multiprocessor, D blocks in flight a
+    program; e.g. 'PLE_gate=2x1024w4', 'gate|up=8x512w8p2d8'), 'none' (an empty table: every shape autotuned), or '+' then
     entries (the shipped table with those changed) -> FUSED_CONFIGS' form. Clear errors otherwise."""
     import re
 
@@ -305,13 +307,13 @@ def parse_fused_table(spec: str) -> dict[tuple[int, int, bool, str], GemvConfig]
     for item in [x.strip() for x in spec.split(",") if x.strip()]:
         if item == "none":
             continue
-        m = re.fullmatch(r"(.+)=(\d+)x(\d+)w(\d+)", item.replace("_", " "))
+        m = re.fullmatch(r"(.+)=(\d+)x(\d+)w(\d+)(?:p(\d+)d(\d+))?", item.replace("_", " "))
         if not m or m.group(1) not in FUSED_CASES:
-            raise ValueError(f"fused table entry {item!r}: CASE=NxKwW with CASE one of {sorted(FUSED_CASES)}, "
-                             "e.g. 'PLE_gate=2x1024w4'")
+            raise ValueError(f"fused table entry {item!r}: CASE=NxKwW[pPdD] with CASE one of {sorted(FUSED_CASES)}, "
+                             "e.g. 'PLE_gate=2x1024w4' or 'gate|up=8x512w8p2d8'")
         key = FUSED_CASES[m.group(1)]
         try:  # the launcher's own check of a config
-            table[key] = resolve_config(key[0], key[1], GemvConfig(*(int(g) for g in m.groups()[1:])))
+            table[key] = resolve_config(key[0], key[1], GemvConfig(*(int(g) for g in m.groups()[1:] if g)))
         except ValueError as e:
             raise ValueError(f"fused table entry {item!r}: {e}") from None
     return table
@@ -407,13 +409,17 @@ def fused_gemv(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: 
     if not tune:
         cfg = resolve_config(N, K, config)
         if run.epi == 1 and cfg.block_n < 2:
-            cfg = GemvConfig(2, cfg.block_k, cfg.num_warps)
+            cfg = dataclasses.replace(cfg, block_n=2)
         if triton.cdiv(K, cfg.block_k) > MAX_KB:
             raise ValueError(f"fused_gemv holds at most {MAX_KB} K blocks; K={K} needs BLOCK_K >= "
                              f"{triton.cdiv(K, MAX_KB)}")
     args = (*run.head, w, *run.tail, N, run.half, w.stride(0), eps, offset)
     if tune:
         _fused_gemv_tuned[lambda meta: run.grid(meta["BLOCK_N"])](*args, **run.flags)
+    elif cfg.per_sm:
+        from .stream_gemv import launch_stream
+
+        launch_stream(args, run.flags, run.grid(cfg.block_n)[0], cfg, w.device)
     else:
         _fused_gemv_kernel[run.grid(cfg.block_n)](*args, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                                   num_warps=cfg.num_warps, **run.flags)

@@ -209,6 +209,8 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
+    per_sm: int = 0  # fused GEMVs: > 0 runs kernels/stream_gemv.py, this many programs a multiprocessor
+    depth: int = 0   # ... keeping this many weight blocks in flight a program
 
 
 # (N, K) -> tiles: bench_shapes(sweep=True) on the H200 (2026-11-30, graph-timed, weights out of L2);
@@ -245,6 +247,9 @@ def resolve_config(N: int, K: int, config: GemvConfig | None = None) -> GemvConf
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1):
             raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+    if cfg.per_sm < 0 or (cfg.per_sm > 0) != (cfg.depth > 0) or cfg.depth > MAX_KB:
+        raise ValueError(f"GemvConfig: per_sm >= 0, and a streamed one (per_sm > 0) keeps 1..{MAX_KB} blocks in "
+                         f"flight (depth); got per_sm={cfg.per_sm}, depth={cfg.depth}")
     return cfg
 
 
