@@ -164,13 +164,14 @@ def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(description="the fused one-row GEMV's streamed tiles against the shipped ones")
-    ap.add_argument("--cases", default="gate|up,down", help="names of kernels/fused_gemv.FUSED_CASES, joined by ','")
+    ap.add_argument("--cases", default="gate|up,down",
+                    help="names of kernels/fused_gemv.FUSED_CASES ('_' for their spaces), joined by ','")
     ap.add_argument("--tiles", default="8x512w4p2d8,8x512w8p1d8,8x1024w8p1d4,2x1024w4p2d8,4x1024w8p1d4",
                     help="'NxKwW[pPdD]' joined by ',' (tiles a case cannot take are skipped)")
     a = ap.parse_args(argv)
     from .fused_gemv import FUSED_CASES
 
-    names = [c for c in a.cases.split(",") if c]
+    names = [c.replace("_", " ") for c in a.cases.split(",") if c]
     if bad := [n for n in names if n not in FUSED_CASES]:
         raise SystemExit(f"--cases: {bad} not among {sorted(FUSED_CASES)}")
     bench_stream({n: FUSED_CASES[n] for n in names}, [t for t in a.tiles.split(",") if t])
