@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_fused_gemv import CASES, _tensors
-from fastgemma.kernels import stream_gemv
+from fastgemma.kernels import gemv, stream_gemv
 from fastgemma.kernels.fused_gemv import fused_gemv, fused_gemv_ref, parse_fused_table
 from fastgemma.kernels.gemv import GemvConfig
 
@@ -19,7 +19,7 @@ from fastgemma.kernels.gemv import GemvConfig
 def one_sm(monkeypatch):
     """One 'multiprocessor': a config's per_sm is its program count, so small shapes give each
     program several tiles."""
-    monkeypatch.setattr(stream_gemv, "sm_count", lambda device: 1)
+    monkeypatch.setattr(gemv, "sm_count", lambda device: 1)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -84,7 +84,8 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
     path once per entry of `splits`: the cache's split count (None: the kernels' own pick; the q/k/v
     mode adds its own-rows split to it). store=False: a KV-shared (query-only) layer, its q rows
     alone, the cache only read. merge: the split tile's last program merges (no combine launch)."""
-    from ..kernels.decode_attention import pick_num_splits, _num_sms
+    from ..kernels.decode_attention import pick_num_splits
+    from ..kernels.gemv import sm_count
     from ..kernels.qkv_finish import qkv_finish
 
     qkv, q_w, k_w, cos, sin, k, v, idx, q_pos, slot_pos = qkv_inputs(D, S, ctx, ring, dev, dtype)
@@ -97,7 +98,7 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
     def err(out):
         return ((out.float() - ref).norm() / ref.norm()).item()
 
-    sms = _num_sms(torch.device(dev))
+    sms = sm_count(torch.device(dev))
     own = 1 if store else 0  # the store layer's own-rows split
     rows = []
     for n in splits:

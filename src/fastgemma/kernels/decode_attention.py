@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
+from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args, sm_count
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -37,7 +37,6 @@ _MAX_SPLITS = 64
 # (splits x rows x head dim, all loaded at once: 32 registers a thread at 8 warps): E4B's sliding
 # layers at one row (8 x 4 x 256); the full layers' 35-65 splits keep the combine launch
 MERGE_MAX_ELEMS = 8192
-_DEFAULT_SMS = 132  # H200; used when q is not on a CUDA device (interpreter tests)
 
 
 @triton.jit
@@ -429,13 +428,6 @@ def _qkv_tiles(D: int, block_m: int = 16, S: int | None = None, store: bool = Tr
     return (32 if D <= 256 else 16), 8, 2
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def pick_num_splits(B: int, Hkv: int, row_tiles: int, S: int, block_n: int, num_sms: int) -> int:
     """Enough splits for about one wave of programs (B*Hkv*row_tiles*splits ~ num_sms), never more
     than the BLOCK_N blocks in S, at most 64. Splits past the live range exit at once, so a large S
@@ -606,7 +598,7 @@ def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, til
     row_tiles = T if per_position else triton.cdiv(G * T, block_m)
     tiles = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv else _tiles(D, block_m))
     if num_splits is None:
-        num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, tiles[0], _num_sms(device))
+        num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, tiles[0], sm_count(device))
     # QKV 2: one split more, for the step's own rows
     return block_m, row_tiles, tiles, max(1, int(num_splits)) + (qkv == 2)
 

@@ -257,6 +257,14 @@ LAUNCHES = ("plain", "prefetch", "pdl")
 
 
 @functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; off one (the interpreter), the H200's 132."""
+    if device.type != "cuda":
+        return _SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
 def pdl_supported(device) -> bool:
     """Programmatic dependent launch: sm90+ and a real launch (not the CPU interpreter). Asked once
     per device: launchers call it on every launch."""

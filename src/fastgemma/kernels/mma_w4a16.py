@@ -725,9 +725,9 @@ def persistent_programs(n_tiles: int, per_sm: int, device) -> int:
     """The persistent kernel's grid: the fewest programs that take no more tiles each than per_sm
     programs on every multiprocessor would (equal streams, no program with one tile more than
     needed). Without a GPU (the interpreter) 2 multiprocessors, so the tests' programs loop."""
-    from .decode_attention import _num_sms
+    from .gemv import sm_count
 
-    n_sm = _num_sms(device) if device.type == "cuda" else 2
+    n_sm = sm_count(device) if device.type == "cuda" else 2
     per_program = triton.cdiv(n_tiles, min(n_tiles, per_sm * n_sm))
     return triton.cdiv(n_tiles, per_program)
 

@@ -11,23 +11,13 @@ is this kernel's. `fused_gemv` runs this kernel when its config has `per_sm` > 0
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from . import gemv
 from .fused_gemv import _finish, _prologue_scalars, _rows, _x_block
 from .gemv import _pdl_trigger, _pdl_wait
-
-_DEFAULT_SMS = 132  # H200: the count used off a CUDA device (the interpreter)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -83,9 +73,9 @@ def _stream_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr
 
 def launch_stream(args, flags: dict, n_tiles: int, cfg, device) -> None:
     """fused_gemv's launch of this kernel: min(tiles, per_sm x SMs) programs."""
-    programs = min(n_tiles, cfg.per_sm * sm_count(device))
-    _stream_gemv_kernel[(programs,)](*args, NT=n_tiles, P=programs, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DEPTH=cfg.depth,
-                                     num_warps=cfg.num_warps, num_stages=1, **flags)
+    programs = min(n_tiles, cfg.per_sm * gemv.sm_count(device))
+    _stream_gemv_kernel[(programs,)](*args, NT=n_tiles, P=programs, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                     DEPTH=cfg.depth, num_warps=cfg.num_warps, num_stages=1, **flags)
 
 
 # ---------------------------------------------------------------------------------------------
