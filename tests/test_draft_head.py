@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import TINY
 from fastgemma.kernels.counters import arrival_counters
-from fastgemma.kernels.draft_head import draft_head, draft_head_op, draft_head_ref
+from fastgemma.kernels.draft_head import _kth_largest, draft_head, draft_head_op, draft_head_ref
 from fastgemma.model.drafter import synthetic_drafter
 
 
@@ -83,3 +85,26 @@ def test_bad_inputs_are_refused():
         draft_head(g, wc, order.int(), emb, 4)
     with pytest.raises(ValueError, match="one hidden size and dtype"):
         draft_head(g.half(), wc, order, emb, 4)
+
+
+@triton.jit
+def _kth_probe(x_ptr, o_ptr, K, B: tl.constexpr, BITS: tl.constexpr):
+    tl.store(o_ptr, _kth_largest(tl.load(x_ptr + tl.arange(0, B)), K, BITS))
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+def test_kth_largest_is_the_sorted_keys_kth(bits):
+    """The selection's threshold on its own: the K-th largest of the keys (with repeats) for every K,
+    on keys spanning the whole signed range of their width (bf16 scores: 16 bits; fp32: 32), runs
+    of equal keys, and the extremes of the range."""
+    g = torch.Generator().manual_seed(bits)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    sets = [torch.randint(lo, hi + 1, (64,), generator=g, dtype=torch.int64).to(torch.int32),
+            torch.randint(-3, 4, (64,), generator=g, dtype=torch.int32),
+            torch.tensor([lo, hi] * 32, dtype=torch.int32)]
+    for x in sets:
+        want = torch.sort(x, descending=True).values
+        for k in (1, 2, 31, 32, 33, 64):
+            o = torch.zeros(1, dtype=torch.int32)
+            _kth_probe[(1,)](x, o, k, B=64, BITS=bits)
+            assert o.item() == want[k - 1].item(), (k, x.tolist())

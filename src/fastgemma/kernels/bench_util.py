@@ -46,6 +46,16 @@ def copies_past_l2(nbytes: int, device) -> int:
     return max(2, math.ceil(2 * l2 / max(nbytes, 1)))
 
 
+def timed_candidate(call, bufs, timer, label: str):
+    """A candidate's output on bufs[0] and its us per call rotating over bufs, or None (after a
+    'skip' line naming it) when it cannot run (out of resources, more K blocks than it holds)."""
+    try:
+        return call(*bufs[0]), timer(rotating(bufs, call))
+    except Exception as e:
+        print(f"    skip {label}: {type(e).__name__}: {str(e)[:120]}")
+        return None
+
+
 WRONG_REL_ERR = 2e-2  # a tile candidate whose output is further from the twin than this is wrong
 
 

@@ -300,8 +300,9 @@ FUSED_CASES = {
 def parse_fused_table(spec: str) -> dict[tuple[int, int, bool, str], GemvConfig]:
     """'CASE=NxKwW[pPdD],...' (CASE a name of FUSED_CASES, '_' for its spaces; N rows and K columns per
     block, W warps; pPdD: kernels/stream_gemv.py, P programs a multiprocessor, D blocks in flight a
-    program; e.g. 'PLE_gate=2x1024w4', 'gate|up=8x512w8p2d8'), 'none' (an empty table: every shape autotuned), or '+' then
-    entries (the shipped table with those changed) -> FUSED_CONFIGS' form. Clear errors otherwise."""
+    program; e.g. 'PLE_gate=2x1024w4', 'gate|up=8x512w8p2d8'), 'none' (an empty table: every shape
+    autotuned), or '+' then entries (the shipped table with those changed) -> FUSED_CONFIGS' form.
+    Clear errors otherwise."""
     import re
 
     table = {}

@@ -163,7 +163,7 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
     """Time every candidate tile of the fused int4 GEMV on each case, weights rotated out of L2, each
     output checked against the twin first. Prints a table and TILES lines for the fastest; returns
     one dict per (case, config). `timer(fn) -> us` defaults to CUDA graphs (tests pass their own)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, timed_candidate, timer_or_graphs
     from .w4a16 import pack_int4, quantize_int4
 
     dev = torch.device(device)
@@ -188,13 +188,11 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
             if K // fit.block_k > MAX_KB or fit in seen:
                 continue
             seen.add(fit)
-            call = lambda q_, s_, z_, c=fit: fused_w4a16(a, q_, s_, z_, group_size, config=c, **kw)  # noqa: E731
-            try:
-                got = call(qw, sc, zr)[0]
-                us = timer(rotating(bufs, call))
-            except Exception as e:  # out of resources for a candidate: skip it
-                print(f"    skip {fit}: {type(e).__name__}")
+            call = lambda q_, s_, z_, c=fit: fused_w4a16(a, q_, s_, z_, group_size, config=c, **kw)[0]  # noqa: E731
+            run = timed_candidate(call, [(qw, sc, zr)] + bufs, timer, str(fit))
+            if run is None:
                 continue
+            got, us = run
             err = max_rel_err(got, ref)
             ok = err < WRONG_REL_ERR
             rows.append(dict(case=name, N=N, K=K, mode=mode, config=fit, us=us, max_rel_err=err, ok=ok))

@@ -108,7 +108,7 @@ def bench_stream(cases: dict | None = None, tiles: list[str] | None = None, dtyp
     the shipped table's tiles and on each of `tiles` ('NxKwW[pPdD]'), weights rotated out of L2, every
     output checked against the twin first. Prints a table and, last, a `--fused-table` value with each
     case's fastest tiles ('+CASE=..', the shipped table otherwise); returns one dict per (case, tiles)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, timed_candidate, timer_or_graphs
     from .fused_gemv import FUSED_CASES, FUSED_CONFIGS, fused_gemv, fused_gemv_ref
     from .gemv import resolve_config
 
@@ -130,13 +130,10 @@ def bench_stream(cases: dict | None = None, tiles: list[str] | None = None, dtyp
         shipped = FUSED_CONFIGS.get(key)
         for label, cfg in [("shipped", shipped)] + [(t, parse_tiles(t)) for t in tiles or []]:
             cfg = resolve_config(N, K, cfg)
-            call = lambda w_, c=cfg: fused_gemv(a, w_, config=c, **kw)  # noqa: E731
-            try:
-                got = call(w)[0]
-                us = timer(rotating(bufs, call))
-            except Exception as e:  # out of resources for a candidate: skip it
-                print(f"    skip {label}: {type(e).__name__}: {str(e)[:120]}")
+            run = timed_candidate(lambda w_, c=cfg: fused_gemv(a, w_, config=c, **kw)[0], bufs, timer, label)
+            if run is None:
                 continue
+            got, us = run
             err = max_rel_err(got, ref)
             ok = err < WRONG_REL_ERR
             tbs = w.numel() * w.element_size() / us / 1e6
