@@ -71,6 +71,10 @@ def test_gemv_bad_inputs():
         gemv(x, w.t().contiguous().t())
     with pytest.raises(ValueError, match="power of two"):
         resolve_config(8, 64, GemvConfig(3, 64, 1))
+    with pytest.raises(ValueError, match="streamed tiles"):
+        gemv(x, w, GemvConfig(8, 64, 1, per_sm=2, depth=4))
+    with pytest.raises(ValueError, match="blocks in flight"):
+        resolve_config(8, 64, GemvConfig(8, 64, 1, per_sm=2))
 
 
 def test_default_and_candidate_tiles_cover_e4b():

@@ -292,6 +292,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None, lau
     M, K = x.shape
     N = w.shape[0]
     cfg = resolve_config(N, K, config)
+    if cfg.per_sm:
+        raise ValueError("gemv: streamed tiles (per_sm > 0) are kernels/fused_gemv.py's; give block_n, block_k, "
+                         "num_warps only")
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
