@@ -11,7 +11,7 @@ import torch
 
 from test_fused_gemv import CASES, _tensors
 from fastgemma.kernels import gemv, stream_gemv
-from fastgemma.kernels.fused_gemv import fused_gemv, fused_gemv_ref, parse_fused_table
+from fastgemma.kernels.fused_gemv import fused_gemv, fused_gemv_ref, parse_fused_table, parse_tiles
 from fastgemma.kernels.gemv import GemvConfig
 
 
@@ -66,7 +66,7 @@ def test_table_entries_with_streamed_tiles():
     for bad in ("gate|up=8x512w4p2", "gate|up=8x512w4p2d0", "gate|up=8x512w4p2d17", "gate|up=8x512w4p0d4"):
         with pytest.raises(ValueError, match="fused table entry"):
             parse_fused_table(bad)
-    assert stream_gemv.parse_tiles("4x1024w8p1d4") == GemvConfig(4, 1024, 8, per_sm=1, depth=4)
+    assert parse_tiles("4x1024w8p1d4") == GemvConfig(4, 1024, 8, per_sm=1, depth=4)
 
 
 def test_bench_picks_the_fastest_checked_tiles(one_sm, capsys):

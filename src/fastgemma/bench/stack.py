@@ -212,7 +212,8 @@ def main(argv=None):
     ap.add_argument("--fused-table", action="append", default=[],
                     help="the fused one-row GEMVs' tiles (kernels/fused_gemv.FUSED_CONFIGS; given here, on any GPU) "
                          "instead of the shipped table (sm_90 only): entries CASE=NxKwW[pPdD] joined by ',' (e.g. "
-                         "'PLE_gate=2x1024w4'; pPdD: streamed, kernels/stream_gemv.py), 'none' (every shape autotuned), 'default', or '+' then entries (the "
+                         "'PLE_gate=2x1024w4'; pPdD: streamed, kernels/stream_gemv.py), 'none' (every shape "
+                         "autotuned), 'default', or '+' then entries (the "
                          "shipped table with those changed); repeated: one row set per table, in one process")
     ap.add_argument("--window", default="native",
                     help="the sliding layers' window: native (the model's) or a number of keys (the frontier: 188)")

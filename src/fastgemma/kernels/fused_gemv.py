@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -303,24 +304,31 @@ def parse_fused_table(spec: str) -> dict[tuple[int, int, bool, str], GemvConfig]
     program; e.g. 'PLE_gate=2x1024w4', 'gate|up=8x512w8p2d8'), 'none' (an empty table: every shape
     autotuned), or '+' then entries (the shipped table with those changed) -> FUSED_CONFIGS' form.
     Clear errors otherwise."""
-    import re
-
     table = {}
     if spec.startswith("+"):
         table, spec = dict(FUSED_CONFIGS), spec[1:]
     for item in [x.strip() for x in spec.split(",") if x.strip()]:
         if item == "none":
             continue
-        m = re.fullmatch(r"(.+)=(\d+)x(\d+)w(\d+)(?:p(\d+)d(\d+))?", item.replace("_", " "))
-        if not m or m.group(1) not in FUSED_CASES:
+        case, _, tiles = item.replace("_", " ").rpartition("=")
+        if case not in FUSED_CASES:
             raise ValueError(f"fused table entry {item!r}: CASE=NxKwW[pPdD] with CASE one of {sorted(FUSED_CASES)}, "
                              "e.g. 'PLE_gate=2x1024w4' or 'gate|up=8x512w8p2d8'")
-        key = FUSED_CASES[m.group(1)]
-        try:  # the launcher's own check of a config
-            table[key] = resolve_config(key[0], key[1], GemvConfig(*(int(g) for g in m.groups()[1:] if g)))
+        key = FUSED_CASES[case]
+        try:  # the tiles' form, then the launcher's own check of a config
+            table[key] = resolve_config(key[0], key[1], parse_tiles(tiles))
         except ValueError as e:
             raise ValueError(f"fused table entry {item!r}: {e}") from None
     return table
+
+
+def parse_tiles(text: str) -> GemvConfig:
+    """'NxKwW[pPdD]' -> GemvConfig (N rows and K columns a block, W warps; pPdD: streamed, P programs a
+    multiprocessor, D blocks in flight a program), unchecked; a clear error for another form."""
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)(?:p(\d+)d(\d+))?", text)
+    if not m:
+        raise ValueError(f"tiles {text!r}: NxKwW[pPdD], e.g. '8x1024w4' or '8x512w4p2d8'")
+    return GemvConfig(*(int(g) for g in m.groups() if g))
 
 
 _FORCED = [False]  # a table set by set_fused_table(..., forced=True) applies on any GPU

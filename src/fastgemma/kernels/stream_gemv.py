@@ -95,13 +95,6 @@ def _case_kwargs(prologue: bool, epilogue: str, K: int, N: int, vec) -> dict:
     return kw
 
 
-def parse_tiles(spec: str):
-    """'NxKwW[pPdD]' -> GemvConfig (kernels/fused_gemv.parse_fused_table's entry form)."""
-    from .fused_gemv import parse_fused_table
-
-    return next(iter(parse_fused_table(f"down={spec}").values()))
-
-
 def bench_stream(cases: dict | None = None, tiles: list[str] | None = None, dtype=torch.bfloat16, timer=None,
                  device: str = "cuda", pdl: bool = True) -> list[dict]:
     """Each fused one-row GEMV case (name -> fused_gemv.FUSED_CASES' key; default its gate|up and down) on
@@ -109,7 +102,7 @@ def bench_stream(cases: dict | None = None, tiles: list[str] | None = None, dtyp
     output checked against the twin first. Prints a table and, last, a `--fused-table` value with each
     case's fastest tiles ('+CASE=..', the shipped table otherwise); returns one dict per (case, tiles)."""
     from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, timed_candidate, timer_or_graphs
-    from .fused_gemv import FUSED_CASES, FUSED_CONFIGS, fused_gemv, fused_gemv_ref
+    from .fused_gemv import FUSED_CASES, FUSED_CONFIGS, fused_gemv, fused_gemv_ref, parse_tiles
     from .gemv import resolve_config
 
     dev = torch.device(device)
