@@ -35,21 +35,42 @@ def _pdl(PDL: gl.constexpr, what: gl.constexpr):
 
 
 @gluon.jit
-def _copy_stage(wbuf, sbuf, stage, w_ptr, sz_ptr, w_off, s_off, w_ok, s_ok, it, g: gl.constexpr, ok,
-                KB: gl.constexpr, NGK: gl.constexpr, BG: gl.constexpr):
-    """Group g of program tile `it` (its BG word blocks and scale / zero words) into ring stage `stage`;
-    nothing copied where not ok (a tile past the last: the stage keeps stale words, never stored)."""
-    for b in gl.static_range(BG):
-        cp.async_copy_global_to_shared(wbuf.index(stage * BG + b), w_ptr + w_off + (it * KB + g * BG + b) * 128,
-                                       mask=w_ok & ok)
-    cp.async_copy_global_to_shared(sbuf.index(stage), sz_ptr + s_off + (it * NGK + g) * 16, mask=s_ok & ok)
+def _copy_stage(wbuf, sbuf, stage, w_ptr, sz_ptr, w_off, s_off, w_ok, s_ok, it, u: gl.constexpr, ok,
+                KB: gl.constexpr, NGK: gl.constexpr, BG: gl.constexpr, SG: gl.constexpr):
+    """Stage u of program tile `it` (groups u SG .. u SG + SG - 1: their BG word blocks and scale / zero
+    words) into ring stage `stage`, one commit group; nothing copied where not ok (a tile past the
+    last: the stage keeps stale words, never stored)."""
+    for gg in gl.static_range(SG):
+        for b in gl.static_range(BG):
+            cp.async_copy_global_to_shared(wbuf.index((stage * SG + gg) * BG + b),
+                                           w_ptr + w_off + (it * KB + (u * SG + gg) * BG + b) * 128, mask=w_ok & ok)
+        cp.async_copy_global_to_shared(sbuf.index(stage * SG + gg), sz_ptr + s_off + (it * NGK + u * SG + gg) * 16,
+                                       mask=s_ok & ok)
     cp.commit_group()
+
+
+@gluon.jit
+def _x_group(x_base, g: gl.constexpr, BG: gl.constexpr, W: gl.constexpr, L: gl.constexpr):
+    """Group g's B operand words (xa, xb: BG each, [W, 1, 32, 4]) and its sums of x by the ones-mma."""
+    xa = ()
+    xb = ()
+    s = gl.zeros([W, 1, 32, 4], gl.float32, L)
+    for b in gl.static_range(BG):
+        a_ = gl.expand_dims(gl.load(x_base + (g * BG + b) * 32), 1)
+        b_ = gl.expand_dims(gl.load(x_base + (g * BG + b) * 32 + 4), 1)
+        xa = xa + (a_,)
+        xb = xb + (b_,)
+        s += gl.inline_asm_elementwise(ONES_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
+                                       [a_, b_, gl.zeros([W, 1, 32, 4], gl.float32, L)], dtype=gl.float32,
+                                       is_pure=True, pack=4)
+    return xa, xb, s
 
 
 @gluon.jit
 def _smem_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, HALF, stride_xm, stride_om, NPT,
                        K: gl.constexpr, GROUP: gl.constexpr, T: gl.constexpr, W: gl.constexpr, EPI: gl.constexpr,
-                       DEPTH: gl.constexpr, NITER: gl.constexpr, PDL: gl.constexpr):
+                       DEPTH: gl.constexpr, SG: gl.constexpr, NITER: gl.constexpr, PDL: gl.constexpr,
+                       XREG: gl.constexpr = True):
     """Program pid: program tiles pid + i P (i < NITER; past NPT masked) of T 16-row tiles (EPI 1: the
     gate tile and its up tile HALF rows on); warp w sums K slice w of W for both tiles."""
     _pdl(PDL, "griddepcontrol.launch_dependents")
@@ -59,11 +80,12 @@ def _smem_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, HALF, stride_xm, stride
     KB: gl.constexpr = K // 64  # word blocks of a 16-row tile
     NGK: gl.constexpr = K // GROUP  # groups of a tile
     NG: gl.constexpr = K // W // GROUP  # groups of a warp's K slice
+    NU: gl.constexpr = NG // SG  # ring stages a program tile (SG groups each)
     L: gl.constexpr = gl.BlockedLayout([1, T, 1, 4], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
     LS: gl.constexpr = gl.BlockedLayout([1, T, 1, 2], [1, 1, 32, 1], [W, 1, 1, 1], [3, 2, 1, 0])
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-    wbuf = gl.allocate_shared_memory(gl.int32, [DEPTH * BG, W, T, 32, 4], SH)
-    sbuf = gl.allocate_shared_memory(gl.int32, [DEPTH, W, T, 32, 2], SH)
+    wbuf = gl.allocate_shared_memory(gl.int32, [DEPTH * SG * BG, W, T, 32, 4], SH)
+    sbuf = gl.allocate_shared_memory(gl.int32, [DEPTH * SG, W, T, 32, 2], SH)
 
     # [W, T, 32, 4] word offsets: warp w's K slice of tile t, lane l's 4 words (one 16-byte copy)
     w4 = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))[:, None, None, None]
@@ -90,11 +112,11 @@ def _smem_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, HALF, stride_xm, stride
     w_ok = w_off >= 0
     s_ok = s_off >= 0
 
-    # the stream: position q = i NG + g is group g of program tile pid + i P; stage q % DEPTH
+    # the stream: position q = i NU + u is stage u of program tile pid + i P; ring stage q % DEPTH
     for q0 in gl.static_range(DEPTH - 1):  # before the wait: the weights are not the previous kernel's
-        ok = (q0 // NG < NITER) & (pid + (q0 // NG) * P < NPT)
-        _copy_stage(wbuf, sbuf, q0, w_ptr, sz_ptr, w_off, s_off, w_ok, s_ok, (pid + (q0 // NG) * P) * tstep, q0 % NG,
-                    ok, KB, NGK, BG)
+        ok = (q0 // NU < NITER) & (pid + (q0 // NU) * P < NPT)
+        _copy_stage(wbuf, sbuf, q0, w_ptr, sz_ptr, w_off, s_off, w_ok, s_ok, (pid + (q0 // NU) * P) * tstep, q0 % NU,
+                    ok, KB, NGK, BG, SG)
     _pdl(PDL, "griddepcontrol.wait")
 
     # x as the B operand, once a program: lane g*4 + tq, 16 consecutive x of row g (rows past M: row M - 1)
@@ -108,17 +130,12 @@ def _smem_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, HALF, stride_xm, stride
     xa = ()
     xb = ()
     xs = ()
-    for g in gl.static_range(NG):
-        s = gl.zeros([W, 1, 32, 4], gl.float32, L)
-        for b in gl.static_range(BG):
-            a_ = gl.expand_dims(gl.load(x_base + (g * BG + b) * 32), 1)
-            b_ = gl.expand_dims(gl.load(x_base + (g * BG + b) * 32 + 4), 1)
-            xa = xa + (a_,)
-            xb = xb + (b_,)
-            s += gl.inline_asm_elementwise(ONES_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f",
-                                           [a_, b_, gl.zeros([W, 1, 32, 4], gl.float32, L)], dtype=gl.float32,
-                                           is_pure=True, pack=4)
-        xs = xs + (s,)
+    if XREG:  # x and its sums in registers for every tile of the program
+        for g in gl.static_range(NG):
+            a_, b_, s_ = _x_group(x_base, g, BG, W, L)
+            xa = xa + a_
+            xb = xb + b_
+            xs = xs + (s_,)
 
     l2 = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0, L))))[:, None]
     e2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L))))[None, :]
@@ -127,27 +144,37 @@ def _smem_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, HALF, stride_xm, stride
     DT: gl.constexpr = out_ptr.dtype.element_ty
     for i in range(NITER):
         acc = gl.zeros([W, T, 32, 4], gl.float32, L)
-        for g in gl.static_range(NG):
-            q = i * NG + g
-            # refill the stage read DEPTH - 1 positions ago with position q + DEPTH - 1 (its tile and group)
-            i1 = i + (g + DEPTH - 1) // NG
+        for u in gl.static_range(NU):
+            q = i * NU + u
+            # refill the stage read DEPTH - 1 positions ago with position q + DEPTH - 1 (its tile and stage)
+            i1 = i + (u + DEPTH - 1) // NU
             ok = (i1 < NITER) & (pid + i1 * P < NPT)
             _copy_stage(wbuf, sbuf, (q + DEPTH - 1) % DEPTH, w_ptr, sz_ptr, w_off, s_off, w_ok, s_ok,
-                        (pid + i1 * P) * tstep, (g + DEPTH - 1) % NG, ok, KB, NGK, BG)
+                        (pid + i1 * P) * tstep, (u + DEPTH - 1) % NU, ok, KB, NGK, BG, SG)
             cp.wait_group(DEPTH - 1)
             stage = q % DEPTH
-            p = gl.zeros([W, T, 32, 4], gl.float32, L)
-            for b in gl.static_range(BG):
-                wv = wbuf.index(stage * BG + b).load(L)
-                p += gl.inline_asm_elementwise(TILE_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f",
-                                               [wv, xa[g * BG + b], xb[g * BG + b],
-                                                gl.zeros([W, T, 32, 4], gl.float32, L)],
-                                               dtype=gl.float32, is_pure=True, pack=4)
-            szv = sbuf.index(stage).load(LS)
-            sz4 = gl.convert_layout(gl.reshape(gl.join(szv, szv), [W, T, 32, 4]), L)
-            sc = (sz4 << 16).to(gl.float32, bitcast=True)
-            zc = (sz4 & -65536).to(gl.float32, bitcast=True)
-            acc += sc * p + (zc - 128.0 * sc) * xs[g]
+            for gg in gl.static_range(SG):
+                if XREG:
+                    ga = ()
+                    gb = ()
+                    for b in gl.static_range(BG):
+                        ga = ga + (xa[(u * SG + gg) * BG + b],)
+                        gb = gb + (xb[(u * SG + gg) * BG + b],)
+                    gs = xs[u * SG + gg]
+                else:  # loaded again per tile (L1), fewer registers held
+                    ga, gb, gs = _x_group(x_base, u * SG + gg, BG, W, L)
+                p = gl.zeros([W, T, 32, 4], gl.float32, L)
+                for b in gl.static_range(BG):
+                    wv = wbuf.index((stage * SG + gg) * BG + b).load(L)
+                    p += gl.inline_asm_elementwise(TILE_ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f",
+                                                   [wv, ga[b], gb[b],
+                                                    gl.zeros([W, T, 32, 4], gl.float32, L)],
+                                                   dtype=gl.float32, is_pure=True, pack=4)
+                szv = sbuf.index(stage * SG + gg).load(LS)
+                sz4 = gl.convert_layout(gl.reshape(gl.join(szv, szv), [W, T, 32, 4]), L)
+                sc = (sz4 << 16).to(gl.float32, bitcast=True)
+                zc = (sz4 & -65536).to(gl.float32, bitcast=True)
+                acc += sc * p + (zc - 128.0 * sc) * gs
         y = gl.sum(acc, axis=0)  # [T, 32, 4]: the warps' K slices
         it = pid + i * P
         if EPI == 1:
@@ -177,10 +204,13 @@ def _gelu_tanh(x):
 @dataclass(frozen=True)
 class SmemConfig:
     """warps: the split of K (each warp K / warps, a multiple of the group); depth: ring stages (groups
-    in flight a warp, one of them being read); per_sm: programs a multiprocessor (at most the program tiles)."""
+    in flight a warp, one of them being read); per_sm: programs a multiprocessor (at most the program tiles);
+    groups: groups of K a ring stage (dividing a warp's groups)."""
     warps: int = 4
     depth: int = 8
     per_sm: int = 2
+    groups: int = 1
+    xreg: bool = True
 
 
 def smem_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config: SmemConfig | None = None,
@@ -197,6 +227,8 @@ def smem_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", confi
         raise ValueError(f"smem_w4a16: K={K} does not split into {cfg.warps} warps of whole {G}-groups")
     if cfg.depth < 2:
         raise ValueError(f"smem_w4a16: depth must be >= 2, got {cfg.depth}")
+    if (K // cfg.warps // G) % cfg.groups:
+        raise ValueError(f"smem_w4a16: {cfg.groups} groups a stage do not divide a warp's {K // cfg.warps // G}")
     epi = EPILOGUES[epilogue]
     T = 2
     n_tiles = N // 16 // T
@@ -204,7 +236,7 @@ def smem_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", confi
     programs = min(n_tiles, cfg.per_sm * sm_count(x.device))
     niter = -(-n_tiles // programs)
     _smem_w4a16_kernel[(programs,)](x, weight.words, weight.sz, out, x.shape[0], N // 2, x.stride(0), out.stride(0),
-                                    n_tiles, K=K, GROUP=G, T=T, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
+                                    n_tiles, K=K, GROUP=G, T=T, W=cfg.warps, EPI=epi, DEPTH=cfg.depth, SG=cfg.groups, XREG=cfg.xreg,
                                     NITER=niter, num_warps=cfg.warps, **pdl_args(pdl, x.device))
     return out
 
@@ -213,13 +245,14 @@ def smem_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", confi
 # benchmark (CUDA only; not a test)
 
 def parse_smem(text: str) -> SmemConfig:
-    """'wWdDpP' (warps, ring depth, programs a multiprocessor), e.g. 'w4d8p2'."""
+    """'wWdDpP[gG]' (warps, ring depth, programs a multiprocessor, groups a stage), e.g. 'w4d8p2', 'w4d2p2g5'."""
     import re
 
-    m = re.fullmatch(r"\s*w(\d+)d(\d+)p(\d+)\s*", text)
+    m = re.fullmatch(r"\s*w(\d+)d(\d+)p(\d+)(?:g(\d+))?(l)?\s*", text)
     if not m:
-        raise ValueError(f"smem config {text!r}: wWARPSdDEPTHpPER_SM, e.g. 'w4d8p2'")
-    return SmemConfig(*(int(g) for g in m.groups()))
+        raise ValueError(f"smem config {text!r}: wWARPSdDEPTHpPER_SM[gGROUPS][l], e.g. 'w4d8p2' or 'w4d2p2g5l'")
+    w, d, p, g, lazy = m.groups()
+    return SmemConfig(int(w), int(d), int(p), int(g or 1), not lazy)
 
 
 def bench_smem(cases: dict | None = None, ms=(1, 8), configs: list[str] | None = None, group_size: int = 128,
