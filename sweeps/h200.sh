@@ -19,9 +19,6 @@
 #             against the shipped one-program-per-tile launch, alone, outputs checked; STREAM_ARGS, e.g.
 #             "--cases gate|up --tiles 8x512w4p2d8"; its last line is a `bench.stack --fused-table` value
 #             (written to stream_table.txt) with each case's fastest tiles
-#   smem      the int4 tensor-core GEMV with its words streamed through shared memory by persistent programs
-#             (kernels/smem_w4a16.py) against the shipped mma_w4a16 config, alone, outputs checked; SMEM_ARGS, e.g.
-#             "--cases gate|up,o --rows 1,8 --configs w4d8p2,w4d6p2" (warps, ring depth, programs a multiprocessor)
 #   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
 #   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
@@ -63,7 +60,7 @@
 # COMPILE_CACHE=DIR keeps torch.compile's and Triton's caches in DIR/inductor and DIR/triton, so a later
 #   run on the same software skips most compiles (H200: compiling the prompt's forward took 177 s
 #   fresh, 66 s with the caches of an earlier run).
-# Environment: PART_S (seconds per part, default 420), STREAM_ARGS, SMEM_ARGS, LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, ATTENTION_ARGS, PREFILL_ARGS, PROFILE_VARIANTS, COUNTERS_ARGS,
+# Environment: PART_S (seconds per part, default 420), STREAM_ARGS, LADDER_VARIANTS, AGREEMENT_VARIANTS, SPEC_ARGS, STACK_ARGS, ATTENTION_ARGS, PREFILL_ARGS, PROFILE_VARIANTS, COUNTERS_ARGS,
 #   INT4_MS. The fused step: LADDER_VARIANTS=compiled_triton_merged_gemv,compiled_triton_fused_pdl,compiled_triton_fused
 #   LADDER_ARGS="--hf-new 0 --hf-check 0" (skip transformers' figure), PROFILE_VARIANTS=compiled_triton_fused_pdl.
 #   bash sweeps/h200.sh profile int4
@@ -124,7 +121,6 @@ print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     stream) run stream python3 -m fastgemma.kernels.stream_gemv ${STREAM_ARGS:-}
             grep '^fused table: ' "$out/stream.log" | tail -1 | sed 's/^fused table: //' > "$out/stream_table.txt" ;;
-    smem) run smem python3 -m fastgemma.kernels.smem_w4a16 ${SMEM_ARGS:-} ;;
     drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
     draftloop) run draftloop python3 -m fastgemma.bench.draft_loop ${DRAFTLOOP_ARGS:-} ;;
     floor) run floor python3 -m fastgemma.bench.floor ${FLOOR_ARGS:---no-work} --out "$out/floor.jsonl" ;;
@@ -140,7 +136,7 @@ print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 
            task.table=true "hydra.run.dir=$out/cli" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stream, smem, stack, attention, head, drafthead, draftloop, floor, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stream, stack, attention, head, drafthead, draftloop, floor, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
