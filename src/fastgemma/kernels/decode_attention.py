@@ -98,19 +98,30 @@ def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(base, ok, w_ptr, cs_base, sn_base, eps, off, D: tl.constexpr, DT: tl.constexpr):
+def _norm_w(w_ptr, D: tl.constexpr):
+    """A q / k norm weight's two halves [1, D / 2] as stored: a parameter, loaded before the PDL wait
+    (after the norm's reduction it was a dependent round trip to DRAM)."""
+    j = tl.arange(0, D // 2)[None, :]
+    return tl.load(w_ptr + j), tl.load(w_ptr + D // 2 + j)
+
+
+@triton.jit
+def _norm_rope(base, ok, w, cs_base, sn_base, eps, off, D: tl.constexpr, DT: tl.constexpr):
     """Head vectors at `base` [M] (row pointers, where ok) -> the two halves [M, D / 2] of
-    rope(RMSNorm(x) * (w + off)) in DT: the norm in fp32 rounded to DT (RMSNorm's type_as), then
-    rotate-half RoPE in fp32 with each row's cos / sin (cs_base / sn_base [M]), rounded once: the
-    arithmetic of kernels/qkv_finish.py, on [M] rows."""
+    rope(RMSNorm(x) * (w + off)) in DT (w: `_norm_w`'s halves): the norm in fp32 rounded to DT
+    (RMSNorm's type_as), then rotate-half RoPE in fp32 with each row's cos / sin (cs_base / sn_base [M]),
+    rounded once: the arithmetic of kernels/qkv_finish.py, on [M] rows."""
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)[None, :]
     m = ok[:, None]
     x1 = tl.load(base[:, None] + j, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(base[:, None] + HALF + j, mask=m, other=0.0).to(tl.float32)
+    w1, w2 = w
     inv = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps))[:, None]
-    n1 = (x1 * inv * (tl.load(w_ptr + j).to(tl.float32) + off)).to(DT).to(tl.float32)
-    n2 = (x2 * inv * (tl.load(w_ptr + HALF + j).to(tl.float32) + off)).to(DT).to(tl.float32)
+    n1 = (x1 * inv * (w1.to(tl.float32) + off)).to(DT).to(tl.float32)
+    n2 = (x2 * inv * (w2.to(tl.float32) + off)).to(DT).to(tl.float32)
+    # cos / sin after the reduction, as they are used: [M, D / 2] each, loaded ahead of it they spilled
+    # (sm_90a: 8 rows of a full layer)
     cs = cs_base[:, None]
     sn = sn_base[:, None]
     y1 = n1 * tl.load(cs + j, mask=m, other=0.0).to(tl.float32) - n2 * tl.load(sn + j, mask=m, other=0.0).to(tl.float32)
@@ -152,7 +163,7 @@ def _cached_rows(qa, qb, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end
 
 
 @triton.jit
-def _own_rows(qa, qb, qkv_ptr, k_base, v_base, qpos_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, b64, kvh, G, Hkv, T,
+def _own_rows(qa, qb, qkv_ptr, k_base, v_base, qpos_ptr, kw, cos_ptr, sin_ptr, idx_ptr, b64, kvh, G, Hkv, T,
               sq_b, sq_t, sk_s, sk_d, sv_s, sv_d, sqp_b, sqp_t, scs_b, scs_t, sid_b, sid_t, eps, norm_off, qpos, win_lo,
               qk_scale, pid_m, d, d_ok, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_T: tl.constexpr, V_NORM: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr):
@@ -163,7 +174,7 @@ def _own_rows(qa, qb, qkv_ptr, k_base, v_base, qpos_ptr, kw_ptr, cos_ptr, sin_pt
     t_ok = tn < T
     src = qkv_ptr + b64 * sq_b + tn * sq_t
     trow = b64 * scs_b + tn * scs_t
-    ka, kb = _norm_rope(src + (G * Hkv + kvh) * D, t_ok, kw_ptr, cos_ptr + trow, sin_ptr + trow, eps, norm_off, D, DT)
+    ka, kb = _norm_rope(src + (G * Hkv + kvh) * D, t_ok, kw, cos_ptr + trow, sin_ptr + trow, eps, norm_off, D, DT)
     vx = tl.load((src + (G * Hkv + Hkv + kvh) * D)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
     if V_NORM:
         vf = vx.to(tl.float32)
@@ -272,14 +283,18 @@ def _split_kernel(
         if pid_split < num_splits - (QKV == 2):
             _prefetch_l2(k_base, start, end, sk_s, sk_d, BLOCK_N, D, EMU)
             _prefetch_l2(v_base, start, end, sv_s, sv_d, BLOCK_N, D, EMU)
+        qw = _norm_w(qw_ptr, D)  # the norm weights too (parameters)
+        kw = qw
+        if QKV == 2:
+            kw = _norm_w(kw_ptr, D)
         _pdl_wait(PDL)  # the merged projection's rows
         _pdl_trigger(PDL)
         qrow = b64 * scs_b + t * scs_t  # the row's cos / sin
-        qa, qb = _norm_rope(q_ptr + b64 * sq_b + t * sq_t + (kvh * G + g) * D, row_ok, qw_ptr, cos_ptr + qrow,
+        qa, qb = _norm_rope(q_ptr + b64 * sq_b + t * sq_t + (kvh * G + g) * D, row_ok, qw, cos_ptr + qrow,
                             sin_ptr + qrow, eps, norm_off, D, DT)
     if QKV == 2:
         if pid_split == num_splits - 1:  # the last split: the step's own T rows, made, stored, attended
-            m_i, l_i, acc = _own_rows(qa, qb, q_ptr, k_base, v_base, qpos_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, b64,
+            m_i, l_i, acc = _own_rows(qa, qb, q_ptr, k_base, v_base, qpos_ptr, kw, cos_ptr, sin_ptr, idx_ptr, b64,
                                       kvh, G, Hkv, T, sq_b, sq_t, sk_s, sk_d, sv_s, sv_d, sqp_b, sqp_t, scs_b, scs_t,
                                       sid_b, sid_t, eps, norm_off, qpos, win_lo, qk_scale, pid_m, d, d_ok, D, BLOCK_M,
                                       BLOCK_D, BLOCK_T, V_NORM, IEEE, DT)

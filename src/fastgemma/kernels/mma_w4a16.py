@@ -39,8 +39,8 @@ from .attn_fold import _col_sum, _part_group_ptrs, _part_weights, _part_x_ptrs
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
-from .norm_fold import (_fold_parts, _fold_res, _fold_scalars, _fold_store, _fold_weights, _h_inputs, _h_store,
-                        _norm_combine)
+from .norm_fold import (_fold_parts, _fold_res, _fold_scalars, _fold_store, _fold_weights, _h_inputs, _h_post,
+                        _h_store, _layer_scale, _norm_combine)
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns
@@ -402,14 +402,18 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     buf = ()  # the DEPTH groups in flight, oldest first
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
-    fin = (0.0, 0.0, 0.0)  # FOLD 1, ONE: the producer tile's a, post, pre; FOLD 2: h's inputs; loaded early
+    fin = (0.0, 0.0, 0.0)  # FOLD 1, ONE: the producer tile's a, post, pre; FOLD 2: h's a, y, post; loaded early
+    fs = 1.0  # FOLD 2: the layer scalar
     if (FOLD == 1) and ONE:
         fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T)
+    if FOLD == 2:  # parameters: before the wait
+        fpost = _h_post(f_post, pid, K, HB)
+        fs = _layer_scale(f_scale, HAS_SCALE)
     _pdl_wait(PDL)
     pv = 0.0
     if FOLD == 2:
         pv = _fold_parts(f_parts, NPART, NP2)
-        fin = _h_inputs(f_res, f_y, f_post, pid, K, HB)
+        fin = _h_inputs(f_res, f_y, pid, K, HB) + (fpost,)
     if (FOLD == 1) and ONE:
         fin = (_fold_res(pid, pid < NPT, f_res, T), fpw, fp)
     if NS > 0:
@@ -417,19 +421,19 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     else:
         x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     if ONE:
-        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+        _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                      stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r,
                      oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
     else:
         for j in range(0, NITER):
-            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr,
+            buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr, sz_ptr,
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
                                                 f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
                                                 W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
 
 
 @triton.jit
-def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz_ptr, out_ptr, M, N, HALF,
+def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                  stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj,
                  K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                  DEPTH: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr,
@@ -474,10 +478,10 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, w_ptr, sz
             fa = _fold_res(it, it < NPT, f_res, T)
         _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
     elif FOLD == 2:
-        r1, r2s = _fold_scalars(pv, f_scale, eps, K, HAS_SCALE)
+        r1, r2s = _fold_scalars(pv, fs, eps, K)
         _tile_store(_norm_combine(y, r1, r2s, T * 32), it, it < NPT, out_ptr, 1, stride_om, T, EPI)
         if (j == 0) & (pid * HB < K):
-            _h_store(fin, r1, f_scale, f_h, off, pid, K, HB, HAS_SCALE)
+            _h_store((fin[0], fin[1]), fin[2], r1, fs, f_h, off, pid, K, HB, HAS_SCALE)
     else:
         _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
     return buf, nw_ptrs, nsz_ptrs

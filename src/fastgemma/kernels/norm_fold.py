@@ -97,8 +97,19 @@ def _fold_parts(parts_ptr, NPART: tl.constexpr, NP2: tl.constexpr):
 
 
 @triton.jit
-def _fold_scalars(pv, scale_ptr, eps, K: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """The partials [NP2, 4] added in tile order -> (r1, r2 s): the weights of the two rows' sums."""
+def _layer_scale(scale_ptr, HAS_SCALE: tl.constexpr):
+    """The layer scalar s (1 without one): a parameter, loaded before the consumer's PDL wait (after its
+    main loop's reduction it was a dependent round trip to DRAM on the store's path)."""
+    s = 1.0
+    if HAS_SCALE:
+        s = tl.load(scale_ptr).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _fold_scalars(pv, s, eps, K: tl.constexpr):
+    """The partials [NP2, 4] added in tile order, the layer scalar s -> (r1, r2 s): the weights of the
+    two rows' sums."""
     tot = tl.sum(pv, axis=0)
     c = tl.arange(0, 4)
     syy = tl.sum(tl.where(c == 0, tot, 0.0), axis=0)
@@ -106,9 +117,6 @@ def _fold_scalars(pv, scale_ptr, eps, K: tl.constexpr, HAS_SCALE: tl.constexpr):
     sau = tl.sum(tl.where(c == 2, tot, 0.0), axis=0)
     suu = tl.sum(tl.where(c == 3, tot, 0.0), axis=0)
     r1 = 1.0 / tl.sqrt(syy / K + eps)
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr).to(tl.float32)
     hh = s * s * (saa + r1 * (2.0 * sau + r1 * suu))
     return r1, s / tl.sqrt(hh / K + eps)
 
@@ -123,24 +131,27 @@ def _norm_combine(y, r1, r2s, R: tl.constexpr):
 
 
 @triton.jit
-def _h_inputs(a_ptr, y_ptr, post_ptr, pid, K: tl.constexpr, HB: tl.constexpr):
-    """a, y and post at entries pid * HB .. + HB of h (none past K), loaded right after the PDL wait."""
+def _h_post(post_ptr, pid, K: tl.constexpr, HB: tl.constexpr):
+    """post at entries pid * HB .. + HB of h (none past K): a weight, loaded before the PDL wait."""
     k = pid * HB + tl.arange(0, HB)
-    ok = k < K
-    return (tl.load(a_ptr + k, mask=ok, other=0.0), tl.load(y_ptr + k, mask=ok, other=0.0),
-            tl.load(post_ptr + k, mask=ok, other=0.0))
+    return tl.load(post_ptr + k, mask=k < K, other=0.0)
 
 
 @triton.jit
-def _h_store(hin, r1, scale_ptr, h_ptr, off, pid, K: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """Entries pid * HB .. + HB of h = (a + y r1 (post + off)) * s, rounded as the eager layer rounds
-    (`fused_gemv._h_values`, the norm kernels' own)."""
-    DT: tl.constexpr = h_ptr.dtype.element_ty
-    a, y, post = hin
+def _h_inputs(a_ptr, y_ptr, pid, K: tl.constexpr, HB: tl.constexpr):
+    """a and y at entries pid * HB .. + HB of h (none past K), loaded right after the PDL wait."""
     k = pid * HB + tl.arange(0, HB)
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr).to(tl.float32)
+    ok = k < K
+    return tl.load(a_ptr + k, mask=ok, other=0.0), tl.load(y_ptr + k, mask=ok, other=0.0)
+
+
+@triton.jit
+def _h_store(hin, post, r1, s, h_ptr, off, pid, K: tl.constexpr, HB: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Entries pid * HB .. + HB of h = (a + y r1 (post + off)) * s (hin = (a, y), s the layer scalar),
+    rounded as the eager layer rounds (`fused_gemv._h_values`, the norm kernels' own)."""
+    DT: tl.constexpr = h_ptr.dtype.element_ty
+    a, y = hin
+    k = pid * HB + tl.arange(0, HB)
     h = _h_values(a.to(tl.float32), y.to(tl.float32), post.to(tl.float32), r1, s, off, HAS_SCALE, DT)
     tl.store(h_ptr + k, h.to(DT), mask=k < K)
 

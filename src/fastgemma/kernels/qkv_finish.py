@@ -30,27 +30,37 @@ def _qkv_finish_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, q_ptr
                        T, stride_qkv, stride_cs, stride_ib, stride_it, stride_cb, stride_cs_slot, stride_ch,
                        eps, off, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, V_NORM: tl.constexpr,
                        PDL: tl.constexpr):
-    _pdl_wait(PDL)
-    _pdl_trigger(PDL)
     r = tl.program_id(0)  # row b * T + t
     hd = tl.program_id(1)  # q heads 0..H-1, k heads H.., v heads H + HKV..
     HALF: tl.constexpr = D // 2
     DT: tl.constexpr = q_ptr.dtype.element_ty
     j = tl.arange(0, HALF)
+    # the head's norm weight (q or k; none for v) before the wait: a parameter, which after the norm's
+    # reduction was a dependent round trip to DRAM (the weights leave the L2 between steps)
+    w_ptr = qw_ptr
+    if hd >= H:
+        w_ptr = kw_ptr
+    has_w = (j >= 0) & (hd < H + HKV)
+    w1 = tl.load(w_ptr + j, mask=has_w, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + j, mask=has_w, other=0.0).to(tl.float32)
+    _pdl_wait(PDL)
+    _pdl_trigger(PDL)
     src = qkv_ptr + r.to(tl.int64) * stride_qkv + hd * D  # q, k and v heads sit D apart
     x1 = tl.load(src + j).to(tl.float32)
     x2 = tl.load(src + HALF + j).to(tl.float32)
+    # the row's cos / sin with x, ahead of the reduction (else a second round trip after it)
+    cs = cos_ptr + r.to(tl.int64) * stride_cs
+    sn = sin_ptr + r.to(tl.int64) * stride_cs
+    c1 = tl.load(cs + j, mask=has_w, other=0.0).to(tl.float32)
+    c2 = tl.load(cs + HALF + j, mask=has_w, other=0.0).to(tl.float32)
+    s1 = tl.load(sn + j, mask=has_w, other=0.0).to(tl.float32)
+    s2 = tl.load(sn + HALF + j, mask=has_w, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
     if hd < H + HKV:  # q or k: the norm's weight, then RoPE
-        w_ptr = qw_ptr
-        if hd >= H:
-            w_ptr = kw_ptr
-        n1 = (x1 * inv * (tl.load(w_ptr + j).to(tl.float32) + off)).to(DT).to(tl.float32)
-        n2 = (x2 * inv * (tl.load(w_ptr + HALF + j).to(tl.float32) + off)).to(DT).to(tl.float32)
-        cs = cos_ptr + r.to(tl.int64) * stride_cs
-        sn = sin_ptr + r.to(tl.int64) * stride_cs
-        y1 = n1 * tl.load(cs + j).to(tl.float32) - n2 * tl.load(sn + j).to(tl.float32)
-        y2 = n2 * tl.load(cs + HALF + j).to(tl.float32) + n1 * tl.load(sn + HALF + j).to(tl.float32)
+        n1 = (x1 * inv * (w1 + off)).to(DT).to(tl.float32)
+        n2 = (x2 * inv * (w2 + off)).to(DT).to(tl.float32)
+        y1 = n1 * c1 - n2 * s1
+        y2 = n2 * c2 + n1 * s2
         if hd < H:
             dst = q_ptr + (r.to(tl.int64) * H + hd) * D
         else:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_gemv import _h_block, _rnd
+from .fused_gemv import _h_values, _rnd
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -28,25 +28,30 @@ def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_p
                           stride_a, stride_y, stride_h, stride_x, eps, off,
                           K: tl.constexpr, BLOCK: tl.constexpr, HAS_Y: tl.constexpr, HAS_SCALE: tl.constexpr,
                           HAS_PRE: tl.constexpr, PDL: tl.constexpr = False):
-    _pdl_wait(PDL)  # every input but the norm weights is the previous kernels' output
-    _pdl_trigger(PDL)
     DT: tl.constexpr = a_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     ok = k < K
-    if HAS_Y:  # the one-row prologue's residual update (fused_gemv._h_block), the row as one block
-        y = tl.load(y_ptr + row * stride_y + k, mask=ok, other=0.0).to(tl.float32)
-        inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / K + eps)
-        scale = 1.0
+    # the norm weights and the layer scalar before the wait (parameters, no kernel writes them): loaded
+    # after a reduction they were dependent round trips to DRAM (the weights leave the L2 between steps)
+    post = 0.0
+    scale = 1.0
+    pre = 0.0
+    if HAS_Y:
+        post = tl.load(post_ptr + k, mask=ok, other=0.0).to(tl.float32)
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
-        h = _h_block(a_ptr + row * stride_a, y_ptr + row * stride_y, post_ptr, 0, k, inv_y, scale, off, K, BLOCK,
-                     HAS_SCALE, DT)
-        tl.store(h_ptr + row * stride_h + k, h.to(DT), mask=ok)
-    else:
-        h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
     if HAS_PRE:
         pre = tl.load(pre_ptr + k, mask=ok, other=0.0).to(tl.float32)
+    _pdl_wait(PDL)  # a and y are the previous kernels' outputs
+    _pdl_trigger(PDL)
+    h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
+    if HAS_Y:  # the one-row prologue's residual update (fused_gemv._h_values), the row as one block
+        y = tl.load(y_ptr + row * stride_y + k, mask=ok, other=0.0).to(tl.float32)
+        inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / K + eps)
+        h = _h_values(h, y, post, inv_y, scale, off, HAS_SCALE, DT)
+        tl.store(h_ptr + row * stride_h + k, h.to(DT), mask=ok)
+    if HAS_PRE:
         inv_x = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
         tl.store(x_ptr + row * stride_x + k, _rnd(h * inv_x * (pre + off), DT).to(DT), mask=ok)
 
