@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .draft_head import _keys, _kth_largest
-from .fused_gemv import _finish, _fma_block, _h_store, _prologue_scalars, _rnd, _rows
+from .fused_gemv import _finish, _fma_block, _h_store, _pro_params, _prologue_scalars, _rnd, _rows
 from .gemv import _INTERPRET
 
 SPIN_LIMIT = 1 << 26  # barrier polls before giving up (seconds on the H200)
@@ -98,16 +98,16 @@ def _gemv_w(pid, nprog, rot, w_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _gemv_tile(t, ws, a_ptr, y_ptr, post_ptr, pre_ptr, h_ptr, out_ptr, inv_y, inv_x, scale, off,
+def _gemv_tile(t, ws, a_ptr, y_ptr, params, h_ptr, out_ptr, inv_y, inv_x, off,
                N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
                HAS_PRE: tl.constexpr, EPI: tl.constexpr, DT: tl.constexpr):
     rows, n_ok = _rows(t, N, N // 2, BLOCK_N, EPI)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
-        acc = _fma_block(acc, ws[kb], a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, ws[kb], a_ptr, y_ptr, params, kb, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, PRO == 2, HAS_PRE, DT)
-    _h_store(t, a_ptr, y_ptr, post_ptr, h_ptr, inv_y, scale, off, K, BLOCK_K, PRO, PRO == 2, DT)  # tile 0's program
+    _h_store(t, a_ptr, y_ptr, params, h_ptr, inv_y, off, K, BLOCK_K, PRO, PRO == 2, DT)  # tile 0's program
     _finish(tl.sum(acc, axis=1), rows, n_ok, t, 0.0, out_ptr, N // 2, BLOCK_N, EPI, DT)
 
 
@@ -119,16 +119,16 @@ def _gemv(pid, nprog, rot, ws, w_ptr, a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr
     on program (t + rot) % nprog; ws: the first one's weights, from `_gemv_w`). PRO / EPI as
     kernels/fused_gemv.py (PRO 2 has the layer scalar); with PRO 2 the program of tile 0 writes the
     new residual to h_ptr."""
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
-                                            PRO, PRO == 2, HAS_PRE, DT)
+    params = _pro_params(post_ptr, pre_ptr, scale_ptr, tl.arange(0, BLOCK_K), K, BLOCK_K, PRO, PRO == 2, HAS_PRE)
+    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, PRO == 2, HAS_PRE, DT)
     NT: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     t0 = _first_tile(pid, nprog, rot, NT)
     if t0 < NT:
-        _gemv_tile(t0, ws, a_ptr, y_ptr, post_ptr, pre_ptr, h_ptr, out_ptr, inv_y, inv_x, scale, off,
+        _gemv_tile(t0, ws, a_ptr, y_ptr, params, h_ptr, out_ptr, inv_y, inv_x, off,
                    N, K, BLOCK_N, BLOCK_K, PRO, HAS_PRE, EPI, DT)
     for t in range(t0 + nprog, NT, nprog):
-        _gemv_tile(t, _w_blocks(w_ptr, t, NT, N, K, BLOCK_N, BLOCK_K, EPI), a_ptr, y_ptr, post_ptr, pre_ptr, h_ptr,
-                   out_ptr, inv_y, inv_x, scale, off, N, K, BLOCK_N, BLOCK_K, PRO, HAS_PRE, EPI, DT)
+        _gemv_tile(t, _w_blocks(w_ptr, t, NT, N, K, BLOCK_N, BLOCK_K, EPI), a_ptr, y_ptr, params, h_ptr,
+                   out_ptr, inv_y, inv_x, off, N, K, BLOCK_N, BLOCK_K, PRO, HAS_PRE, EPI, DT)
 
 
 @triton.jit

@@ -37,7 +37,6 @@ import triton.language as tl
 from .gemv import _INTERPRET, MAX_KB, GemvConfig, _pdl_trigger, _pdl_wait, _wload_all, pdl_args, resolve_config
 
 EPILOGUES = {"none": 0, "geglu": 1, "gelu_mul": 2}
-_INTERPRET_C = tl.constexpr(_INTERPRET)
 
 
 @triton.jit
@@ -60,11 +59,43 @@ def _vload(ptr, kb: tl.constexpr, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
-def _h_block(a_ptr, y_ptr, post_ptr, kb: tl.constexpr, offs_k, inv_y, scale, off,
+def _pro_params(post_ptr, pre_ptr, scale_ptr, offs_k, K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr):
+    """(posts, pres, scale): the prologue's parameters, post (PRO 2) and pre (PRO 1, or PRO 2 with a pre)
+    per K block at offs_k, as stored (() where unused), and the layer scalar (1 without one). No kernel
+    writes them, so they are loaded before the PDL wait: loaded after the prologue's reductions they were
+    dependent round trips to DRAM (the weights leave the L2 between steps)."""
+    posts = ()
+    pres = ()
+    for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
+        k = kb * BLOCK_K + offs_k
+        if PRO == 2:
+            posts = posts + (tl.load(post_ptr + k, mask=k < K, other=0.0),)
+        if (PRO == 1) or ((PRO == 2) and HAS_PRE):
+            pres = pres + (tl.load(pre_ptr + k, mask=k < K, other=0.0),)
+    scale = 1.0
+    if (PRO == 2) and HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    return posts, pres, scale
+
+
+@triton.jit
+def _aux_rows(aux_ptr, rows, n_ok, EPI: tl.constexpr):
+    """The gelu_mul epilogue's factors at the program's rows (0 for other epilogues), loaded right after the
+    PDL wait rather than behind the GEMV."""
+    aux = 0.0
+    if EPI == 2:
+        aux = tl.load(aux_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
+    return aux
+
+
+@triton.jit
+def _h_block(a_ptr, y_ptr, post, kb: tl.constexpr, offs_k, inv_y, scale, off,
              K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
-    """Block kb of h = (a + rmsnorm(y) * post) * scale, rounded as the eager layer rounds."""
+    """Block kb of h = (a + rmsnorm(y) * post) * scale (post: the block's values), rounded as the eager
+    layer rounds."""
     return _h_values(_vload(a_ptr, kb, offs_k, K, BLOCK_K), _vload(y_ptr, kb, offs_k, K, BLOCK_K),
-                     _vload(post_ptr, kb, offs_k, K, BLOCK_K), inv_y, scale, off, HAS_SCALE, DT)
+                     post.to(tl.float32), inv_y, scale, off, HAS_SCALE, DT)
 
 
 @triton.jit
@@ -77,63 +108,41 @@ def _h_values(a, y, post, inv_y, scale, off, HAS_SCALE: tl.constexpr, DT: tl.con
 
 
 @triton.jit
-def _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb: tl.constexpr, offs_k, inv_y, inv_x, scale, off,
+def _x_block(a_ptr, y_ptr, params, kb: tl.constexpr, offs_k, inv_y, inv_x, off,
              K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, HAS_SCALE: tl.constexpr,
              HAS_PRE: tl.constexpr, DT: tl.constexpr):
-    """Block kb of the GEMV's input x, from the prologue's inputs."""
+    """Block kb of the GEMV's input x, from the prologue's inputs (params: `_pro_params` at offs_k)."""
+    posts, pres, scale = params
     if PRO == 0:
         x = _vload(a_ptr, kb, offs_k, K, BLOCK_K)
     elif PRO == 1:
-        x = _rnd(_vload(a_ptr, kb, offs_k, K, BLOCK_K) * inv_x * (_vload(pre_ptr, kb, offs_k, K, BLOCK_K) + off), DT)
+        x = _rnd(_vload(a_ptr, kb, offs_k, K, BLOCK_K) * inv_x * (pres[kb].to(tl.float32) + off), DT)
     else:
-        x = _h_block(a_ptr, y_ptr, post_ptr, kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
+        x = _h_block(a_ptr, y_ptr, posts[kb], kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
         if HAS_PRE:
-            x = _rnd(x * inv_x * (_vload(pre_ptr, kb, offs_k, K, BLOCK_K) + off), DT)
+            x = _rnd(x * inv_x * (pres[kb].to(tl.float32) + off), DT)
     return x
 
 
 @triton.jit
-def _fma_block(acc, w, a_ptr, y_ptr, post_ptr, pre_ptr, kb: tl.constexpr, offs_k, inv_y, inv_x, scale, off,
+def _fma_block(acc, w, a_ptr, y_ptr, params, kb: tl.constexpr, offs_k, inv_y, inv_x, off,
                K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, HAS_SCALE: tl.constexpr,
                HAS_PRE: tl.constexpr, DT: tl.constexpr):
-    x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_k, inv_y, inv_x, scale, off,
-                 K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    x = _x_block(a_ptr, y_ptr, params, kb, offs_k, inv_y, inv_x, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     return acc + w.to(tl.float32) * x[None, :]
 
 
 @triton.jit
-def _prefetch_params(post_ptr, pre_ptr, K: tl.constexpr, PRO: tl.constexpr, HAS_PRE: tl.constexpr):
-    """The prologue's norm weights (post: PRO 2; pre: PRO 1, or PRO 2 with a pre) into L2 before the PDL
-    wait: one `prefetch.global.L2` per 128-byte line, no registers held (held in registers, in the GEMV's
-    x layout, they cost the q|k|v tile 74 registers on sm_90a). They are parameters, which no kernel
-    writes; the weights leave the L2 between steps, so each load of them was a round trip to DRAM on the
-    prologue's path. The interpreter: nothing."""
-    if not _INTERPRET_C:
-        lines = tl.arange(0, triton.next_power_of_2((K + 63) // 64)) * 64
-        ok = (lines < K).to(tl.int32)
-        if PRO == 2:
-            _prefetch_lines(post_ptr + lines, ok)
-        if (PRO == 1) or ((PRO == 2) and HAS_PRE):
-            _prefetch_lines(pre_ptr + lines, ok)
-
-
-@triton.jit
-def _prefetch_lines(ptrs, ok):
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K: tl.constexpr, BLOCK_K: tl.constexpr,
+def _prologue_scalars(a_ptr, y_ptr, params, eps, off, K: tl.constexpr, BLOCK_K: tl.constexpr,
                       PRO: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, DT: tl.constexpr):
-    """(1 / rms(y), 1 / rms(x source), layer scale) for the prologue (zeros where unused). Every block
-    of y, a and post (and the scalar) is loaded before the first reduction: one round trip, not one
-    per reduction (the blocks are held as stored until the second)."""
+    """(1 / rms(y), 1 / rms(x source), layer scale) for the prologue (zeros where unused); params:
+    `_pro_params` at arange(BLOCK_K). y's and a's blocks are loaded together before the first reduction
+    and held to the second: one round trip to L2, not one per reduction."""
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    posts, pres, scale = params
     offs_k = tl.arange(0, BLOCK_K)
     inv_y = 0.0
     inv_x = 0.0
-    scale = 1.0
     if PRO == 1:
         ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for kb in tl.static_range(NKB):
@@ -141,15 +150,13 @@ def _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K: tl.constex
             ss += v * v
         inv_x = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     if PRO == 2:
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr).to(tl.float32)
-        ys = ()
-        hin = ()  # a and post per block (HAS_PRE)
+        ys = ()  # as stored (fewer registers held than fp32)
+        as_ = ()
         for kb in tl.static_range(NKB):
             k = kb * BLOCK_K + offs_k
             ys = ys + (tl.load(y_ptr + k, mask=k < K, other=0.0),)
             if HAS_PRE:
-                hin = hin + ((tl.load(a_ptr + k, mask=k < K, other=0.0), tl.load(post_ptr + k, mask=k < K, other=0.0)),)
+                as_ = as_ + (tl.load(a_ptr + k, mask=k < K, other=0.0),)
         ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for kb in tl.static_range(NKB):
             yv = ys[kb].to(tl.float32)
@@ -158,36 +165,25 @@ def _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K: tl.constex
         if HAS_PRE:
             ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for kb in tl.static_range(NKB):
-                a, post = hin[kb]
-                h = _h_values(a.to(tl.float32), ys[kb].to(tl.float32), post.to(tl.float32), inv_y, scale, off,
-                              HAS_SCALE, DT)
+                h = _h_values(as_[kb].to(tl.float32), ys[kb].to(tl.float32), posts[kb].to(tl.float32), inv_y, scale,
+                              off, HAS_SCALE, DT)
                 ss += h * h
             inv_x = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     return inv_y, inv_x, scale
 
 
 @triton.jit
-def _h_store(pid, a_ptr, y_ptr, post_ptr, h_ptr, inv_y, scale, off, K: tl.constexpr, BLOCK_K: tl.constexpr,
+def _h_store(pid, a_ptr, y_ptr, params, h_ptr, inv_y, off, K: tl.constexpr, BLOCK_K: tl.constexpr,
              PRO: tl.constexpr, HAS_SCALE: tl.constexpr, DT: tl.constexpr):
-    """PRO 2: the new residual stream h, written by program 0 (called where a kernel holds the fewest
-    registers: the streamed GEMV's h store inside its tile loop held post, a and y through it)."""
+    """PRO 2: the new residual stream h, written by program 0 (params: `_pro_params` at arange(BLOCK_K))."""
     if PRO == 2:
         if pid == 0:
+            posts, pres, scale = params
             offs_k = tl.arange(0, BLOCK_K)
             for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
                 k = kb * BLOCK_K + offs_k
-                hb = _h_block(a_ptr, y_ptr, post_ptr, kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
+                hb = _h_block(a_ptr, y_ptr, posts[kb], kb, offs_k, inv_y, scale, off, K, BLOCK_K, HAS_SCALE, DT)
                 tl.store(h_ptr + k, hb.to(DT), mask=k < K)
-
-
-@triton.jit
-def _aux_rows(aux_ptr, rows, n_ok, EPI: tl.constexpr):
-    """The gelu_mul epilogue's factors at the program's rows (0 for other epilogues): loaded right after the
-    PDL wait, not behind the GEMV."""
-    aux = 0.0
-    if EPI == 2:
-        aux = tl.load(aux_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
-    return aux
 
 
 @triton.jit
@@ -232,61 +228,61 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _wload_all(w_ptrs, n_ok, offs_k, K,
                                                                                         BLOCK_K)
-    _prefetch_params(post_ptr, pre_ptr, K, PRO, HAS_PRE)
+    params = _pro_params(post_ptr, pre_ptr, scale_ptr, offs_k, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
     _pdl_wait(PDL)  # the previous kernels' outputs are visible from here on
     DT: tl.constexpr = out_ptr.dtype.element_ty
     aux = _aux_rows(aux_ptr, rows, n_ok, EPI)
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
-                                            PRO, HAS_SCALE, HAS_PRE, DT)
-    acc = _fma_block(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w0, a_ptr, y_ptr, post_ptr, pre_ptr, 0,
-                     offs_k, inv_y, inv_x, scale, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    acc = _fma_block(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w0, a_ptr, y_ptr, params, 0,
+                     offs_k, inv_y, inv_x, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 1:
-        acc = _fma_block(acc, w1, a_ptr, y_ptr, post_ptr, pre_ptr, 1, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w1, a_ptr, y_ptr, params, 1, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 2:
-        acc = _fma_block(acc, w2, a_ptr, y_ptr, post_ptr, pre_ptr, 2, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w2, a_ptr, y_ptr, params, 2, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 3:
-        acc = _fma_block(acc, w3, a_ptr, y_ptr, post_ptr, pre_ptr, 3, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w3, a_ptr, y_ptr, params, 3, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 4:
-        acc = _fma_block(acc, w4, a_ptr, y_ptr, post_ptr, pre_ptr, 4, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w4, a_ptr, y_ptr, params, 4, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 5:
-        acc = _fma_block(acc, w5, a_ptr, y_ptr, post_ptr, pre_ptr, 5, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w5, a_ptr, y_ptr, params, 5, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 6:
-        acc = _fma_block(acc, w6, a_ptr, y_ptr, post_ptr, pre_ptr, 6, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w6, a_ptr, y_ptr, params, 6, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 7:
-        acc = _fma_block(acc, w7, a_ptr, y_ptr, post_ptr, pre_ptr, 7, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w7, a_ptr, y_ptr, params, 7, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 8:
-        acc = _fma_block(acc, w8, a_ptr, y_ptr, post_ptr, pre_ptr, 8, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w8, a_ptr, y_ptr, params, 8, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 9:
-        acc = _fma_block(acc, w9, a_ptr, y_ptr, post_ptr, pre_ptr, 9, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w9, a_ptr, y_ptr, params, 9, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 10:
-        acc = _fma_block(acc, w10, a_ptr, y_ptr, post_ptr, pre_ptr, 10, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w10, a_ptr, y_ptr, params, 10, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 11:
-        acc = _fma_block(acc, w11, a_ptr, y_ptr, post_ptr, pre_ptr, 11, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w11, a_ptr, y_ptr, params, 11, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 12:
-        acc = _fma_block(acc, w12, a_ptr, y_ptr, post_ptr, pre_ptr, 12, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w12, a_ptr, y_ptr, params, 12, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 13:
-        acc = _fma_block(acc, w13, a_ptr, y_ptr, post_ptr, pre_ptr, 13, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w13, a_ptr, y_ptr, params, 13, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 14:
-        acc = _fma_block(acc, w14, a_ptr, y_ptr, post_ptr, pre_ptr, 14, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w14, a_ptr, y_ptr, params, 14, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 15:
-        acc = _fma_block(acc, w15, a_ptr, y_ptr, post_ptr, pre_ptr, 15, offs_k, inv_y, inv_x, scale, off,
+        acc = _fma_block(acc, w15, a_ptr, y_ptr, params, 15, offs_k, inv_y, inv_x, off,
                          K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
-    _h_store(pid, a_ptr, y_ptr, post_ptr, h_ptr, inv_y, scale, off, K, BLOCK_K, PRO, HAS_SCALE, DT)
-    _finish(tl.sum(acc, axis=1), rows, n_ok, pid, aux, out_ptr, HALF, BLOCK_N, EPI, DT)
+    y = tl.sum(acc, axis=1)
+    _h_store(pid, a_ptr, y_ptr, params, h_ptr, inv_y, off, K, BLOCK_K, PRO, HAS_SCALE, DT)
+    _finish(y, rows, n_ok, pid, aux, out_ptr, HALF, BLOCK_N, EPI, DT)
 
 
 # Tiles: the prologue's work grows with the program count (each recomputes its norms), so the

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_gemv import (_aux_rows, _check, _finish, _h_store, _Launch, _prefetch_params, _prologue_scalars, _rows,
+from .fused_gemv import (_aux_rows, _check, _finish, _h_store, _Launch, _pro_params, _prologue_scalars, _rows,
                          _x_block, fused_gemv_ref)
 from .gemv import _INTERPRET, MAX_KB, _pdl_trigger, _pdl_wait
 from .w4a16 import W4A16Config, _byte_terms, _group_terms, _word_dot, dequantize_int4, resolve_config
@@ -80,36 +80,42 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
         blocks = ()
         for kb in tl.static_range(NKB):
             blocks = blocks + (_block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N),)
-    _prefetch_params(post_ptr, pre_ptr, K, PRO, HAS_PRE)
+    if WORDS:  # x as [WK, 8] k of each word's codes (split in registers), else [NG, GROUP] columns of a K block
+        offs_x = tl.arange(0, WK)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    else:
+        offs_x = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    if not WORDS:  # the norm weights at the prologue's offsets and at x's, with the weights before the wait
+        params = _pro_params(post_ptr, pre_ptr, scale_ptr, tl.arange(0, BLOCK_K), K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
+        params_x = _pro_params(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
     _pdl_wait(PDL)
+    if WORDS:  # the word loop waits first (above), its parameters too
+        params = _pro_params(post_ptr, pre_ptr, scale_ptr, tl.arange(0, BLOCK_K), K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
+        params_x = _pro_params(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     aux = _aux_rows(aux_ptr, rows, n_ok, EPI)
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
-                                            PRO, HAS_SCALE, HAS_PRE, DT)
+    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    if WORDS:  # codes two at a time (w4a16._nibble_pair); x as [WK, 8], split in registers
-        offs_x = tl.arange(0, WK)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [WK, 8] k of each word's codes
+    if WORDS:  # codes two at a time (w4a16._nibble_pair)
         for kb in tl.static_range(NKB):
-            x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
-                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+            x = _x_block(a_ptr, y_ptr, params_x, kb, offs_x, inv_y, inv_x, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE,
+                         DT)
             x0, x4, x2, x6, x1, x5, x3, x7 = _split8(x)
             w, s, z = _block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb, WSTEP, NG, N)
             p = _word_dot(w, x0, x4, x1, x5, x2, x6, x3, x7, ASM, EXACT)
             acc += _group_terms(p, x0 + x1 + x2 + x3, x4 + x5 + x6 + x7, s.to(tl.float32), z.to(tl.float32),
                                 BLOCK_N, NG, WG, EXACT)
     else:  # bytes: one code byte per int32, each code shifted and masked on its own
-        offs_x = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP] columns of a K block
         for kb in tl.static_range(NKB):
             w, s, z = blocks[kb]
             w = w.to(tl.int32)
             s = s.to(tl.float32)
             z = z.to(tl.float32)
-            x = _x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_x, inv_y, inv_x, scale, off,
-                         K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)  # [NG, GROUP] fp32
+            x = _x_block(a_ptr, y_ptr, params_x, kb, offs_x, inv_y, inv_x, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE,
+                         DT)  # [NG, GROUP] fp32
             x_even, x_odd = tl.split(tl.reshape(x, (NG, HG, 2)))
             acc += _byte_terms(w, x_even, x_odd, tl.sum(x, axis=1), s, z)
     y = tl.sum(acc, axis=1)
-    _h_store(pid, a_ptr, y_ptr, post_ptr, h_ptr, inv_y, scale, off, K, BLOCK_K, PRO, HAS_SCALE, DT)
+    _h_store(pid, a_ptr, y_ptr, params, h_ptr, inv_y, off, K, BLOCK_K, PRO, HAS_SCALE, DT)
     _finish(y, rows, n_ok, pid, aux, out_ptr, HALF, BLOCK_N, EPI, DT)
 
 

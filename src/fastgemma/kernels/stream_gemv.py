@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import gemv
-from .fused_gemv import _aux_rows, _finish, _h_store, _prefetch_params, _prologue_scalars, _rows, _x_block
+from .fused_gemv import _aux_rows, _finish, _h_store, _pro_params, _prologue_scalars, _rows, _x_block
 from .gemv import _pdl_trigger, _pdl_wait
 
 
@@ -43,17 +43,16 @@ def _stream_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr
     buf = ()  # the next DEPTH blocks of the stream, asked for before the wait
     for i in tl.static_range(DEPTH):
         buf = buf + (_block(w_ptr, stride_wn, i, pid, P, N, HALF, K, BLOCK_N, BLOCK_K, EPI, NKB),)
-    _prefetch_params(post_ptr, pre_ptr, K, PRO, HAS_PRE)
+    offs_k = tl.arange(0, BLOCK_K)
+    params = _pro_params(post_ptr, pre_ptr, scale_ptr, offs_k, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
     _pdl_wait(PDL)  # the previous kernels' outputs are visible from here on
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, post_ptr, scale_ptr, eps, off, K, BLOCK_K,
-                                            PRO, HAS_SCALE, HAS_PRE, DT)
-    offs_k = tl.arange(0, BLOCK_K)
+    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     xs = ()  # the GEMV's input, once per program, in DT (its values are rounded to DT: exact)
     for kb in tl.static_range(NKB):
-        xs = xs + (_x_block(a_ptr, y_ptr, post_ptr, pre_ptr, kb, offs_k, inv_y, inv_x, scale, off,
-                            K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT).to(DT),)
-    _h_store(pid, a_ptr, y_ptr, post_ptr, h_ptr, inv_y, scale, off, K, BLOCK_K, PRO, HAS_SCALE, DT)  # program 0
+        xs = xs + (_x_block(a_ptr, y_ptr, params, kb, offs_k, inv_y, inv_x, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE,
+                            DT).to(DT),)
+    _h_store(pid, a_ptr, y_ptr, params, h_ptr, inv_y, off, K, BLOCK_K, PRO, HAS_SCALE, DT)  # program 0's first tile
     j = 0  # the stream's block at the tile's start
     for i in range(0, NT, P):  # every program the same rounds; tiles past the last are masked
         t = pid + i
