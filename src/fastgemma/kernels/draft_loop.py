@@ -120,7 +120,7 @@ def _gemv(pid, nprog, rot, ws, w_ptr, a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr
     kernels/fused_gemv.py (PRO 2 has the layer scalar); with PRO 2 the program of tile 0 writes the
     new residual to h_ptr."""
     params = _pro_params(post_ptr, pre_ptr, scale_ptr, tl.arange(0, BLOCK_K), K, BLOCK_K, PRO, PRO == 2, HAS_PRE)
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, PRO == 2, HAS_PRE, DT)
+    inv_y, inv_x = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, PRO == 2, HAS_PRE, DT)
     NT: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     t0 = _first_tile(pid, nprog, rot, NT)
     if t0 < NT:

@@ -64,7 +64,9 @@ def _pro_params(post_ptr, pre_ptr, scale_ptr, offs_k, K: tl.constexpr, BLOCK_K: 
     """(posts, pres, scale): the prologue's parameters, post (PRO 2) and pre (PRO 1, or PRO 2 with a pre)
     per K block at offs_k, as stored (() where unused), and the layer scalar (1 without one). No kernel
     writes them, so they are loaded before the PDL wait: loaded after the prologue's reductions they were
-    dependent round trips to DRAM (the weights leave the L2 between steps)."""
+    dependent round trips to DRAM (the weights leave the L2 between steps). Held in the x layout they
+    cost registers (sm_90a: the bf16 q|k|v tile 8x1024w4 168 -> 244, 2 programs a multiprocessor instead
+    of 3); asked into L2 instead (`prefetch.global.L2`, none held) the steps timed no faster (run HL)."""
     posts = ()
     pres = ()
     for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):
@@ -135,7 +137,7 @@ def _fma_block(acc, w, a_ptr, y_ptr, params, kb: tl.constexpr, offs_k, inv_y, in
 @triton.jit
 def _prologue_scalars(a_ptr, y_ptr, params, eps, off, K: tl.constexpr, BLOCK_K: tl.constexpr,
                       PRO: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr, DT: tl.constexpr):
-    """(1 / rms(y), 1 / rms(x source), layer scale) for the prologue (zeros where unused); params:
+    """(1 / rms(y), 1 / rms(x source)) for the prologue (zeros where unused); params:
     `_pro_params` at arange(BLOCK_K). y's and a's blocks are loaded together before the first reduction
     and held to the second: one round trip to L2, not one per reduction."""
     NKB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -169,7 +171,7 @@ def _prologue_scalars(a_ptr, y_ptr, params, eps, off, K: tl.constexpr, BLOCK_K: 
                               off, HAS_SCALE, DT)
                 ss += h * h
             inv_x = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-    return inv_y, inv_x, scale
+    return inv_y, inv_x
 
 
 @triton.jit
@@ -232,7 +234,7 @@ def _fused_gemv_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, w_ptr,
     _pdl_wait(PDL)  # the previous kernels' outputs are visible from here on
     DT: tl.constexpr = out_ptr.dtype.element_ty
     aux = _aux_rows(aux_ptr, rows, n_ok, EPI)
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    inv_y, inv_x = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     acc = _fma_block(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), w0, a_ptr, y_ptr, params, 0,
                      offs_k, inv_y, inv_x, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     if NKB > 1:

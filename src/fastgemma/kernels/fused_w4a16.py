@@ -93,7 +93,7 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
         params_x = _pro_params(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     aux = _aux_rows(aux_ptr, rows, n_ok, EPI)
-    inv_y, inv_x, scale = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
+    inv_y, inv_x = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
     acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     if WORDS:  # codes two at a time (w4a16._nibble_pair)
         for kb in tl.static_range(NKB):
