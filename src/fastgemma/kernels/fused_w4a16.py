@@ -47,6 +47,14 @@ def _block_loads(w_ptrs, w_mask, s_ptrs, z_ptrs, n_ok, kb: tl.constexpr, WSTEP: 
 
 
 @triton.jit
+def _params2(post_ptr, pre_ptr, scale_ptr, offs_x, K: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+             HAS_SCALE: tl.constexpr, HAS_PRE: tl.constexpr):
+    """The prologue's parameters (`fused_gemv._pro_params`) at its own offsets and at x's."""
+    return (_pro_params(post_ptr, pre_ptr, scale_ptr, tl.arange(0, BLOCK_K), K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE),
+            _pro_params(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE))
+
+
+@triton.jit
 def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_ptr, s_ptr, z_ptr, aux_ptr, out_ptr,
                         N, HALF, eps, off,
                         K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -84,13 +92,11 @@ def _fused_w4a16_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, qw_pt
         offs_x = tl.arange(0, WK)[:, None] * 8 + tl.arange(0, 8)[None, :]
     else:
         offs_x = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    if not WORDS:  # the norm weights at the prologue's offsets and at x's, with the weights before the wait
-        params = _pro_params(post_ptr, pre_ptr, scale_ptr, tl.arange(0, BLOCK_K), K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
-        params_x = _pro_params(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
+    if not WORDS:  # the norm weights with the weights, before the wait
+        params, params_x = _params2(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
     _pdl_wait(PDL)
     if WORDS:  # the word loop waits first (above), its parameters too
-        params = _pro_params(post_ptr, pre_ptr, scale_ptr, tl.arange(0, BLOCK_K), K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
-        params_x = _pro_params(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
+        params, params_x = _params2(post_ptr, pre_ptr, scale_ptr, offs_x, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     aux = _aux_rows(aux_ptr, rows, n_ok, EPI)
     inv_y, inv_x = _prologue_scalars(a_ptr, y_ptr, params, eps, off, K, BLOCK_K, PRO, HAS_SCALE, HAS_PRE, DT)
