@@ -75,10 +75,17 @@ def _pro_params(post_ptr, pre_ptr, scale_ptr, offs_k, K: tl.constexpr, BLOCK_K: 
             posts = posts + (tl.load(post_ptr + k, mask=k < K, other=0.0),)
         if (PRO == 1) or ((PRO == 2) and HAS_PRE):
             pres = pres + (tl.load(pre_ptr + k, mask=k < K, other=0.0),)
-    scale = 1.0
-    if (PRO == 2) and HAS_SCALE:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    return posts, pres, scale
+    return posts, pres, _layer_scale(scale_ptr, (PRO == 2) and HAS_SCALE)
+
+
+@triton.jit
+def _layer_scale(scale_ptr, HAS_SCALE: tl.constexpr):
+    """The layer scalar s (1 without one): a parameter, which no kernel writes, so the kernels load it
+    before their PDL wait (after a reduction it was a dependent round trip to DRAM)."""
+    s = 1.0
+    if HAS_SCALE:
+        s = tl.load(scale_ptr).to(tl.float32)
+    return s
 
 
 @triton.jit

@@ -37,10 +37,10 @@ import triton.language as tl
 
 from .attn_fold import _col_sum, _part_group_ptrs, _part_weights, _part_x_ptrs
 from .counters import arrival_counters
-from .fused_gemv import _gelu_tanh, _rnd
+from .fused_gemv import _gelu_tanh, _layer_scale, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 from .norm_fold import (_fold_parts, _fold_res, _fold_scalars, _fold_store, _fold_weights, _h_inputs, _h_post,
-                        _h_store, _layer_scale, _norm_combine)
+                        _h_store, _norm_combine)
 from .w4a16 import dequantize_int4, pack_scale_zero
 
 MAX_ROWS = 8  # activation rows: the B operand's 8 columns

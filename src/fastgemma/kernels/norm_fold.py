@@ -97,16 +97,6 @@ def _fold_parts(parts_ptr, NPART: tl.constexpr, NP2: tl.constexpr):
 
 
 @triton.jit
-def _layer_scale(scale_ptr, HAS_SCALE: tl.constexpr):
-    """The layer scalar s (1 without one): a parameter, loaded before the consumer's PDL wait (after its
-    main loop's reduction it was a dependent round trip to DRAM on the store's path)."""
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr).to(tl.float32)
-    return s
-
-
-@triton.jit
 def _fold_scalars(pv, s, eps, K: tl.constexpr):
     """The partials [NP2, 4] added in tile order, the layer scalar s -> (r1, r2 s): the weights of the
     two rows' sums."""

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_gemv import _h_values, _rnd
+from .fused_gemv import _h_values, _layer_scale, _rnd
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -35,12 +35,10 @@ def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_p
     # the norm weights and the layer scalar before the wait (parameters, no kernel writes them): loaded
     # after a reduction they were dependent round trips to DRAM (the weights leave the L2 between steps)
     post = 0.0
-    scale = 1.0
     pre = 0.0
+    scale = _layer_scale(scale_ptr, HAS_SCALE)  # (a scale comes with y: _check)
     if HAS_Y:
         post = tl.load(post_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr).to(tl.float32)
     if HAS_PRE:
         pre = tl.load(pre_ptr + k, mask=ok, other=0.0).to(tl.float32)
     _pdl_wait(PDL)  # a and y are the previous kernels' outputs
