@@ -186,9 +186,6 @@ def main():
                   FIXUP=merge, BLOCK_S=(8 if D == 256 else 4) if merge else 1, MERGE_M=4 if merge else 1, QKV=0,
                   V_NORM=False, BLOCK_T=16, EMU=False, POS_TILE=False)
         pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
-        ptx, _, _ = build(_split_kernel, split_sig, dict(ce, PDL=True), tuple(range(8)), 4, 2)
-        wait = ptx.find("griddepcontrol.wait")
-        print(f"l2\t{name}\t{ptx[:wait].count('prefetch.global.L2')}\t{ptx[wait:].count('prefetch.global.L2')}")
     # the q/k/v mode (decode_attention_qkv): a store layer at 1 and 8 rows (its own K / V rows made
     # and stored), a query-only one; the positions and the first K / V block loaded before the wait
     # ("prefetch" lines as the pdl ones: name, registers, spills, waits, triggers, loads before the wait,

@@ -196,27 +196,6 @@ def _own_rows(qa, qb, qkv_ptr, k_base, v_base, qpos_ptr, kw, cos_ptr, sin_ptr, i
 
 
 @triton.jit
-def _split_span(qpos, row_ok, window, S, num_splits, pid_split, BLOCK_N: tl.constexpr, HAS_SLOT_POS: tl.constexpr,
-                QKV: tl.constexpr):
-    """The tile's newest position, its window's lower bound and split pid_split's share [start, end)
-    of the cache: a whole number of BLOCK_N blocks of the live slots (late splits may be empty; QKV 2:
-    the last split takes the step's own rows instead)."""
-    qmax = tl.max(qpos, axis=0)
-    qmin = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
-    tile_win_lo = tl.where(window > 0, qmin - window, -1)
-    if HAS_SLOT_POS:
-        lo = 0
-        hi = S
-    else:
-        lo = tl.maximum(tile_win_lo + 1, 0)
-        hi = tl.minimum(qmax + 1, S)
-    n_live = tl.maximum(hi - lo, 0)
-    chunk = tl.cdiv(tl.cdiv(n_live, num_splits - (QKV == 2)), BLOCK_N) * BLOCK_N
-    start = lo + pid_split * chunk
-    return qmax, tile_win_lo, start, tl.minimum(start + chunk, hi)
-
-
-@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, spos_ptr, o_ptr, lse_ptr, out_ptr,
     S, T, G, Hkv, R, num_splits, window, qk_scale,
@@ -237,10 +216,12 @@ def _split_kernel(
     (H + 2 Hkv) D]: q as in 1, and the step's own K / V rows (rope(k_norm(k)), v_norm(v)) made here,
     written into the cache at idx[b, t] and attended by each row tile's last split, the cache's rows
     at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
-    V block is prefetched into L2 before the PDL wait; with QKV 0 the split's whole share of K / V is
-    (the positions read for it again after the wait). PARTS: o_ptr is bf16 and every row of every
+    V block is prefetched into L2 before the PDL wait. PARTS: o_ptr is bf16 and every row of every
     split is written (an empty split's as zeros), for a GEMV that weighs the splits itself
     (kernels/attn_fold.py); no merge."""
+    if QKV == 0:
+        _pdl_wait(PDL)  # q and the cache rows come from the kernels before
+        _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
     pid_split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -261,19 +242,6 @@ def _split_kernel(
     g = r % G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    k_base = k_ptr + b64 * sk_b + kvh * sk_h
-    v_base = v_ptr + b64 * sv_b + kvh * sv_h
-    if QKV == 0:
-        if PDL:  # the split's K / V rows into L2 while the kernel before runs; the positions that place
-            # them are read again after the wait, so a stale read here costs time, never a wrong sum
-            pq = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1, cache_modifier=".cg")
-            _, _, p0, p1 = _split_span(pq.to(tl.int32), row_ok, window, S, num_splits, pid_split, BLOCK_N,
-                                       HAS_SLOT_POS, QKV)
-            for n0 in range(p0, p1, BLOCK_N):
-                _prefetch_l2(k_base, n0, p1, sk_s, sk_d, BLOCK_N, D, EMU)
-                _prefetch_l2(v_base, n0, p1, sv_s, sv_d, BLOCK_N, D, EMU)
-        _pdl_wait(PDL)  # q and the cache rows come from the kernels before
-        _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
     # padding rows get qpos = -1: they see nothing and end as zeros (positions: no kernel of the step
     # writes them, so QKV > 0 reads them before the wait, through L2)
     if QKV == 0:
@@ -283,14 +251,31 @@ def _split_kernel(
         qpos = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1).to(tl.int32)
     else:
         qpos = tl.load(qpos_ptr + b64 * sqp_b + t * sqp_t, mask=row_ok, other=-1, cache_modifier=".cg").to(tl.int32)
+    qmax = tl.max(qpos, axis=0)
+    qmin = tl.min(tl.where(row_ok, qpos, 2147483647), axis=0)
     # keys need kpos > win_lo; window == 0 means no lower bound (kpos >= 0 is checked apart)
     win_lo = tl.where(window > 0, qpos - window, -1)
-    qmax, tile_win_lo, start, end = _split_span(qpos, row_ok, window, S, num_splits, pid_split, BLOCK_N,
-                                                HAS_SLOT_POS, QKV)
+    tile_win_lo = tl.where(window > 0, qmin - window, -1)
     if QKV == 2:  # the cache's rows from the step's first position on are this step's, made below
         q_new = tl.load(qpos_ptr + b64 * sqp_b, cache_modifier=".cg").to(tl.int32)
     else:
         q_new = qmax  # unused
+
+    if HAS_SLOT_POS:
+        lo = 0
+        hi = S
+    else:
+        lo = tl.maximum(tile_win_lo + 1, 0)
+        hi = tl.minimum(qmax + 1, S)
+    n_live = tl.maximum(hi - lo, 0)
+    # each split takes a whole number of BLOCK_N blocks of the live range; late splits may be empty
+    # (QKV 2: the last split takes the step's own rows instead)
+    chunk = tl.cdiv(tl.cdiv(n_live, num_splits - (QKV == 2)), BLOCK_N) * BLOCK_N
+    start = lo + pid_split * chunk
+    end = tl.minimum(start + chunk, hi)
+
+    k_base = k_ptr + b64 * sk_b + kvh * sk_h
+    v_base = v_ptr + b64 * sv_b + kvh * sv_h
     DT: tl.constexpr = k_ptr.dtype.element_ty
     HALVES: tl.constexpr = QKV > 0
     if QKV > 0:
