@@ -90,24 +90,20 @@ def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_pt
                    C, TPC, stride_sn, stride_gn,
                    H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, KEY_SHIFT: tl.constexpr):
-    p = tl.program_id(0)  # rank p: the twin's p-th centroid (larger score first, the lower index on a tie)
+    p = tl.program_id(0)  # the p-th selected centroid, in index order
     n = tl.program_id(1)
     c = tl.arange(0, BLOCK_C)
     key = _keys(s_ptr + n * stride_sn, c, C, KEY_SHIFT)
-    # its key is the (p + 1)-th largest; before it rank the keys above and, of the keys equal to it,
-    # the lower indices: one reduction counts both and (the only one, the usual case) gives its index
-    t = _kth_largest(key, p + 1, 32 - KEY_SHIFT)
-    eq = (key == t) & (c < C)
-    i4 = tl.arange(0, 4)
-    col = i4[None, :]
-    cnt = tl.sum(tl.where(col == 0, (key > t).to(tl.int32)[:, None],
-                          tl.where(col == 1, eq.to(tl.int32)[:, None], tl.where(col == 2, tl.where(eq, c, 0)[:, None], 0))),
-                 axis=0)  # [above, equal, index, 0]
-    above = tl.sum(tl.where(i4 == 0, cnt, 0), axis=0)
-    n_eq = tl.sum(tl.where(i4 == 1, cnt, 0), axis=0)
-    cent = tl.sum(tl.where(i4 == 2, cnt, 0), axis=0)
-    if n_eq > 1:  # a tie across the key: the (p - above)-th of the equal keys in index order
-        cent = tl.sum(tl.where(eq & (tl.cumsum(eq.to(tl.int32), axis=0) == p - above + 1), c, 0), axis=0)
+    # the top TOP_K: keys above the TOP_K-th largest, then the lowest indices among keys equal to it
+    t = _kth_largest(key, TOP_K, 32 - KEY_SHIFT)
+    above = key > t
+    tie = (key == t) & (c < C)
+    sel = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= TOP_K - tl.sum(above.to(tl.int32), axis=0)))
+    mine = sel & (tl.cumsum(sel.to(tl.int32), axis=0) == p + 1)
+    cent = tl.sum(tl.where(mine, c, 0), axis=0)
+    my_key = tl.sum(tl.where(mine, key, 0), axis=0)
+    # its rank among the selected: larger keys first, the lower centroid index first on a tie
+    rank = tl.sum((sel & ((key > my_key) | ((key == my_key) & (c < cent)))).to(tl.int32), axis=0)
     # its candidates' scores (fp32 sums rounded to g's dtype, as the twin's einsum); the first maximum
     j = tl.arange(0, BLOCK_T)
     j_ok = j < TPC
@@ -117,7 +113,7 @@ def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_pt
     v = tl.max(score, axis=0)
     first = tl.min(tl.where(score == v, j, BLOCK_T), axis=0)
     tl.store(pmax_ptr + n * TOP_K + p, v)
-    tl.store(pord_ptr + n * TOP_K + p, p * TPC + first)
+    tl.store(pord_ptr + n * TOP_K + p, rank * TPC + first)
     tl.store(ptok_ptr + n * TOP_K + p, tl.sum(tl.where(j == first, ids, 0), axis=0))
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel", scope="gpu")
