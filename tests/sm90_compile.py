@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fastgemma.kernels.decode_attention import SHORT_CACHE, _combine_kernel, _qkv_tiles, _split_kernel
-from fastgemma.kernels.draft_head import _centroid_kernel, _select_kernel
+from fastgemma.kernels.draft_head import CENTROID_BLOCK, _centroid_kernel, _select_kernel
 from fastgemma.kernels import draft_loop as dl
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
@@ -220,14 +220,19 @@ def main():
     head_sig = {"s_ptr": "*bf16", "g_ptr": "*bf16", "order_ptr": "*i64", "emb_ptr": "*bf16", "pmax_ptr": "*fp32",
                 "pord_ptr": "*i32", "ptok_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*i64", "C": "i32",
                 "TPC": "i32", "stride_sn": "i32", "stride_gn": "i32"}
-    ptx, regs, spills = build(_select_kernel, head_sig, dict(H=256, TOP_K=32, BLOCK_C=2048, BLOCK_T=128,
-                                                             BLOCK_H=64, BLOCK_P=32, KEY_SHIFT=16),
-                              tuple(range(9)), 4)
-    print(f"draft\tdraft head select\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}")
+    def head_line(name, fn, sig, ce, aligned):
+        """name, registers, spills, arrival atomics, PDL waits, global loads before the wait (PDL build)."""
+        ptx, regs, spills = build(fn, sig, dict(ce, PDL=True), aligned, 4)
+        wait = ptx.find("griddepcontrol.wait")
+        print(f"draft\t{name}\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}\t"
+              f"{ptx.count('griddepcontrol.wait')}\t{len(re.findall(r'ld[.]global', ptx[:wait]))}")
+
+    head_line("draft head select", _select_kernel, head_sig, dict(H=256, TOP_K=32, BLOCK_C=2048, BLOCK_T=128,
+                                                                  BLOCK_H=64, BLOCK_P=32, KEY_SHIFT=16), tuple(range(9)))
     cent_sig = {"g_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "C": "i32", "stride_gn": "i32",
                 "stride_sn": "i32"}
-    ptx, regs, spills = build(_centroid_kernel, cent_sig, dict(H=256, BLOCK_C=64, BLOCK_H=64), (0, 1, 2), 4)
-    print(f"draft\tdraft head centroids\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}")
+    head_line("draft head centroids", _centroid_kernel, cent_sig, dict(H=256, BLOCK_C=CENTROID_BLOCK, BLOCK_H=64),
+              (0, 1, 2))
     draft_loop_line()
     stream_lines()
     for name, fn, sig, ce, aligned, warps in cases:

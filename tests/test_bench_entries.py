@@ -590,12 +590,14 @@ def test_verify_chain_kernels_match_their_twins_on_the_cpu():
 
 
 def test_draft_head_bench_on_the_cpu(capsys):
-    """bench.draft_head on the tiny model's drafter (the kernel in the interpreter): both paths
-    timed, both paths' ids equal to the twin's on every random state."""
+    """bench.draft_head on the tiny model's drafter (the kernel in the interpreter): every path
+    timed (torch's, the kernels plain and under PDL), every path's ids equal to the twin's on every
+    random state."""
     from fastgemma.bench.draft_head import bench_draft_head
 
     rows = bench_draft_head(rows=2, checks=3, device="cpu", model="gemma4_tiny", dtype=torch.float32,
                             timer=lambda fn: (fn(), 1e-3)[1])
-    assert [r["path"] for r in rows] == ["torch (topk, gather, einsum)", "kernels/draft_head.py"]
+    assert [r["path"] for r in rows] == ["torch (topk, gather, einsum)", "kernels/draft_head.py",
+                                         "kernels/draft_head.py, PDL"]
     assert all(r["ids_equal"] == r["checks"] == 3 and r["us"] == 1.0 for r in rows), rows
     assert "3/3" in capsys.readouterr().out

@@ -80,9 +80,11 @@ def test_gpu_only_variants_compile_for_sm90():
     reg = {n: v[0] for n, v in dots.items()}
     assert reg["int4 per-group 16x32 split-2 gelu_mul"] <= reg["int4 per-group 16x32 split-2"] + 8, reg
     assert reg["int4 per-group 16x(2x32) split-2 geglu"] <= reg["int4 per-group 16x64 split-2"] + 8, reg
-    # the drafter head: no spills; the select kernel's one arrival atomic (its last program picks)
-    assert heads == {"draft head select": [heads["draft head select"][0], 0, 1],
-                     "draft head centroids": [heads["draft head centroids"][0], 0, 0]}, heads
+    # the drafter head: no spills; the select kernel's one arrival atomic (its last program picks); under
+    # PDL one wait each, the select kernel reading nothing before it, the centroid kernel its rows
+    assert set(heads) == {"draft head select", "draft head centroids"}, heads
+    assert heads["draft head select"][1:5] == [0, 1, 1, 0], heads
+    assert heads["draft head centroids"][1:4] == [0, 0, 1] and heads["draft head centroids"][4] > 0, heads
     assert len(rows) == 13 and len(dots) == 9, r.stdout
     for name, (regs, spills, fmas, mmas, atoms, bars, cg_loads, split) in dots.items():
         # the inline PTX survived (8 packed fmas per 4 code bytes) and the dots run on tensor cores

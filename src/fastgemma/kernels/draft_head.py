@@ -5,7 +5,7 @@ The drafter picks its token from the candidates of its top-k centroids (E4B: 32 
 `token_ordering`, their rows of the embedding, their scores, the argmax. In torch that is ~12
 kernels per draft token (topk alone ~13 us on the H200). Here:
 1. `_centroid_kernel`: scores[n, c] = g[n] . Wc[c], fp32 sums rounded to g's dtype (as F.linear);
-   grid (C / BLOCK_C, rows).
+   grid (C / CENTROID_BLOCK, rows); under PDL its centroid rows are read before the wait.
 2. `_select_kernel`, one program per selected centroid (top_k of them) and row: each finds the
    top_k itself from the row's C scores (int32 keys in score order; the top_k-th largest key two
    bits a round, the counts of 4 candidates in one block-wide reduction: 8 rounds for bf16 scores,
@@ -30,30 +30,45 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .gemv import _INTERPRET
+from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
+
+CENTROID_BLOCK = 16  # centroids per program of the score kernel (E4B: 128 programs of 8 KB)
 
 
 @triton.jit
-def _dot_rows(w_ptr, rows, ok, g_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rows `rows` of w [*, H] (where ok) against g [H] -> fp32 sums [len(rows)]."""
-    acc = tl.zeros(rows.shape, dtype=tl.float32)
+def _row_blocks(w_ptr, rows, ok, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows `rows` of w [*, H] (where ok), as H / BLOCK_H blocks [len(rows), BLOCK_H] (all in flight)."""
+    blocks = ()
     for h0 in tl.static_range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h < H
-        g = tl.load(g_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * H + h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * g[None, :], axis=1)
+        blocks = blocks + (tl.load(w_ptr + rows[:, None] * H + h[None, :], mask=ok[:, None] & (h < H)[None, :],
+                                   other=0.0),)
+    return blocks
+
+
+@triton.jit
+def _dot_blocks(blocks, g_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """`_row_blocks`' rows against g [H] -> fp32 sums [len(rows)]."""
+    acc = tl.zeros((blocks[0].shape[0],), dtype=tl.float32)
+    for i in tl.static_range(len(blocks)):
+        h = i * BLOCK_H + tl.arange(0, BLOCK_H)
+        g = tl.load(g_ptr + h, mask=h < H, other=0.0).to(tl.float32)
+        acc += tl.sum(blocks[i].to(tl.float32) * g[None, :], axis=1)
     return acc
 
 
 @triton.jit
 def _centroid_kernel(g_ptr, w_ptr, s_ptr, C, stride_gn, stride_sn,
-                     H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+                     H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """PDL: the centroid rows (weights) are loaded before the wait, g (the step's state) after it."""
+    _pdl_trigger(PDL)  # the select kernel launches and waits for these scores
     pid_c = tl.program_id(0)
     n = tl.program_id(1)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    acc = _dot_rows(w_ptr, c, c_ok, g_ptr + n * stride_gn, H, BLOCK_H)
+    blocks = _row_blocks(w_ptr, c, c_ok, H, BLOCK_H)
+    _pdl_wait(PDL)
+    acc = _dot_blocks(blocks, g_ptr + n * stride_gn, H, BLOCK_H)
     tl.store(s_ptr + n * stride_sn + c, acc.to(s_ptr.dtype.element_ty), mask=c_ok)
 
 
@@ -89,7 +104,8 @@ def _kth_largest(key, K, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr = 2):
 def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_ptr, cnt_ptr, out_ptr,
                    C, TPC, stride_sn, stride_gn,
                    H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, KEY_SHIFT: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, KEY_SHIFT: tl.constexpr, PDL: tl.constexpr = False):
+    _pdl_wait(PDL)  # the centroid scores
     p = tl.program_id(0)  # the p-th selected centroid, in index order
     n = tl.program_id(1)
     c = tl.arange(0, BLOCK_C)
@@ -108,7 +124,7 @@ def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_pt
     j = tl.arange(0, BLOCK_T)
     j_ok = j < TPC
     ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + j, mask=j_ok, other=0)
-    acc = _dot_rows(emb_ptr, ids, j_ok, g_ptr + n * stride_gn, H, BLOCK_H)
+    acc = _dot_blocks(_row_blocks(emb_ptr, ids, j_ok, H, BLOCK_H), g_ptr + n * stride_gn, H, BLOCK_H)
     score = tl.where(j_ok, acc.to(emb_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
     v = tl.max(score, axis=0)
     first = tl.min(tl.where(score == v, j, BLOCK_T), axis=0)
@@ -145,9 +161,10 @@ def _check(g, centroids, ordering, emb, top_k):
     return C, H, V
 
 
-def draft_head(g, centroids, ordering, emb, top_k: int) -> torch.Tensor:
+def draft_head(g, centroids, ordering, emb, top_k: int, pdl: bool = False) -> torch.Tensor:
     """Triton: g [N, H] (final-norm drafter state) -> token ids [N] int64; centroids [C, H],
-    ordering [V] (token_ordering), emb [V, H] (the head's rows). No host sync."""
+    ordering [V] (token_ordering), emb [V, H] (the head's rows). No host sync. pdl: both launches
+    programmatic dependent ones (the centroid rows read while the kernel before runs)."""
     C, H, V = _check(g, centroids, ordering, emb, top_k)
     if not (g.is_cuda or _INTERPRET):
         raise RuntimeError("draft_head runs on CUDA tensors (or with TRITON_INTERPRET=1); use draft_head_ref")
@@ -158,8 +175,9 @@ def draft_head(g, centroids, ordering, emb, top_k: int) -> torch.Tensor:
         g = g.contiguous()
     scores = torch.empty(N, C, device=g.device, dtype=g.dtype)
     block_h = min(64, triton.next_power_of_2(H))
-    _centroid_kernel[(triton.cdiv(C, 64), N)](g, centroids, scores, C, g.stride(0), scores.stride(0),
-                                              H=H, BLOCK_C=64, BLOCK_H=block_h, num_warps=4)
+    launch = pdl_args(pdl, g.device)
+    _centroid_kernel[(triton.cdiv(C, CENTROID_BLOCK), N)](g, centroids, scores, C, g.stride(0), scores.stride(0), H=H,
+                                                          BLOCK_C=CENTROID_BLOCK, BLOCK_H=block_h, num_warps=4, **launch)
     pmax = torch.empty(N, top_k, device=g.device, dtype=torch.float32)
     pord = torch.empty(N, top_k, device=g.device, dtype=torch.int32)
     ptok = torch.empty(N, top_k, device=g.device, dtype=torch.int64)
@@ -170,13 +188,13 @@ def draft_head(g, centroids, ordering, emb, top_k: int) -> torch.Tensor:
     _select_kernel[(top_k, N)](scores, g, ordering, emb, pmax, pord, ptok, cnt, out, C, V // C, scores.stride(0),
                                g.stride(0), H=H, TOP_K=top_k, BLOCK_C=triton.next_power_of_2(C),
                                BLOCK_T=triton.next_power_of_2(V // C), BLOCK_H=block_h,
-                               BLOCK_P=triton.next_power_of_2(top_k), KEY_SHIFT=shift, num_warps=4)
+                               BLOCK_P=triton.next_power_of_2(top_k), KEY_SHIFT=shift, num_warps=4, **launch)
     return out
 
 
-def draft_head_ref(g, centroids, ordering, emb, top_k: int) -> torch.Tensor:
+def draft_head_ref(g, centroids, ordering, emb, top_k: int, pdl: bool = False) -> torch.Tensor:
     """The twin: F.linear scores, a stable descending sort (ties: lower centroid first), the
-    candidates in rank order, their einsum scores, the first maximum."""
+    candidates in rank order, their einsum scores, the first maximum (pdl: `draft_head`'s, unused)."""
     C, H, V = _check(g, centroids, ordering, emb, top_k)
     s = F.linear(g, centroids)
     top = torch.sort(s.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
@@ -188,10 +206,10 @@ def draft_head_ref(g, centroids, ordering, emb, top_k: int) -> torch.Tensor:
 # an opaque op, so torch.compile traces around the launches
 @torch.library.custom_op("fastgemma::draft_head", mutates_args=())
 def draft_head_op(g: torch.Tensor, centroids: torch.Tensor, ordering: torch.Tensor, emb: torch.Tensor,
-                  top_k: int) -> torch.Tensor:
-    return draft_head(g, centroids, ordering, emb, top_k)
+                  top_k: int, pdl: bool = False) -> torch.Tensor:
+    return draft_head(g, centroids, ordering, emb, top_k, pdl)
 
 
 @draft_head_op.register_fake
-def _(g, centroids, ordering, emb, top_k):
+def _(g, centroids, ordering, emb, top_k, pdl=False):
     return g.new_empty(g.shape[0], dtype=torch.int64)

@@ -552,7 +552,8 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: b
                  attn_tiles: dict | None = None):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
     `head` replaces its centroid-masked head (FuseLayers passes `model.draft_head`; None: torch's
-    topk path). Dense bias-free linears only (a quantized drafter keeps the unfused step).
+    topk path; with `pdl` its launches are programmatic dependent ones). Dense bias-free linears only
+    (a quantized drafter keeps the unfused step).
     draft_loop: `drafter.loop_kernel` is kernels/draft_loop.DraftLoop, which speculative decoding
     builds over its cache to run a one-row draft loop in one launch."""
     for i, layer in enumerate(drafter.model.layers):
@@ -565,7 +566,7 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: b
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl, attn_pdl=attn_pdl,
                                               qkv_kernel=qkv_kernel, attn_merge=attn_merge, attn_qkv=attn_qkv,
                                               attn_tiles=attn_tiles)
-    drafter.head_fn = head
+    drafter.head_fn = functools.partial(head, pdl=True) if pdl and head is not None else head
     if draft_loop:
         from ..kernels.draft_loop import DraftLoop
         drafter.loop_kernel = DraftLoop
