@@ -322,6 +322,8 @@ def test_fused_spec_with_the_drafter_head_kernel_equals_ar(model, wide_tiles):
     assert m.draft_head is draft_head_ref
     assert m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0)).head_fn is draft_head_ref
     assert m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0), head=None).head_fn is None
+    d = m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0), head=draft_head_op, pdl=True)
+    assert d.head_fn.func is draft_head_op and d.head_fn.keywords == {"pdl": True}  # fuse.pdl: the head's too
     d = m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0), head=draft_head_op)
     assert d.head_fn is draft_head_op
     # 12 new tokens (the prompt already wraps the window): each draft step runs the kernel's two
