@@ -133,6 +133,26 @@ def test_timeline_charges_each_kernel_its_share_of_the_critical_path(capsys):
         split_calls(ks, 0)
 
 
+def test_fused_tables_name_the_drafters_gemvs_in_draft_loop_and_spec():
+    """The drafter's fused GEMVs by name (fused_gemv.FUSED_CASES 'draft ...': its down and its full
+    layer's o one shape), for bench.draft_loop and bench.spec --fused-table; a bad entry refused by
+    either before any work (no GPU needed for the refusal)."""
+    from fastgemma.bench import draft_loop, spec
+    from fastgemma.kernels import fused_gemv
+    from fastgemma.kernels.gemv import GemvConfig
+
+    t = fused_gemv.parse_fused_table("draft_down=2x1024w4,draft_o=4x512w4,draft_pre-projection=2x1024w4")
+    assert t == {(256, 2048, False, "none"): GemvConfig(2, 1024, 4), (256, 1024, False, "none"): GemvConfig(4, 512, 4),
+                 (256, 5120, False, "none"): GemvConfig(2, 1024, 4)}
+    plus = fused_gemv.parse_fused_table("+draft_gate|up=4x256w2")
+    assert plus[(4096, 256, True, "geglu")] == GemvConfig(4, 256, 2) and len(plus) == len(fused_gemv.FUSED_CONFIGS) + 1
+    shipped = dict(fused_gemv.FUSED_CONFIGS)
+    for main in (draft_loop.main, lambda argv: spec.main(["--device", "cpu", "--model", "gemma4_tiny"] + argv)):
+        with pytest.raises(SystemExit, match="--fused-table: fused table entry 'draft_nope=2x1024w4'"):
+            main(["--fused-table", "draft_nope=2x1024w4"])
+    assert fused_gemv.FUSED_CONFIGS == shipped and not fused_gemv._FORCED[0]
+
+
 def test_fused_table_text_and_bench_stack_rows_per_table(tmp_path):
     """kernels/fused_gemv's table from text (bench.stack --fused-table): names, tiles, refusals; one
     row set per table in one process, the shipped table back afterwards."""

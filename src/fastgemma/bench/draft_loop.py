@@ -13,6 +13,10 @@ input) and the largest difference of the last projected hidden state where all k
 `--barriers N` (first): a kernel of N grid barriers alone, us per barrier, per program count.
 `--fp32-checks N`: the kernel in fp32 against the drafter's own torch step in fp32 (every draft
 should agree: a check of the kernel itself, free of bf16 near-ties).
+`--fused-table T` (repeatable): the fused step again, traced and compiled anew with the fused GEMVs'
+tiles of table T (`fused_gemv.parse_fused_table`, e.g. '+draft_down=2x1024w4'), in the same process;
+its drafts compared with the first fused step's. The drafter's shapes that no table holds are
+autotuned on their first call, per process: the picks are printed.
 Run: python -m fastgemma.bench.draft_loop [--depth 7] [--programs 132,66] [--splits 16,32]
 """
 from __future__ import annotations
@@ -62,10 +66,12 @@ def _fill_cache(cache, sources, context: int, gen):
 
 def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, checks: int = 16,
                      programs=(None,), splits=(None,), barriers: int = 0, fp32_checks: int = 4, compile: bool = True,
-                     model: str = "gemma4_e4b", device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+                     model: str = "gemma4_e4b", device: str = "cuda", dtype=torch.bfloat16,
+                     fused_tables=()) -> list[dict]:
     """Print the tables; return a dict per barrier program count (with `barriers`), the fp32 check's
     (with `fp32_checks`), then one per loop: us per loop and per draft token, the checks' agreement
-    with the fused step (`positions_equal` of `positions`, `loops_equal` of `checks`), `max_h_diff`."""
+    with the fused step (`positions_equal` of `positions`, `loops_equal` of `checks`), `max_h_diff`;
+    the fused step once more per table text of `fused_tables` (`table`: the text)."""
     from triton.testing import do_bench_cudagraph
 
     from ..engine.cache import KVCache
@@ -80,6 +86,9 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
     from ..model.drafter import synthetic_drafter
     from ..transforms.fuse_layers import fuse_drafter
 
+    from ..kernels import fused_gemv
+
+    tables = [(t, fused_gemv.parse_fused_table(t)) for t in fused_tables]  # a bad text fails before any work
     if not torch.cuda.is_available():
         raise RuntimeError("bench_draft_loop needs a CUDA device")
     dev = torch.device(device)
@@ -121,6 +130,27 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
                      positions_equal=checks * depth, positions=checks * depth, loops_equal=checks, max_h_diff=0.0))
     print(f"{'fused step' + (' (compiled)' if compile else ''):>30} | {us:9.1f} | {us / depth:10.2f} | "
           f"{'(reference)':>15} |             |")
+    shipped = dict(fused_gemv.FUSED_CONFIGS)
+    try:
+        for text, table in tables:
+            fused_gemv.set_fused_table(table)
+            torch._dynamo.reset()  # traced again: the tiles are read when the step is traced
+            fn = compile_step(fused_loop) if compile else fused_loop
+            eq = same = 0
+            for (t, h), (rt, _) in zip(inputs, refs):
+                agree = (fn(t, h)[0] == rt).long().cumprod(1).sum().item()
+                eq += agree
+                same += agree == depth
+            us = 1e3 * timer(lambda: fn(tok0, hid0))
+            rows.append(dict(loop="fused step", table=text, programs=None, splits=None, us=us, us_per_token=us / depth,
+                             positions_equal=eq, positions=checks * depth, loops_equal=same, max_h_diff=None))
+            print(f"{'fused step, ' + text:>30} | {us:9.1f} | {us / depth:10.2f} | {eq:>7}/{checks * depth:<7} | "
+                  f"{same:>5}/{checks:<5} |")
+    finally:
+        fused_gemv.set_fused_table(shipped, forced=False)
+    picks = fused_gemv.tuned_picks()
+    if picks:
+        print(f"fused GEMV tiles the autotuner picked (shapes in no table): {fused_gemv.picks_text(picks)}")
     for P in programs:
         for sp in splits:
             loop = DraftLoop(d, emb, cache, programs=P, splits=sp)
@@ -196,10 +226,21 @@ def main(argv=None):
     ap.add_argument("--fp32-checks", type=int, default=4,
                     help="random inputs for the fp32 check against the drafter's own step (0: skip)")
     ap.add_argument("--no-compile", action="store_true", help="the fused step uncompiled")
+    ap.add_argument("--fused-table", action="append", default=[],
+                    help="the fused step again with the fused GEMVs' tiles of this table (bench.stack --fused-table's "
+                         "form: entries CASE=NxKwW joined by ',', 'none', or '+' then entries: the shipped table with "
+                         "those changed; the drafter's cases are 'draft_...'); repeated: one row each, in one process")
     ap.add_argument("--model", default="gemma4_e4b")
     a = ap.parse_args(argv)
+    from ..kernels.fused_gemv import parse_fused_table
+
+    for t in a.fused_table:
+        try:
+            parse_fused_table(t)
+        except ValueError as e:
+            raise SystemExit(f"--fused-table: {e}") from e
     bench_draft_loop(a.depth, a.context, a.window, a.checks, a.programs, a.splits, a.barriers, a.fp32_checks,
-                     compile=not a.no_compile, model=a.model)
+                     compile=not a.no_compile, model=a.model, fused_tables=a.fused_table)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,10 @@ def main(argv=None):
     ap.add_argument("--mma-table", default="",
                     help="with 'mma' in --variant: the tensor-core int4 kernel's table for this run instead of "
                          "its own, as bench.stack --mma-table writes it (e.g. 'down@8=1x1s8,o_full@1=2x8', or 'none')")
+    ap.add_argument("--fused-table", default="",
+                    help="with --fuse layers: the fused one-row GEMVs' tiles for this run (the AR step's and the "
+                         "drafter's; kernels/fused_gemv.FUSED_CONFIGS, given here on any GPU), as bench.stack "
+                         "--fused-table takes one (e.g. '+draft_down=2x1024w4', or 'none': every shape autotuned)")
     ap.add_argument("--variant", default="attn_pdl+qkv",
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
                          f"--variants: base, or options joined by '+' ({', '.join(VARIANT_OPTS)})")
@@ -255,9 +259,18 @@ def main(argv=None):
         from ..kernels.mma_w4a16 import set_table
 
         set_table(mma_table_arg(a.mma_table))  # this process's table
+    if a.fused_table:
+        from ..kernels.fused_gemv import parse_fused_table, set_fused_table
+
+        try:
+            set_fused_table(parse_fused_table(a.fused_table))  # this process's table
+        except ValueError as e:
+            raise SystemExit(f"--fused-table: {e}") from e
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)
+    if a.fused_table:
+        stack["fused_table"] = a.fused_table
     steps = [x for x in (a.drafter_steps or ("fused" if a.fuse == "layers" else "unfused")).split(",") if x]
     fused_steps = {"fused", "fused_base", "fused_torch_head"}
     if set(steps) - fused_steps - {"unfused"} or (set(steps) & fused_steps and a.fuse != "layers"):
@@ -393,6 +406,12 @@ def main(argv=None):
     w4a16.SPLIT_FIXUP = True
     model.fused_verify = fused_verify
 
+    if cuda:  # the drafter's GEMVs (and any other shape in no table) take the autotuner's tiles, per process
+        from ..kernels.fused_gemv import picks_text, tuned_picks
+
+        stack["fused_tuned"] = tuned_picks()
+        if stack["fused_tuned"]:
+            print(f"fused GEMV tiles the autotuner picked (shapes in no table): {picks_text(stack['fused_tuned'])}")
     if a.out:
         with open(a.out, "w") as f:
             f.write(json.dumps({"stack": stack}) + "\n")

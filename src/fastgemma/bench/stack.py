@@ -394,9 +394,7 @@ def main(argv=None):
     fused_gemv.set_fused_table(shipped_fused, forced=False)
     picks = fused_gemv.tuned_picks()
     if picks:
-        print("\nfused GEMV shapes the autotuner picked tiles for (not in FUSED_CONFIGS): "
-              + "; ".join(f"{p['N']}x{p['K']} pro {p['pro']} {p['epilogue']} -> {p['block_n']}x{p['block_k']}w"
-                          f"{p['num_warps']}" for p in picks))
+        print("\nfused GEMV shapes the autotuner picked tiles for (not in FUSED_CONFIGS): " + fused_gemv.picks_text(picks))
     if a.out:
         with open(a.out, "w") as f:
             for r in rows:

@@ -339,12 +339,17 @@ FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     (2560, 256, False, "none"): GemvConfig(8, 256, 4),  # PLE projection (run FU, once: 4x256w2 3.153 -> 3.123 ms)
 }
 
-# the fused GEMVs of an E4B one-row step by name: (N, K, prologue, epilogue) (bench.stack --fused-table)
+# the fused GEMVs of an E4B one-row step and of its drafter's step by name: (N, K, prologue, epilogue)
+# (bench.stack, bench.draft_loop and bench.spec --fused-table). The drafter's down is also its full layer's o
+# (256 x 2,048), its post-projection the target's PLE projection (2,560 x 256)
 FUSED_CASES = {
     "q|k|v": (3072, 2560, True, "none"), "q|k|v full": (6144, 2560, True, "none"), "q": (2048, 2560, True, "none"),
     "q full": (4096, 2560, True, "none"), "o": (2560, 2048, False, "none"), "o full": (2560, 4096, False, "none"),
     "gate|up": (20480, 2560, True, "geglu"), "down": (2560, 10240, False, "none"),
     "PLE gate": (256, 2560, True, "gelu_mul"), "PLE projection": (2560, 256, False, "none"),
+    "draft pre-projection": (256, 5120, False, "none"), "draft q": (1024, 256, True, "none"),
+    "draft q full": (2048, 256, True, "none"), "draft o": (256, 1024, False, "none"),
+    "draft gate|up": (4096, 256, True, "geglu"), "draft down": (256, 2048, False, "none"),
 }
 
 
@@ -397,6 +402,12 @@ def set_fused_table(table: dict, forced: bool = True) -> None:
 def pinned_on(device) -> bool:
     """Whether FUSED_CONFIGS applies on `device`: the compute capability it was measured on (sm_90)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def picks_text(picks: list[dict]) -> str:
+    """`tuned_picks`' entries as one line ('' when none): N x K, prologue, epilogue -> tiles."""
+    return "; ".join(f"{p['N']}x{p['K']} pro {p['pro']} {p['epilogue']} -> {p['block_n']}x{p['block_k']}w"
+                     f"{p['num_warps']}" for p in picks)
 
 
 def tuned_picks() -> list[dict]:
