@@ -322,7 +322,8 @@ _fused_gemv_tuned = triton.autotune(
 # FM, FO). Picked in the step on the H200 (bench.stack --fused-table, one process per run; E4B, window 188):
 # the bf16 body's step 3.334 ms with the autotuner's picks -> 3.176 ms with these (run FR), most of it from
 # the GEMVs with a prologue on 8 x 1024 tiles, the PLE projection's from run FU; the int4 body's PLE gate
-# (its one dense GEMV) 1.880 -> 1.859 ms with 1 x 1024 (run FO). Shapes not here, and every shape on other GPUs than sm_90 (where
+# (its one dense GEMV) 1.880 -> 1.859 ms with 1 x 1024 (run FO); two of the drafter's in its draft loop (run
+# HT). Shapes not here (the drafter's q, o and gate|up), and every shape on other GPUs than sm_90 (where
 # these were not measured), are autotuned.
 FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     (3072, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q|k|v
@@ -337,6 +338,11 @@ FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     (2560, 4096, False, "none"): GemvConfig(2, 1024, 4),  # o full
     (2560, 10240, False, "none"): GemvConfig(2, 1024, 4),  # down
     (2560, 256, False, "none"): GemvConfig(8, 256, 4),  # PLE projection (run FU, once: 4x256w2 3.153 -> 3.123 ms)
+    # the drafter's down (and its full layer's o) and its pre-projection: the k=7 draft loop 577.4 us on 16x512w8
+    # (one process's autotuned pick, run HM), 541.9 on this process's picks (8x512w4 / 2x1024w4), 528.9 on
+    # these (run HT, bench.draft_loop --fused-table, one process; the same drafts)
+    (256, 2048, False, "none"): GemvConfig(2, 1024, 4),
+    (256, 5120, False, "none"): GemvConfig(2, 1024, 4),
 }
 
 # the fused GEMVs of an E4B one-row step and of its drafter's step by name: (N, K, prologue, epilogue)
