@@ -71,7 +71,8 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
     """Print the tables; return a dict per barrier program count (with `barriers`), the fp32 check's
     (with `fp32_checks`), then one per loop: us per loop and per draft token, the checks' agreement
     with the fused step (`positions_equal` of `positions`, `loops_equal` of `checks`), `max_h_diff`;
-    the fused step once more per table text of `fused_tables` (`table`: the text)."""
+    the fused step once more per (text, table) of `fused_tables` (`fused_gemv.parse_fused_table`'s
+    tables; `table`: the text)."""
     from triton.testing import do_bench_cudagraph
 
     from ..engine.cache import KVCache
@@ -87,7 +88,6 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
     from ..model.drafter import synthetic_drafter
     from ..transforms.fuse_layers import fuse_drafter
 
-    tables = [(t, fused_gemv.parse_fused_table(t)) for t in fused_tables]  # a bad text fails before any work
     if not torch.cuda.is_available():
         raise RuntimeError("bench_draft_loop needs a CUDA device")
     dev = torch.device(device)
@@ -131,7 +131,7 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
           f"{'(reference)':>15} |             |")
     shipped = dict(fused_gemv.FUSED_CONFIGS)
     try:
-        for text, table in tables:
+        for text, table in fused_tables:
             fused_gemv.set_fused_table(table)
             torch._dynamo.reset()  # traced again: the tiles are read when the step is traced
             fn = compile_step(fused_loop) if compile else fused_loop
@@ -147,9 +147,9 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
                   f"{same:>5}/{checks:<5} |")
     finally:
         fused_gemv.set_fused_table(shipped, forced=False)
-    picks = fused_gemv.tuned_picks()
-    if picks:
-        print(f"fused GEMV tiles the autotuner picked (shapes in no table): {fused_gemv.picks_text(picks)}")
+    line = fused_gemv.picks_line(fused_gemv.tuned_picks())
+    if line:
+        print(line)
     for P in programs:
         for sp in splits:
             loop = DraftLoop(d, emb, cache, programs=P, splits=sp)
@@ -233,13 +233,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from ..kernels.fused_gemv import parse_fused_table
 
-    for t in a.fused_table:
-        try:
-            parse_fused_table(t)
-        except ValueError as e:
-            raise SystemExit(f"--fused-table: {e}") from e
+    try:  # before any work
+        tables = [(t, parse_fused_table(t)) for t in a.fused_table]
+    except ValueError as e:
+        raise SystemExit(f"--fused-table: {e}") from e
     bench_draft_loop(a.depth, a.context, a.window, a.checks, a.programs, a.splits, a.barriers, a.fp32_checks,
-                     compile=not a.no_compile, model=a.model, fused_tables=a.fused_table)
+                     compile=not a.no_compile, model=a.model, fused_tables=tables)
 
 
 if __name__ == "__main__":

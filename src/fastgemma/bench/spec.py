@@ -407,11 +407,11 @@ def main(argv=None):
     model.fused_verify = fused_verify
 
     if cuda:  # the drafter's GEMVs (and any other shape in no table) take the autotuner's tiles, per process
-        from ..kernels.fused_gemv import picks_text, tuned_picks
+        from ..kernels.fused_gemv import picks_line, tuned_picks
 
         stack["fused_tuned"] = tuned_picks()
         if stack["fused_tuned"]:
-            print(f"fused GEMV tiles the autotuner picked (shapes in no table): {picks_text(stack['fused_tuned'])}")
+            print(picks_line(stack["fused_tuned"]))
     if a.out:
         with open(a.out, "w") as f:
             f.write(json.dumps({"stack": stack}) + "\n")

@@ -392,9 +392,9 @@ def main(argv=None):
     shutil.rmtree(workdir, ignore_errors=True)
     mma_w4a16.set_table(shipped)
     fused_gemv.set_fused_table(shipped_fused, forced=False)
-    picks = fused_gemv.tuned_picks()
-    if picks:
-        print("\nfused GEMV shapes the autotuner picked tiles for (not in FUSED_CONFIGS): " + fused_gemv.picks_text(picks))
+    line = fused_gemv.picks_line(fused_gemv.tuned_picks())
+    if line:
+        print("\n" + line)
     if a.out:
         with open(a.out, "w") as f:
             for r in rows:

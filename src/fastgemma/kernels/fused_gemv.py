@@ -410,10 +410,13 @@ def pinned_on(device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def picks_text(picks: list[dict]) -> str:
-    """`tuned_picks`' entries as one line ('' when none): N x K, prologue, epilogue -> tiles."""
-    return "; ".join(f"{p['N']}x{p['K']} pro {p['pro']} {p['epilogue']} -> {p['block_n']}x{p['block_k']}w"
-                     f"{p['num_warps']}" for p in picks)
+def picks_line(picks: list[dict]) -> str:
+    """`tuned_picks`' entries as the benchmarks print them ('' when none): N x K, prologue, epilogue -> tiles."""
+    if not picks:
+        return ""
+    return "fused GEMV tiles the autotuner picked (shapes in no table): " + "; ".join(
+        f"{p['N']}x{p['K']} pro {p['pro']} {p['epilogue']} -> {p['block_n']}x{p['block_k']}w{p['num_warps']}"
+        for p in picks)
 
 
 def tuned_picks() -> list[dict]:
