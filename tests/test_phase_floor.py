@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastgemma.bench import floor
-from fastgemma.kernels.phase_floor import (WORDS, PhaseError, phase_chain, phase_persistent, phase_ref,
+from fastgemma.kernels.phase_floor import (WORDS, PhaseError, ahead_warps, phase_chain, phase_persistent, phase_ref,
                                            ring_weights, stream_buffers, stream_ref)
 
 
@@ -21,7 +21,7 @@ def _x(hidden, seed=0):
 
 
 @pytest.mark.parametrize("programs,hidden,n", [(1, 40, 3), (3, 40, 5), (7, 37, 4), (37, 37, 3), (5, 130, 6)])
-@pytest.mark.parametrize("style", ["graph", "pdl"])
+@pytest.mark.parametrize("style", ["graph", "pdl", "pdl_ahead"])
 def test_chain_equals_the_twin(programs, hidden, n, style):
     """Shares that do not divide the vector (37 values over 7 programs), a program per value, the
     last programs without a share (130 values: 5 programs of 26)."""
@@ -43,13 +43,14 @@ def test_ring_weights_rotate_the_values():
     assert len(set(start.tolist())) == P
 
 
-def test_persistent_equals_the_twin_and_resets_its_barrier():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_persistent_equals_the_twin_and_resets_its_barrier(ahead):
     x, w = _x(48), ring_weights(1, 48)
     bar, err = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     for n in (5, 2):  # a second launch starts from a reset barrier
         x[0] = _x(48, seed=n)[0]
         want = phase_ref(x, w, n)
-        phase_persistent(x, w, n, bar, err)
+        phase_persistent(x, w, n, bar, err, ahead=ahead)
         assert torch.equal(x[n % 2], want)
         assert bar.tolist() == [0, 0] and err.item() == 0
 
@@ -76,8 +77,9 @@ def test_bad_inputs_are_refused(x, w, n, msg):
 
 
 def test_bad_style_is_refused():
-    with pytest.raises(PhaseError, match="style is one of"):
-        phase_chain(_x(8), ring_weights(2, 8), 1, "barrier")
+    for style in ("barrier", "barrier_ahead"):
+        with pytest.raises(PhaseError, match="style is one of graph, pdl, pdl_ahead"):
+            phase_chain(_x(8), ring_weights(2, 8), 1, style)
 
 
 def test_bench_slope_rows_and_table(tmp_path, monkeypatch):
@@ -91,9 +93,9 @@ def test_bench_slope_rows_and_table(tmp_path, monkeypatch):
         launches.append(("chain", n))
         real_chain(x, w, n, style, work=work, stream=stream)
 
-    def pers(x, w, n, bar, err, work=True, stream=None):
+    def pers(x, w, n, bar, err, work=True, stream=None, ahead=False):
         launches.append(("barrier", n))
-        real_pers(x, w, n, bar, err, work=work, stream=stream)
+        real_pers(x, w, n, bar, err, work=work, stream=stream, ahead=ahead)
 
     def timer(fn):
         launches.clear()
@@ -201,7 +203,7 @@ def test_stack_floor_needs_the_timeline_and_a_floor_file(tmp_path):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--timeline", "3", "--floor", str(empty)])
 
 
-@pytest.mark.parametrize("style", ["graph", "pdl"])
+@pytest.mark.parametrize("style", ["graph", "pdl", "pdl_ahead"])
 def test_streamed_chain_reads_each_phase_copy(style):
     """Phase i reads copy (first + i) % copies before its wait; the sink keeps the last phase's sums;
     the vector is the twin's as without streaming."""
@@ -224,6 +226,33 @@ def test_streamed_persistent_reads_every_next_phase_before_its_barrier():
     phase_persistent(x, w, n, bar, err, stream=(big, sink))
     assert torch.equal(x[n % 2], want) and bar.tolist() == [0, 0]
     assert torch.equal(sink, stream_ref(big, [i % 2 for i in range(n + 1)]))
+
+
+def test_streamed_persistent_ahead_reads_each_phase_once():
+    """barrier_ahead: phase i's words (copy i % copies) issued before the wait that opens phase i and
+    summed after it: phases 0..n - 1, none beyond; the vector the twin's."""
+    big, sink = stream_buffers(copies=3, programs=1, blocks=2)
+    x, w = _x(24), ring_weights(1, 24)
+    bar, err = torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    n = 4
+    want = phase_ref(x, w, n)
+    phase_persistent(x, w, n, bar, err, stream=(big, sink), ahead=True)
+    assert torch.equal(x[n % 2], want) and bar.tolist() == [0, 0] and err.item() == 0
+    assert torch.equal(sink, stream_ref(big, [i % 3 for i in range(n)]))
+    assert not torch.equal(sink, stream_ref(big, [i % 3 for i in range(n + 1)]))
+
+
+def test_ahead_warps_hold_the_words_in_registers():
+    """4 warps without the ahead styles; with them, enough warps for <= AHEAD_REGS words a thread,
+    up to 16, and a refusal past AHEAD_MAX_BLOCKS blocks (the bench skips that row)."""
+    assert ahead_warps(40, False) == 4
+    assert [ahead_warps(b, True) for b in (1, 2, 3, 4, 5, 8, 9, 12)] == [4, 4, 8, 8, 16, 16, 16, 16]
+    with pytest.raises(PhaseError, match="at most 12 blocks"):
+        ahead_warps(13, True)
+    rows = floor.bench_floor(programs=(1,), styles=("pdl", "pdl_ahead"), phases=2, hidden=16, mbs=(0.25,),
+                             timer=lambda fn: (fn(), 1.0)[1], device="cpu")
+    got = {r["style"]: r for r in rows}
+    assert "us_per_phase" in got["pdl"] and "at most 12 blocks" in got["pdl_ahead"]["skipped"]
 
 
 def test_stream_buffers_and_shapes_are_checked():

@@ -9,7 +9,9 @@ stream, so its time is the boundary itself. Per launch style and program count:
 - `graph`: one launch per phase, stream ordered, in a CUDA graph;
 - `pdl`: the same with programmatic dependent launch (the engine's launches);
 - `barrier`: one persistent launch, a grid barrier between phases (at most one program per
-  multiprocessor: every program must be resident).
+  multiprocessor: every program must be resident);
+- `pdl_ahead`, `barrier_ahead`: as `pdl` and `barrier`, with a phase's streamed words (below) left in
+  flight across its boundary and used after it (kernels/phase_floor.py).
 `--no-work` times the boundary alone too (no loads, no stores). `--mb 4,8` adds phases that also
 stream that many MB of weights each, read before the wait (a launch) or before the barrier that opens
 the phase (one launch), from copies larger than the L2, beside those bytes alone at the copy bandwidth:
@@ -29,8 +31,8 @@ import math
 
 import torch
 
-from ..kernels.phase_floor import (STYLES, WORDS, phase_chain, phase_persistent, phase_ref, ring_weights,
-                                   stream_buffers, stream_ref)
+from ..kernels.phase_floor import (BASE_STYLES, STYLES, WORDS, ahead_warps, phase_chain, phase_persistent,
+                                   phase_ref, ring_weights, stream_buffers, stream_ref)
 
 
 def _list_of(cast, what: str, least):
@@ -68,7 +70,7 @@ def stream_shape(mb: float, programs: int, l2_bytes: int) -> tuple[int, int]:
     return blocks, max(2, math.ceil(2 * l2_bytes / (blocks * per_block)))
 
 
-def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=STYLES, phases: int = 256, hidden: int = 2560,
+def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=BASE_STYLES, phases: int = 256, hidden: int = 2560,
                 works=(True,), mbs=(0.0,), timer=None, device: str = "cuda", out=None) -> list[dict]:
     """One dict per (MB streamed a phase, work, style, programs): us per phase, or `skipped` with the
     reason. `mbs`: weights each phase reads before its wait (0: none); the row's `mb` is what the
@@ -93,7 +95,7 @@ def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=STYLES, phases: int 
                 for P in programs:
                     row = dict(style=style, work=work, programs=P, phases=phases, hidden=hidden, mb=0.0,
                                mb_asked=float(mb))
-                    if style == "barrier" and P > resident:
+                    if style.startswith("barrier") and P > resident:
                         row["skipped"] = f"a barrier needs every program resident: at most {resident} here"
                         rows.append(row)
                         continue
@@ -101,6 +103,7 @@ def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=STYLES, phases: int 
                     if mb > 0:
                         try:
                             blocks, copies = stream_shape(mb, P, l2)
+                            ahead_warps(blocks, style.endswith("_ahead"))
                         except ValueError as e:
                             rows.append(dict(row, skipped=str(e)))
                             continue
@@ -123,8 +126,8 @@ def _time_phases(row, x0, bar, err, stream, timer) -> dict:
     x = torch.zeros(2, x0.numel(), dtype=torch.float32, device=x0.device)
 
     def run(m):
-        if style == "barrier":
-            phase_persistent(x, w, m, bar, err, work=work, stream=stream)
+        if style.startswith("barrier"):
+            phase_persistent(x, w, m, bar, err, work=work, stream=stream, ahead=style == "barrier_ahead")
         else:
             phase_chain(x, w, m, style, work=work, stream=stream)
 
@@ -136,7 +139,8 @@ def _time_phases(row, x0, bar, err, stream, timer) -> dict:
     if stream is not None:
         big, sink = stream
         R = big.shape[0]
-        read = [i % R for i in range(n + 1)] if style == "barrier" else [(n - 1) % R]
+        read = ([i % R for i in range(n + 1)] if style == "barrier" else [i % R for i in range(n)] if style == "barrier_ahead"
+                else [(n - 1) % R])
         if not torch.equal(sink, stream_ref(big, read)):
             raise RuntimeError(f"{style}, {P} programs: the streamed words' sums differ from the twin's")
     t1, t2 = timer(lambda: run(n)), timer(lambda: run(2 * n))
@@ -228,7 +232,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--programs", type=_list_of(int, "program counts", 1), default=(1, 16, 80, 132, 264, 640),
                     help="programs per phase")
-    ap.add_argument("--styles", type=_styles, default=STYLES, help=f"launch styles, of {', '.join(STYLES)}")
+    ap.add_argument("--styles", type=_styles, default=BASE_STYLES,
+                    help=f"launch styles, of {', '.join(STYLES)} (default: {','.join(BASE_STYLES)})")
     ap.add_argument("--phases", type=int, default=256, help="n: chains of n and 2n phases are timed")
     ap.add_argument("--hidden", type=int, default=2560, help="values in the vector each phase reads")
     ap.add_argument("--no-work", action="store_true", help="also time the boundary alone (no loads, no stores)")

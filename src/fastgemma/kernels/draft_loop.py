@@ -46,18 +46,29 @@ ALIGN = tl.constexpr(ALIGN_N)
 
 
 @triton.jit
-def _sync(bar_ptr, err_ptr, nb, nprog, SPIN: tl.constexpr):
-    """Grid barrier number nb of the launch -> nb + 1. Every program's stores before it are seen
-    by every program's loads after it."""
+def _arrive(bar_ptr):
+    """This program's arrival at the next grid barrier: its stores before it (release, GPU scope)."""
     tl.debug_barrier()
     tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    target = (nb + 1) * nprog
+
+
+@triton.jit
+def _wait(bar_ptr, err_ptr, target, SPIN: tl.constexpr):
+    """Poll until `target` arrivals (acquire): every store before them is seen by the loads after."""
     spins = 0
     while (tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu") < target) & (spins < SPIN):
         spins += 1
     if spins >= SPIN:
         tl.store(err_ptr, 1)
     tl.debug_barrier()
+
+
+@triton.jit
+def _sync(bar_ptr, err_ptr, nb, nprog, SPIN: tl.constexpr):
+    """Grid barrier number nb of the launch -> nb + 1. Every program's stores before it are seen
+    by every program's loads after it."""
+    _arrive(bar_ptr)
+    _wait(bar_ptr, err_ptr, (nb + 1) * nprog, SPIN)
     return nb + 1
 
 

@@ -20,6 +20,16 @@ much of the boundaries weight streaming can hide.
 - `phase_persistent(x, w, n)`: n phases in one launch of P resident programs, a grid barrier
   (kernels/draft_loop.py's) between a phase and the next.
 Both leave the n-th vector in x's pair buffer; `phase_ref` is their twin.
+
+In those two styles a phase's streamed words are used (summed) before its boundary: a launch lets the
+next one start only after its weights have arrived, and a barrier's release waits for them. The
+`_ahead` styles leave the words in flight across the boundary and use them after it, as a step whose
+weights never depend on the phase before could:
+- `pdl_ahead`: each launch issues its loads, lets the next launch start at once, waits, then sums
+  them: the launches after it start (where the multiprocessors have room) and stream while it waits;
+- `barrier_ahead`: one launch; a program arrives at phase i's barrier right after its stores, issues
+  phase i + 1's loads, then waits for the others' arrivals, and sums the words after the wait.
+Their program may hold a phase's words in registers (more warps: `ahead_warps`).
 """
 from __future__ import annotations
 
@@ -27,11 +37,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .draft_loop import SPIN_LIMIT, _leave, _sync
+from .draft_loop import SPIN_LIMIT, _arrive, _leave, _sync, _wait
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
-STYLES = ("graph", "pdl", "barrier")
+BASE_STYLES = ("graph", "pdl", "barrier")
+STYLES = BASE_STYLES + ("pdl_ahead", "barrier_ahead")
 WORDS = 4096  # int32 words of a streamed block: 16 KB, 32 a thread at 4 warps
+AHEAD_REGS = 64  # registers a thread may give to an `_ahead` style's words in flight
+AHEAD_MAX_BLOCKS = 12  # blocks a program of an `_ahead` style holds at most (96 words a thread at 16 warps)
+
+
+def ahead_warps(blocks: int, ahead: bool) -> int:
+    """Warps of a program that holds `blocks` streamed blocks across its boundary (4 otherwise):
+    AHEAD_REGS words a thread, at most 16 warps."""
+    if not ahead:
+        return 4
+    if blocks > AHEAD_MAX_BLOCKS:
+        raise PhaseError(f"an _ahead style holds a phase's words in registers: at most {AHEAD_MAX_BLOCKS} blocks "
+                         f"of {WORDS * 4 // 1024} KB a program; got {blocks} (more programs or fewer MB)")
+    warps = 4
+    while warps < 16 and blocks * WORDS > warps * 32 * AHEAD_REGS:
+        warps *= 2
+    return warps
 
 
 @triton.jit
@@ -44,29 +71,49 @@ def _dot_store(src, dst, w, pid, H, C, BLOCK: tl.constexpr, BLOCK_C: tl.constexp
 
 
 @triton.jit
-def _stream(big_ptr, base, NB: tl.constexpr, WB: tl.constexpr):
-    """The low bits of NB blocks of WB words at big_ptr + base, summed (the loads all issued first)."""
+def _issue(big_ptr, base, NB: tl.constexpr, WB: tl.constexpr):
+    """NB blocks of WB words at big_ptr + base, loaded (a tuple: nothing waits for them yet)."""
     offs = tl.arange(0, WB)
-    acc = tl.zeros([WB], tl.int32)
+    blks = ()
     for j in tl.static_range(NB):
-        acc += tl.load(big_ptr + base + j * WB + offs) & 1
+        blks = blks + (tl.load(big_ptr + base + j * WB + offs),)
+    return blks
+
+
+@triton.jit
+def _bits(blks, NB: tl.constexpr):
+    """The low bits of _issue's blocks, summed."""
+    acc = blks[0] & 1
+    for j in tl.static_range(1, NB):
+        acc += blks[j] & 1
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
+def _stream(big_ptr, base, NB: tl.constexpr, WB: tl.constexpr):
+    """The low bits of NB blocks of WB words at big_ptr + base, summed (the loads all issued first)."""
+    return _bits(_issue(big_ptr, base, NB, WB), NB)
+
+
+@triton.jit
 def _phase_kernel(src, dst, w_ptr, H, C, big_ptr, sink_ptr, base, WORK: tl.constexpr, PDL: tl.constexpr,
-                  BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr, WB: tl.constexpr):
+                  AHEAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, NB: tl.constexpr,
+                  WB: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if WORK:
         w = tl.load(w_ptr + pid * H + offs, mask=offs < H, other=0.0)
     if NB > 0:  # this phase's weights, before the wait
-        bits = _stream(big_ptr, base + pid * (NB * WB), NB, WB)
+        blks = _issue(big_ptr, base + pid * (NB * WB), NB, WB)
+        if not AHEAD:  # arrived before the next launch may start
+            bits = _bits(blks, NB)
     _pdl_trigger(PDL)
     _pdl_wait(PDL)
     if WORK:
         _dot_store(src, dst, w, pid, H, C, BLOCK, BLOCK_C)
     if NB > 0:
+        if AHEAD:  # still in flight at the trigger and the wait
+            bits = _bits(blks, NB)
         tl.store(sink_ptr + pid, bits)
 
 
@@ -89,6 +136,32 @@ def _persistent_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, n, H, C, big_ptr, sink_pt
         if NB > 0:  # the next phase's weights, before the barrier that opens it
             bits += _stream(big_ptr, (((i + 1) % copies) * nprog + pid) * (NB * WB), NB, WB)
         nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
+    if NB > 0:
+        tl.store(sink_ptr + pid, bits)
+    _leave(bar_ptr, nprog)
+
+
+@triton.jit
+def _ahead_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, n, H, C, big_ptr, sink_ptr, copies,
+                  WORK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, SPIN: tl.constexpr,
+                  NB: tl.constexpr, WB: tl.constexpr):
+    """`barrier_ahead`: phase i's words issued after the program's arrival at barrier i - 1 and used
+    after the wait for everyone's; the barrier's release never waits for them."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    if WORK:
+        w = tl.load(w_ptr + pid * H + offs, mask=offs < H, other=0.0)
+    bits = 0
+    for i in range(n):
+        if NB > 0:
+            blks = _issue(big_ptr, ((i % copies) * nprog + pid) * (NB * WB), NB, WB)
+        _wait(bar_ptr, err_ptr, i * nprog, SPIN)  # phase i - 1's arrivals
+        if NB > 0:
+            bits += _bits(blks, NB)
+        if WORK:
+            _dot_store(x_ptr + (i % 2) * H, x_ptr + ((i + 1) % 2) * H, w, pid, H, C, BLOCK, BLOCK_C)
+        _arrive(bar_ptr)
     if NB > 0:
         tl.store(sink_ptr + pid, bits)
     _leave(bar_ptr, nprog)
@@ -144,29 +217,35 @@ def _stream_args(stream, P):
     return big, sink, big.shape[2], big.shape[0]
 
 
+CHAIN_STYLES = ("graph", "pdl", "pdl_ahead")
+
+
 def phase_chain(x: torch.Tensor, w: torch.Tensor, n: int, style: str = "graph", work: bool = True, stream=None,
                 first: int = 0):
     """n phases of w.shape[0] programs as n launches; phase i reads x[i % 2] and writes x[(i + 1) % 2].
     stream: (big, sink) of `stream_buffers`: phase i (counted from `first`) reads copy i % copies and
     writes its sum to the sink."""
     _check(x, w, n)
-    if style not in ("graph", "pdl"):
-        raise PhaseError(f"phase_chain's style is one of graph, pdl; got {style!r}")
+    if style not in CHAIN_STYLES:
+        raise PhaseError(f"phase_chain's style is one of {', '.join(CHAIN_STYLES)}; got {style!r}")
     H, P, C, meta = _meta(x, w)
     big, sink, NB, R = _stream_args(stream, P)
-    launch = pdl_args(style == "pdl", x.device)
+    ahead = style == "pdl_ahead"
+    launch = pdl_args(style != "graph", x.device)
     step = P * NB * WORDS
     for i in range(n):
         _phase_kernel[(P,)](x[i % 2], x[(i + 1) % 2], w, H, C, big if NB else w, sink if NB else w,
-                            ((first + i) % R) * step, WORK=work, NB=NB, WB=WORDS, num_warps=4, **launch, **meta)
+                            ((first + i) % R) * step, WORK=work, AHEAD=ahead, NB=NB, WB=WORDS,
+                            num_warps=ahead_warps(NB, ahead), **launch, **meta)
 
 
 def phase_persistent(x: torch.Tensor, w: torch.Tensor, n: int, bar: torch.Tensor, err: torch.Tensor,
-                     work: bool = True, stream=None):
+                     work: bool = True, stream=None, ahead: bool = False):
     """n phases in one launch of w.shape[0] programs, which must all be resident at once (at most one
     per multiprocessor is what the caller should ask for). bar: int32 [2] zeros, err: int32 [1]: set
     to 1 if a barrier gave up waiting (programs not all resident). stream: as phase_chain's, the sink
-    holding phases 0..n's sum (the weights of a phase n + 1 are read too, before the last barrier)."""
+    holding phases 0..n's sum (the weights of a phase n + 1 are read too, before the last barrier);
+    ahead (`barrier_ahead`): phases 0..n - 1's, each in flight across the barrier before it."""
     _check(x, w, n)
     H, P, C, meta = _meta(x, w)
     big, sink, NB, R = _stream_args(stream, P)
@@ -174,8 +253,9 @@ def phase_persistent(x: torch.Tensor, w: torch.Tensor, n: int, bar: torch.Tensor
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if P > sms:
             raise PhaseError(f"a grid barrier needs every program resident: at most {sms} programs here; got {P}")
-    _persistent_kernel[(P,)](x, w, bar, err, n, H, C, big if NB else w, sink if NB else w, R, WORK=work,
-                             SPIN=SPIN_LIMIT, NB=NB, WB=WORDS, num_warps=4, **meta)
+    kernel = _ahead_kernel if ahead else _persistent_kernel
+    kernel[(P,)](x, w, bar, err, n, H, C, big if NB else w, sink if NB else w, R, WORK=work, SPIN=SPIN_LIMIT,
+                 NB=NB, WB=WORDS, num_warps=ahead_warps(NB, ahead), **meta)
 
 
 def ring_weights(programs: int, hidden: int, device="cpu") -> torch.Tensor:
