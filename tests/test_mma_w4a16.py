@@ -291,14 +291,6 @@ for name, K, T, W, EPI, D, extra in [("o producer", 2048, 2, 4, 0, 5, dict(FOLD=
     ptx, regs, spills = build(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3, 7, 8), W)
     print(f"fold\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{mma_layouts(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3), W)}\t"
           f"{ptx.count('ld.global.v4')}")
-# gate|up asking for the later waves' tiles into L2 (MmaConfig.ahead: 2 x 132 programs, 2 waves after the
-# first at 640 tiles): the prefetches before the wait, the registers of the entry without them
-for name, extra in [("gate|up", {}), ("gate|up ahead", dict(L2S=264, L2J=2))]:
-    ce = dict(K=2560, GROUP=128, T=2, W=4, EPI=1, DEPTH=5, FRESH=True, PDL=True, EMU=False, ONE=True, NS=0, **extra)
-    ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), 4)
-    wait = ptx.index("griddepcontrol.wait")
-    print(f"ahead\t{name}\t{regs}\t{spills}\t{ptx[:wait].count('prefetch.global.L2')}\t"
-          f"{ptx[wait:].count('prefetch.global.L2')}")
 psig = dict(sig, **{n: "*bf16" for n in ("f_res", "f_post", "f_pre", "f_rows")}, f_parts="*fp32", off="fp32")
 for name, K, T, W in [("o full producer", 4096, 2, 8), ("PLE projection producer", 256, 1, 1)]:
     ce = dict(K=K, GROUP=128, T=T, W=W, EPI=0, DEPTH=64, ITERS=1, S=1, PDL=True, EMU=False, FOLD=1)
@@ -332,13 +324,6 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
         assert int(spills) == 0 and int(mmas) > 0 and layouts == "['[1, 4][32, 1]']", (name, regs, spills, layouts)
     # the partials' x: 16-byte loads like o's own x (a scalar load per word would be 4x the instructions)
     assert fold["o producer on partials"][4] == fold["o producer"][4], fold
-    # MmaConfig.ahead: the later waves' lines asked for before the wait, none after it, no spills, the
-    # registers within a few of the entry's without it (the line addresses are made and dropped)
-    ahead = {f[1]: [int(x) for x in f[2:]] for f in (line.split("\t") for line in r.stdout.splitlines())
-             if f[0] == "ahead"}
-    (regs0, spills0, before0, after0), (regs, spills, before, after) = ahead["gate|up"], ahead["gate|up ahead"]
-    assert (spills0, before0, after0) == (0, 0, 0) and spills == 0 and after == 0, ahead
-    assert before > 0 and regs <= regs0 + 8, ahead
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
@@ -418,14 +403,11 @@ def test_persistent_config_text_and_refusals():
     from fastgemma.kernels.mma_w4a16 import config_args, config_problem, format_config, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
-    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0, 0)  # mma_w4a16_op's order
-    assert parse_config("2x4d5p9fa2") == MmaConfig(2, 4, 5, persist=9, fresh=True, ahead=2)
-    assert "ahead" in config_problem(MmaConfig(2, 4, ahead=2), 64, 1024, 128, "none")
-    assert "ahead" in config_problem(MmaConfig(2, 4, persist=9, ahead=-1), 64, 1024, 128, "none")
+    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0)  # mma_w4a16_op's order
     assert parse_config("2x4d2p9r128") == MmaConfig(2, 4, 2, persist=9, regs=128)
     assert parse_config("2x4d2p9r128").launch == {"num_warps": 4, "maxnreg": 128}
     assert parse_config("2x4n8").launch == {"num_warps": 8}
-    for text in ("2x4d5p9f", "1x1s8", "2x8d3p1", "2x4i2", "2x4d2p9fn8r128", "1x4", "2x4d5p9fa2"):
+    for text in ("2x4d5p9f", "1x1s8", "2x8d3p1", "2x4i2", "2x4d2p9fn8r128", "1x4"):
         assert format_config(parse_config(text)) == text
     assert "regs" in config_problem(MmaConfig(2, 4, regs=16), 64, 1024, 128, "none")
     assert "regs" in config_problem(MmaConfig(2, 4, regs=256), 64, 1024, 128, "none")
@@ -435,16 +417,3 @@ def test_persistent_config_text_and_refusals():
     assert "hw" in config_problem(MmaConfig(2, 4, hw=16), 64, 1024, 128, "none")
     assert "persist" in config_problem(MmaConfig(2, 4, persist=1, splits=2), 64, 1024, 128, "none")
     assert "fresh" in config_problem(MmaConfig(2, 4, fresh=True), 64, 1024, 128, "none")
-
-
-def test_l2_ahead_strides_over_the_later_waves():
-    """ahead A: a stride of A programs a multiprocessor (2 multiprocessors without a GPU) and the later
-    waves' count; nothing where the programs loop over tiles, fit in one wave, or A is 0."""
-    from fastgemma.kernels.mma_w4a16 import l2_ahead_args
-
-    cpu = torch.device("cpu")
-    cfg = MmaConfig(2, 4, 5, persist=9, fresh=True, ahead=2)
-    assert l2_ahead_args(cfg, 20, 20, cpu) == dict(L2S=4, L2J=4)  # tiles 4, 8, 12, 16 after program 0
-    assert l2_ahead_args(cfg, 21, 21, cpu) == dict(L2S=4, L2J=5)
-    assert l2_ahead_args(cfg, 4, 4, cpu) == {} and l2_ahead_args(cfg, 20, 10, cpu) == {}
-    assert l2_ahead_args(MmaConfig(2, 4, 5, persist=9), 20, 20, cpu) == {}

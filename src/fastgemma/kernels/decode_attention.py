@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .counters import arrival_counters
-from .gemv import _INTERPRET, _l2_lines, _pdl_trigger, _pdl_wait, pdl_args, sm_count
+from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args, sm_count
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -139,7 +139,9 @@ def _prefetch_l2(base, n0, end, s_row, s_d, BLOCK_N: tl.constexpr, D: tl.constex
         n = n0 + tl.arange(0, BLOCK_N)[:, None]
         line = (tl.arange(0, D // 64) * 64)[None, :]
         ok = (n < end) & (line >= 0)  # [BLOCK_N, D / 64]: one flag per line
-        _l2_lines(base + n * s_row + line * s_d, ok)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [base + n * s_row + line * s_d, ok.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit

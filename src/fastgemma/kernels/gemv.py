@@ -39,14 +39,6 @@ def _pdl_trigger(PDL: tl.constexpr):
 
 
 @triton.jit
-def _l2_lines(ptrs, ok):
-    """One `prefetch.global.L2` per element of ptrs where ok (a 128-byte line each): no registers held,
-    nothing a later load waits for. Not for the interpreter (callers skip it there)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                              "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _pdl_wait(PDL: tl.constexpr):
     """Wait for the kernel before (and its memory) before reading what it wrote or writing anything."""
     if PDL:

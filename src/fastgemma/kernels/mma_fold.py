@@ -17,7 +17,7 @@ import triton
 from .attn_fold import parts_problem
 from .gemv import _INTERPRET, pdl_args
 from .mma_w4a16 import (EPILOGUES, MmaConfig, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, config_problem,
-                        l2_ahead_args, mma_config, mma_w4a16_ref, persistent_programs)
+                        mma_config, mma_w4a16_ref, persistent_programs)
 from .norm_fold import N_PARTS, parts_block
 from .w4a16 import dequantize_int4
 
@@ -90,8 +90,7 @@ def mma_rows(x: torch.Tensor, weight: MmaWeight, res: torch.Tensor, post: torch.
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, 1, N, N // 2, x.stride(0), out.stride(0), n_tiles,
                                  niter, res, res, post, pre, res, rows, parts, res, 0.0, float(offset),
                                  lse if lse is not None else x, DEPTH=min(cfg.depth, K // cfg.warps // G),
-                                 FRESH=cfg.fresh, ONE=niter == 1, **l2_ahead_args(cfg, n_tiles, grid[0], x.device),
-                                 **part, **common)
+                                 FRESH=cfg.fresh, ONE=niter == 1, **part, **common)
     else:
         grid = (triton.cdiv(n_tiles, cfg.iters),)
         _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, out, out, 1, N, N // 2, x.stride(0), out.stride(0),
@@ -136,8 +135,7 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
                              DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                              FOLD=2, NPART=parts.shape[0], NP2=parts_block(parts.shape[0]),
                              HAS_SCALE=scale is not None, HB=hb, ONE=niter == 1,
-                             **l2_ahead_args(cfg, n_tiles, grid[0], rows.device), **cfg.launch,
-                             **pdl_args(pdl, rows.device))
+                             **cfg.launch, **pdl_args(pdl, rows.device))
     return out, h
 
 
@@ -190,17 +188,17 @@ def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, p
 @torch.library.custom_op("fastgemma::mma_rows", mutates_args=())
 def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, res: torch.Tensor,
                 post: torch.Tensor, pre: torch.Tensor, offset: float, tiles: int, warps: int, depth: int, iters: int,
-                splits: int, persist: int, fresh: bool, hw: int, regs: int, ahead: int, pdl: bool,
+                splits: int, persist: int, fresh: bool, hw: int, regs: int, pdl: bool,
                 lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lse given: x is an attention's split partials (`mma_rows`)."""
     weight = MmaWeight(words, sz, N, words.shape[1] * 64, group_size)  # words [N/16, K/64, 32, 4]
-    return mma_rows(x, weight, res, post, pre, offset=offset, pdl=pdl, lse=lse,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, ahead))
+    return mma_rows(x, weight, res, post, pre, offset=offset,
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs), pdl=pdl, lse=lse)
 
 
 @mma_rows_op.register_fake
 def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, iters, splits, persist, fresh, hw,
-      regs, ahead, pdl, lse=None):
+      regs, pdl, lse=None):
     return (x.new_empty((1, N)), x.new_empty((2, N)),
             x.new_empty((rows_tiles(N, MmaConfig(tiles)), N_PARTS), dtype=torch.float32))
 
@@ -209,14 +207,14 @@ def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, 
 def mma_fold_op(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int,
                 group_size: int, epilogue: str, res: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
                 scale: torch.Tensor | None, eps: float, offset: float, tiles: int, warps: int, depth: int, iters: int,
-                splits: int, persist: int, fresh: bool, hw: int, regs: int, ahead: int,
+                splits: int, persist: int, fresh: bool, hw: int, regs: int,
                 pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     weight = MmaWeight(words, sz, N, rows.shape[1], group_size)
     return mma_fold(rows, parts, weight, res, y, post, scale, eps=eps, offset=offset, epilogue=epilogue,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, ahead), pdl=pdl)
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs), pdl=pdl)
 
 
 @mma_fold_op.register_fake
 def _(rows, parts, words, sz, N, group_size, epilogue, res, y, post, scale, eps, offset, tiles, warps, depth, iters,
-      splits, persist, fresh, hw, regs, ahead, pdl):
+      splits, persist, fresh, hw, regs, pdl):
     return rows.new_empty((1, N // 2 if epilogue == "geglu" else N)), rows.new_empty((1, rows.shape[1]))

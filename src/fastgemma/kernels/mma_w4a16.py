@@ -38,7 +38,7 @@ import triton.language as tl
 from .attn_fold import _col_sum, _part_group_ptrs, _part_weights, _part_x_ptrs
 from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _layer_scale, _rnd
-from .gemv import _INTERPRET, _l2_lines, _pdl_trigger, _pdl_wait, pdl_args
+from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 from .norm_fold import (_fold_parts, _fold_res, _fold_scalars, _fold_store, _fold_weights, _h_inputs, _h_post,
                         _h_store, _norm_combine)
 from .w4a16 import dequantize_int4, pack_scale_zero
@@ -378,8 +378,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
                        FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
                        HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False,
-                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1,
-                       L2S: tl.constexpr = 0, L2J: tl.constexpr = 0):
+                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the source loads the next tile's first groups while the
@@ -391,8 +390,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     order, the store combines the two columns, programs < K / HB write h. ONE
     (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store).
     NS > 0 (one output row): x is an attention's NS split partials [Hkv, NS, PG, PD] (bf16) with their
-    lse at lse_ptr, the combine folded in (kernels/attn_fold.py). L2S > 0 (ONE): programs below L2S ask
-    for program tiles pid + L2S, ..., pid + L2J L2S (the later waves' tiles) into L2 before the wait."""
+    lse at lse_ptr, the combine folded in (kernels/attn_fold.py)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -406,8 +404,6 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
     fin = (0.0, 0.0, 0.0)  # FOLD 1, ONE: the producer tile's a, post, pre; FOLD 2: h's a, y, post; loaded early
     fs = 1.0  # FOLD 2: the layer scalar
-    if L2S and (not EMU):  # (a build without the argument: None)
-        _l2_ahead(pid, w_ptr, sz_ptr, HALF, NPT, K, GROUP, T, EPI, L2S, L2J)
     if (FOLD == 1) and ONE:
         fpw, fp = _fold_weights(pid, pid < NPT, f_post, f_pre, T)
     if FOLD == 2:  # parameters: before the wait
@@ -434,30 +430,6 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
                                                 f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
                                                 W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
-
-
-@triton.jit
-def _l2_ahead(pid, w_ptr, sz_ptr, HALF, NPT, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
-              EPI: tl.constexpr, L2S: tl.constexpr, L2J: tl.constexpr):
-    """Program pid < L2S: program tiles pid + j L2S (j = 1..L2J, below NPT) into L2, words and scale /
-    zero words, one line of 128 bytes an element: a later wave's program finds them there."""
-    LW: tl.constexpr = K // 16  # lines of a 16-row tile's words (K / 64 blocks of 512 bytes)
-    LS: tl.constexpr = (K // GROUP + 1) // 2  # lines of its scale / zero words (64 bytes a group)
-    i = tl.arange(0, triton.next_power_of_2(T * LW))
-    ot = i // LW
-    s = tl.arange(0, triton.next_power_of_2(T * LS))
-    os = s // LS
-    for j in tl.static_range(1, L2J + 1):
-        it = pid + j * L2S
-        ok = (pid < L2S) & (it < NPT)
-        if EPI == 1:  # the gate tile and its up tile
-            tw = it + ot * (HALF // 16)
-            ts = it + os * (HALF // 16)
-        else:
-            tw = it * T + ot
-            ts = it * T + os
-        _l2_lines(w_ptr + tw.to(tl.int64) * (K * 2) + (i % LW) * 32, ok & (i < T * LW))
-        _l2_lines(sz_ptr + ts.to(tl.int64) * ((K // GROUP) * 16) + (s % LS) * 32, ok & (s < T * LS))
 
 
 @triton.jit
@@ -539,11 +511,7 @@ class MmaConfig:
     of a one-tile program ahead of its mmas whatever the depth, so gate|up's `2x4d5p9f` takes 210
     registers, 2 programs per multiprocessor, and its 640 programs run in ~2.4 waves; above the cap
     ptxas spills to local memory. Timed slower on every E4B shape, so the table sets none (run GR:
-    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128).
-    ahead: A > 0 (the persistent kernel with one tile per program): the first A programs a multiprocessor
-    (the first wave, where A is what fits) ask for the tiles of the programs A x SMs, 2 A x SMs, ... after
-    them into L2 before their PDL wait, so that a later wave's loads find them there while the memory
-    streams through the first wave's wait, mmas and exit."""
+    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -553,7 +521,6 @@ class MmaConfig:
     fresh: bool = False
     hw: int = 0
     regs: int = 0
-    ahead: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -609,22 +576,21 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?(?:a(\d+))?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f][nH][rG][aA]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs
-    per multiprocessor, f fresh chains, H hardware warps, G registers per thread at most, A programs a
-    multiprocessor that ask for the later waves' tiles into L2; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8',
-    '2x4d2p9r128', '2x4d5p9fa2') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH][rG]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains, H hardware warps, G registers per thread at most; e.g. '1x4s4', '2x4d2',
+    '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][aA], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
     return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
-                     int(m.group(9) or 0), int(m.group(10) or 0))
+                     int(m.group(9) or 0))
 
 
 def format_config(cfg: MmaConfig) -> str:
@@ -632,8 +598,7 @@ def format_config(cfg: MmaConfig) -> str:
     return (f"{cfg.tiles}x{cfg.warps}" + (f"d{cfg.depth}" if cfg.depth != MmaConfig.depth else "")
             + (f"i{cfg.iters}" if cfg.iters != 1 else "") + (f"s{cfg.splits}" if cfg.splits != 1 else "")
             + (f"p{cfg.persist}" if cfg.persist else "") + ("f" if cfg.fresh else "")
-            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else "")
-            + (f"a{cfg.ahead}" if cfg.ahead else ""))
+            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else ""))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -694,8 +659,6 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
         return f"persist must be >= 0, and > 0 only with iters 1 and splits 1, got {cfg}"
     if cfg.fresh and not cfg.persist:
         return f"fresh runs in the persistent kernel only (persist > 0), got {cfg}"
-    if cfg.ahead < 0 or (cfg.ahead and not cfg.persist):
-        return f"ahead must be >= 0, and > 0 only in the persistent kernel (persist > 0), got {cfg}"
     if cfg.depth < 1:
         return f"depth must be >= 1, got {cfg}"
     if cfg.hw < 0 or (cfg.hw and (cfg.warps * cfg.tiles) % cfg.hw):
@@ -753,28 +716,13 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
                                  niter, *([x] * 8), 0.0, 0.0, x,
                                  K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 ONE=niter == 1, **l2_ahead_args(cfg, n_tiles, grid[0], x.device), **cfg.launch,
-                                 **pdl_args(pdl, x.device))
+                                 ONE=niter == 1, **cfg.launch, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
                             n_tiles, *([x] * 5), 0.0, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
                             ITERS=cfg.iters, S=S, EMU=_INTERPRET, **cfg.launch, **pdl_args(pdl, x.device))
     return out
-
-
-def l2_ahead_args(cfg: MmaConfig, n_tiles: int, programs: int, device) -> dict:
-    """The persistent kernel's L2S / L2J for cfg.ahead: the stride (cfg.ahead programs a multiprocessor)
-    and how many later waves' tiles a first-wave program asks for; none where the programs are not one
-    tile each or all fit in the first wave (or cfg.ahead is 0)."""
-    from .gemv import sm_count
-
-    if not cfg.ahead or programs != n_tiles:
-        return {}
-    stride = cfg.ahead * (sm_count(device) if device.type == "cuda" else 2)
-    if stride >= n_tiles:
-        return {}
-    return dict(L2S=stride, L2J=triton.cdiv(n_tiles, stride) - 1)
 
 
 def persistent_programs(n_tiles: int, per_sm: int, device) -> int:
@@ -801,20 +749,19 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 regs: int, ahead: int, pdl: bool) -> torch.Tensor:
+                 regs: int, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue,
-                     MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, ahead), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs),
+                     pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. ahead arguments)."""
-    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs, cfg.ahead
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. regs arguments)."""
+    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, ahead,
-      pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
