@@ -155,7 +155,7 @@ def main():
         pdl_line(name, _group_mma_kernel, dict(dot_sig, s_ptr="*i32", z_ptr="*i32"), ce,
                  (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13), 2)
     ce = dict(HALF=0, K_SPLIT=256, SPLIT=10, FIXUP=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, EPI=2, EVEN_N=True,
-              DOT_PRECISION="tf32", PRE=True)  # its weight tiles before the wait (skinny_matmul's preload)
+              DOT_PRECISION="tf32")
     pdl_line("skinny ple gate", _dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
     pdl_line("residual norm", _residual_norm_kernel, rn_sig,
              dict(K=2560, BLOCK=4096, HAS_Y=True, HAS_SCALE=True, HAS_PRE=True), tuple(range(11)), 8)

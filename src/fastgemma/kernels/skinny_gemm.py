@@ -21,7 +21,6 @@ from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 from .w4a16 import _INTERPRET, _SMS, EPILOGUES, _split_store, apply_epilogue, check_epilogue
 
 MAX_M = 16
-PRELOAD_STEPS = 4  # weight tiles a program may hold across its PDL wait (`preload`)
 
 
 @triton.jit
@@ -35,11 +34,7 @@ def _w_tile(w_ptrs, n_ok, EVEN_N: tl.constexpr):
 def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, stride_xm, stride_wn, stride_om,
                       stride_am, HALF: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI: tl.constexpr,
-                      EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                      PRE: tl.constexpr = False):
-    """PRE: every weight tile of the program loaded before the PDL wait, the next kernel's launch let
-    go before they arrive (they are parameters: no kernel writes them), the dots after the wait in the
-    same order; else the wait first and the trigger after the main loop."""
+                      EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -55,31 +50,15 @@ def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, str
     up = HALF * stride_wn
     acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)  # EPI 1 only
-    if PRE:
-        NS: tl.constexpr = K_SPLIT // BLOCK_K
-        wg = ()
-        wu = ()
-        for s in tl.static_range(NS):
-            wg = wg + (_w_tile(w_ptrs + s * BLOCK_K, n_ok, EVEN_N),)
-            if EPI == 1:
-                wu = wu + (_w_tile(w_ptrs + s * BLOCK_K + up, n_ok, EVEN_N),)
-        _pdl_trigger(PDL)
-        _pdl_wait(PDL)
-        for s in tl.static_range(NS):
-            x = tl.trans(tl.load(x_ptrs + s * BLOCK_K, mask=m_ok[:, None], other=0.0))
-            acc = tl.dot(wg[s], x, acc, input_precision=DOT_PRECISION)
-            if EPI == 1:
-                acc_u = tl.dot(wu[s], x, acc_u, input_precision=DOT_PRECISION)
-    else:
-        _pdl_wait(PDL)
-        for _ in range(0, K_SPLIT, BLOCK_K):
-            x = tl.trans(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0))
-            acc = tl.dot(_w_tile(w_ptrs, n_ok, EVEN_N), x, acc, input_precision=DOT_PRECISION)
-            if EPI == 1:
-                acc_u = tl.dot(_w_tile(w_ptrs + up, n_ok, EVEN_N), x, acc_u, input_precision=DOT_PRECISION)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        _pdl_trigger(PDL)
+    _pdl_wait(PDL)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        x = tl.trans(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0))
+        acc = tl.dot(_w_tile(w_ptrs, n_ok, EVEN_N), x, acc, input_precision=DOT_PRECISION)
+        if EPI == 1:
+            acc_u = tl.dot(_w_tile(w_ptrs + up, n_ok, EVEN_N), x, acc_u, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    _pdl_trigger(PDL)
     _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
                  aux_ptr, stride_am, HALF, EPI, acc_u)
 
@@ -129,12 +108,10 @@ def resolve_config(N: int, K: int, config: SkinnyConfig | None = None) -> Skinny
 
 
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None = None, epilogue: str = "none",
-                  aux: torch.Tensor | None = None, pdl: bool = False, preload: bool | None = None) -> torch.Tensor:
+                  aux: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (M <= 16, one dtype) -> [M, N] (geglu: [M, N/2]) in x's dtype, through
-    `epilogue` (w4a16.apply_epilogue). No host sync. `pdl` (sm90+): programmatic dependent launch.
-    `preload`: a program's weight tiles (at most PRELOAD_STEPS of them) loaded before the PDL wait
-    and the next kernel let launch before they arrive, the same sums; None: where pdl and they fit
-    (else the wait first and the next launch after the main loop, as w4a16_matmul's)."""
+    `epilogue` (w4a16.apply_epilogue). No host sync. `pdl` (sm90+): programmatic dependent launch
+    (as w4a16_matmul's: the wait first, the next kernel's launch after the main loop)."""
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("skinny_matmul runs on CUDA tensors (or with TRITON_INTERPRET=1); use skinny_matmul_ref")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -159,19 +136,12 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None 
     grid = (triton.cdiv(N, cfg.block_n), split, 1)
     cnt = arrival_counters(x.device, grid[0], "skinny split-K") if split > 1 else ws
     even = (N // 2) % (cfg.block_n // 2) == 0 if epi == 1 else N % cfg.block_n == 0
-    steps = K // split // cfg.block_k
-    if preload is None:
-        preload = pdl and steps <= PRELOAD_STEPS
-    elif preload and steps > PRELOAD_STEPS:
-        raise ValueError(f"skinny_matmul: preload holds at most {PRELOAD_STEPS} weight tiles a program, {cfg} "
-                         f"gives {steps} (K={K})")
     _dense_mma_kernel[grid](x, w, out, ws, cnt, aux, M, N, x.stride(0), w.stride(0), n_out,
                             0 if aux is None else aux.stride(0), HALF=N // 2 if epi == 1 else 0,
                             K_SPLIT=K // split, SPLIT=split, FIXUP=split > 1,
                             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=epi, EVEN_N=even,
                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, PRE=preload,
-                            **pdl_args(pdl, x.device))
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl, x.device))
     return out
 
 
