@@ -30,6 +30,16 @@ D16 = [["tt.divisibility", 16]]
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def sass(ptx: str) -> str:
+    """The sm_90a SASS of a PTX text (the bundled ptxas and cuobjdump)."""
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(ptx)
+        subprocess.run([PTXAS, "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")], check=True)
+        return subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True, check=True).stdout
+
+
 def build(fn, sig, constexprs, aligned, warps, stages=None, maxnreg=None):
     sig = dict(sig, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn, sig, constexprs=constexprs, attrs={(i,): D16 for i in aligned})
@@ -235,6 +245,7 @@ def main():
               (0, 1, 2))
     draft_loop_line()
     stream_lines()
+    floor_lines()
     for name, fn, sig, ce, aligned, warps in cases:
         ptx, regs, spills = build(fn, sig, ce, aligned, warps)
         waits = ptx.count("griddepcontrol.wait")
@@ -261,6 +272,35 @@ def stream_lines():
         wait = ptx.find("griddepcontrol.wait")
         print(f"stream\t{name}\t{regs}\t{spills}\t{ptx.count('griddepcontrol.wait')}\t"
               f"{ptx[:wait].count('ld.global')}\t{ptx[wait:].count('ld.global')}")
+
+
+def floor_lines():
+    """bench.floor's streamed phases, 4 blocks of 16 KB a program ("floor" lines: name, registers, spill
+    bytes, global loads before the boundary, low-bit ANDs before it, after it). The boundary: the PDL
+    trigger in the PTX (a launch); for `barrier_ahead`, whose loop the PTX lays out rotated, the first
+    poll in its SASS (cuobjdump), its streamed blocks' 16-byte loads and ANDs counted there."""
+    from fastgemma.kernels.phase_floor import WORDS, _ahead_kernel, _phase_kernel, ahead_warps
+
+    def split(ptx, mark):
+        at = ptx.index(mark)
+        ands = [m.start() for m in re.finditer(r"and\.b32\s+%r\d+, %r\d+, 1;", ptx)]
+        return (len(re.findall(r"ld\.global", ptx[:at])), sum(a < at for a in ands), sum(a > at for a in ands))
+
+    sig = dict(src="*fp32", dst="*fp32", w_ptr="*fp32", H="i32", C="i32", big_ptr="*i32", sink_ptr="*i32", base="i32")
+    for ahead in (False, True):
+        ce = dict(WORK=True, PDL=True, AHEAD=ahead, BLOCK=4096, BLOCK_C=32, NB=4, WB=WORDS)
+        ptx, regs, spills = build(_phase_kernel, sig, ce, (0, 1, 2, 5, 6), ahead_warps(4, ahead))
+        counts = split(ptx, "griddepcontrol.launch_dependents")
+        print("floor\t" + "\t".join(map(str, ("pdl_ahead" if ahead else "pdl", regs, spills) + counts)))
+    psig = dict(x_ptr="*fp32", w_ptr="*fp32", bar_ptr="*i32", err_ptr="*i32", n="i32", H="i32", C="i32",
+                big_ptr="*i32", sink_ptr="*i32", copies="i32")
+    ce = dict(WORK=True, BLOCK=4096, BLOCK_C=32, SPIN=1 << 26, NB=4, WB=WORDS)
+    ptx, regs, spills = build(_ahead_kernel, psig, ce, (0, 1, 2, 3, 7, 8), ahead_warps(4, True))
+    code = sass(ptx)
+    at = code.index("LDG.E.STRONG.GPU")  # the poll
+    ands = [m.start() for m in re.finditer(r"LOP3\.LUT R\d+, R\d+, 0x1, RZ, 0xc0", code)]
+    counts = (code[:at].count("LDG.E.128"), sum(a < at for a in ands), sum(a > at for a in ands))
+    print("floor\t" + "\t".join(map(str, ("barrier_ahead", regs, spills) + counts)))
 
 
 def draft_loop_line():

@@ -17,7 +17,8 @@ def test_gpu_only_variants_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
-            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "loop", "stream")}
+            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "loop", "stream",
+                            "floor")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy) but the norm kernels' parameters (the residual norm's post, pre
@@ -64,6 +65,16 @@ def test_gpu_only_variants_compile_for_sm90():
     assert len(stream) == 2, stream
     for name, (regs, spills, waits, before, after) in stream.items():
         assert regs <= 255 and spills == 0 and waits == 1 and before > 0 and after > 0, (name, stream[name])
+    # bench.floor's streamed phases: no spills; `pdl` sums its words before the trigger, `pdl_ahead`
+    # after it (the next launch may start while they stream), `barrier_ahead` after its first poll
+    floor = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "floor"}
+    assert set(floor) == {"pdl", "pdl_ahead", "barrier_ahead"}, floor
+    words = 4 * 4096
+    for name, (regs, spills, loads, ands_before, ands_after) in floor.items():
+        threads = 32 * (4 if name == "pdl" else 8)
+        assert spills == 0 and loads >= words // threads // 4, (name, floor[name])
+        held = (ands_before, ands_after) if name == "pdl" else (ands_after, ands_before)
+        assert held[0] >= words // threads and held[1] <= 4, (name, floor[name])
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}
