@@ -279,7 +279,7 @@ def floor_lines():
     bytes, global loads before the boundary, low-bit ANDs before it, after it). The boundary: the PDL
     trigger in the PTX (a launch); for `barrier_ahead`, whose loop the PTX lays out rotated, the first
     poll in its SASS (cuobjdump), its streamed blocks' 16-byte loads and ANDs counted there."""
-    from fastgemma.kernels.phase_floor import WORDS, _ahead_kernel, _phase_kernel, ahead_warps
+    from fastgemma.kernels.phase_floor import WORDS, _persistent_kernel, _phase_kernel, ahead_warps
 
     def split(ptx, mark):
         at = ptx.index(mark)
@@ -294,8 +294,8 @@ def floor_lines():
         print("floor\t" + "\t".join(map(str, ("pdl_ahead" if ahead else "pdl", regs, spills) + counts)))
     psig = dict(x_ptr="*fp32", w_ptr="*fp32", bar_ptr="*i32", err_ptr="*i32", n="i32", H="i32", C="i32",
                 big_ptr="*i32", sink_ptr="*i32", copies="i32")
-    ce = dict(WORK=True, BLOCK=4096, BLOCK_C=32, SPIN=1 << 26, NB=4, WB=WORDS)
-    ptx, regs, spills = build(_ahead_kernel, psig, ce, (0, 1, 2, 3, 7, 8), ahead_warps(4, True))
+    ce = dict(WORK=True, BLOCK=4096, BLOCK_C=32, SPIN=1 << 26, NB=4, WB=WORDS, AHEAD=True)
+    ptx, regs, spills = build(_persistent_kernel, psig, ce, (0, 1, 2, 3, 7, 8), ahead_warps(4, True))
     code = sass(ptx)
     at = code.index("LDG.E.STRONG.GPU")  # the poll
     ands = [m.start() for m in re.finditer(r"LOP3\.LUT R\d+, R\d+, 0x1, RZ, 0xc0", code)]

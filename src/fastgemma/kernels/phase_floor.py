@@ -120,32 +120,9 @@ def _phase_kernel(src, dst, w_ptr, H, C, big_ptr, sink_ptr, base, WORK: tl.const
 @triton.jit
 def _persistent_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, n, H, C, big_ptr, sink_ptr, copies,
                        WORK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, SPIN: tl.constexpr,
-                       NB: tl.constexpr, WB: tl.constexpr):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)
-    if WORK:
-        w = tl.load(w_ptr + pid * H + offs, mask=offs < H, other=0.0)
-    bits = 0
-    if NB > 0:  # phase 0's weights
-        bits = _stream(big_ptr, pid * (NB * WB), NB, WB)
-    nb = 0
-    for i in range(n):
-        if WORK:
-            _dot_store(x_ptr + (i % 2) * H, x_ptr + ((i + 1) % 2) * H, w, pid, H, C, BLOCK, BLOCK_C)
-        if NB > 0:  # the next phase's weights, before the barrier that opens it
-            bits += _stream(big_ptr, (((i + 1) % copies) * nprog + pid) * (NB * WB), NB, WB)
-        nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
-    if NB > 0:
-        tl.store(sink_ptr + pid, bits)
-    _leave(bar_ptr, nprog)
-
-
-@triton.jit
-def _ahead_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, n, H, C, big_ptr, sink_ptr, copies,
-                  WORK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, SPIN: tl.constexpr,
-                  NB: tl.constexpr, WB: tl.constexpr):
-    """`barrier_ahead`: phase i's words issued after the program's arrival at barrier i - 1 and used
+                       NB: tl.constexpr, WB: tl.constexpr, AHEAD: tl.constexpr = False):
+    """`barrier`: the next phase's words summed before the barrier that opens it. AHEAD
+    (`barrier_ahead`): phase i's words issued after the program's arrival at barrier i - 1 and used
     after the wait for everyone's; the barrier's release never waits for them."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -153,15 +130,26 @@ def _ahead_kernel(x_ptr, w_ptr, bar_ptr, err_ptr, n, H, C, big_ptr, sink_ptr, co
     if WORK:
         w = tl.load(w_ptr + pid * H + offs, mask=offs < H, other=0.0)
     bits = 0
-    for i in range(n):
-        if NB > 0:
-            blks = _issue(big_ptr, ((i % copies) * nprog + pid) * (NB * WB), NB, WB)
-        _wait(bar_ptr, err_ptr, i * nprog, SPIN)  # phase i - 1's arrivals
-        if NB > 0:
-            bits += _bits(blks, NB)
-        if WORK:
-            _dot_store(x_ptr + (i % 2) * H, x_ptr + ((i + 1) % 2) * H, w, pid, H, C, BLOCK, BLOCK_C)
-        _arrive(bar_ptr)
+    if AHEAD:
+        for i in range(n):
+            if NB > 0:
+                blks = _issue(big_ptr, ((i % copies) * nprog + pid) * (NB * WB), NB, WB)
+            _wait(bar_ptr, err_ptr, i * nprog, SPIN)  # phase i - 1's arrivals
+            if NB > 0:
+                bits += _bits(blks, NB)
+            if WORK:
+                _dot_store(x_ptr + (i % 2) * H, x_ptr + ((i + 1) % 2) * H, w, pid, H, C, BLOCK, BLOCK_C)
+            _arrive(bar_ptr)
+    else:
+        if NB > 0:  # phase 0's weights
+            bits = _stream(big_ptr, pid * (NB * WB), NB, WB)
+        nb = 0
+        for i in range(n):
+            if WORK:
+                _dot_store(x_ptr + (i % 2) * H, x_ptr + ((i + 1) % 2) * H, w, pid, H, C, BLOCK, BLOCK_C)
+            if NB > 0:  # the next phase's weights, before the barrier that opens it
+                bits += _stream(big_ptr, (((i + 1) % copies) * nprog + pid) * (NB * WB), NB, WB)
+            nb = _sync(bar_ptr, err_ptr, nb, nprog, SPIN)
     if NB > 0:
         tl.store(sink_ptr + pid, bits)
     _leave(bar_ptr, nprog)
@@ -253,9 +241,8 @@ def phase_persistent(x: torch.Tensor, w: torch.Tensor, n: int, bar: torch.Tensor
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if P > sms:
             raise PhaseError(f"a grid barrier needs every program resident: at most {sms} programs here; got {P}")
-    kernel = _ahead_kernel if ahead else _persistent_kernel
-    kernel[(P,)](x, w, bar, err, n, H, C, big if NB else w, sink if NB else w, R, WORK=work, SPIN=SPIN_LIMIT,
-                 NB=NB, WB=WORDS, num_warps=ahead_warps(NB, ahead), **meta)
+    _persistent_kernel[(P,)](x, w, bar, err, n, H, C, big if NB else w, sink if NB else w, R, WORK=work,
+                             SPIN=SPIN_LIMIT, NB=NB, WB=WORDS, AHEAD=ahead, num_warps=ahead_warps(NB, ahead), **meta)
 
 
 def ring_weights(programs: int, hidden: int, device="cpu") -> torch.Tensor:
