@@ -286,3 +286,18 @@ def test_bench_streamed_rows_carry_their_bytes(monkeypatch):
     t = floor.table(rows, copy_gbs=100.0)
     assert "| 0.05 | pdl | read + dot + write | 0.00 (0.0492 MB) | 0.00 (0.0655 MB) |" in t
     assert f"| 0.05 | the bytes alone at 0.10 TB/s | | {1e3 * 3 * WORDS * 4 / 1e6 / 100:.2f} |" in t
+
+
+def test_bench_checks_the_ahead_styles_streamed_sums(monkeypatch):
+    """The bench runs the ahead styles' streamed chains (each checked against the twin's sums: the
+    sink after n phases) and catches a persistent chain that sums the wrong copies."""
+    rows = floor.bench_floor(programs=(1,), styles=("pdl_ahead", "barrier_ahead"), phases=3, hidden=16, mbs=(0.05,),
+                             timer=lambda fn: (fn(), 1.0)[1], device="cpu")
+    assert [(r["style"], r["us_per_phase"]) for r in rows] == [("pdl_ahead", 0.0), ("barrier_ahead", 0.0)]
+    assert floor._copies_summed("barrier_ahead", 3, 2) == [0, 1, 0]
+    assert floor._copies_summed("barrier", 3, 2) == [0, 1, 0, 1] and floor._copies_summed("pdl_ahead", 3, 2) == [0]
+    real = floor.phase_persistent
+    monkeypatch.setattr(floor, "phase_persistent", lambda *a, **k: real(*a, **dict(k, ahead=False)))
+    with pytest.raises(RuntimeError, match="streamed words' sums differ"):
+        floor.bench_floor(programs=(1,), styles=("barrier_ahead",), phases=3, hidden=16, mbs=(0.05,),
+                          timer=lambda fn: 0.0, device="cpu")

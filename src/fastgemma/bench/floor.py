@@ -118,6 +118,16 @@ def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=BASE_STYLES, phases:
     return rows
 
 
+def _copies_summed(style: str, n: int, copies: int) -> list[int]:
+    """The copies whose words a chain of n phases leaves summed in the sink: each phase's in one launch
+    (`barrier` reads a phase n's too, before its last barrier), the last phase's with a launch each."""
+    if style == "barrier":
+        return [i % copies for i in range(n + 1)]
+    if style == "barrier_ahead":
+        return [i % copies for i in range(n)]
+    return [(n - 1) % copies]
+
+
 def _time_phases(row, x0, bar, err, stream, timer) -> dict:
     """The row's chains checked once (the vector against the twin, the sink against its sums), then
     timed: us per phase = the slope between n and 2n phases."""
@@ -138,10 +148,7 @@ def _time_phases(row, x0, bar, err, stream, timer) -> dict:
                            f"(a phase read a stale vector?)")
     if stream is not None:
         big, sink = stream
-        R = big.shape[0]
-        read = ([i % R for i in range(n + 1)] if style == "barrier" else [i % R for i in range(n)] if style == "barrier_ahead"
-                else [(n - 1) % R])
-        if not torch.equal(sink, stream_ref(big, read)):
+        if not torch.equal(sink, stream_ref(big, _copies_summed(style, n, big.shape[0]))):
             raise RuntimeError(f"{style}, {P} programs: the streamed words' sums differ from the twin's")
     t1, t2 = timer(lambda: run(n)), timer(lambda: run(2 * n))
     if int(err.item()):
