@@ -144,8 +144,9 @@ def test_fused_tables_name_the_drafters_gemvs_in_draft_loop_and_spec():
     t = fused_gemv.parse_fused_table("draft_down=2x1024w4,draft_o=4x512w4,draft_pre-projection=2x1024w4")
     assert t == {(256, 2048, False, "none"): GemvConfig(2, 1024, 4), (256, 1024, False, "none"): GemvConfig(4, 512, 4),
                  (256, 5120, False, "none"): GemvConfig(2, 1024, 4)}
-    plus = fused_gemv.parse_fused_table("+draft_gate|up=4x256w2")
+    plus = fused_gemv.parse_fused_table("+draft_gate|up=4x256w2,draft_q=2x256w2")  # one pinned, one not
     assert plus[(4096, 256, True, "geglu")] == GemvConfig(4, 256, 2) and len(plus) == len(fused_gemv.FUSED_CONFIGS) + 1
+    assert plus[(1024, 256, True, "none")] == GemvConfig(2, 256, 2)
     shipped = dict(fused_gemv.FUSED_CONFIGS)
     for main in (draft_loop.main, lambda argv: spec.main(["--device", "cpu", "--model", "gemma4_tiny"] + argv)):
         with pytest.raises(SystemExit, match="--fused-table: fused table entry 'draft_nope=2x1024w4'"):

@@ -322,8 +322,8 @@ _fused_gemv_tuned = triton.autotune(
 # FM, FO). Picked in the step on the H200 (bench.stack --fused-table, one process per run; E4B, window 188):
 # the bf16 body's step 3.334 ms with the autotuner's picks -> 3.176 ms with these (run FR), most of it from
 # the GEMVs with a prologue on 8 x 1024 tiles, the PLE projection's from run FU; the int4 body's PLE gate
-# (its one dense GEMV) 1.880 -> 1.859 ms with 1 x 1024 (run FO); two of the drafter's in its draft loop (run
-# HT). Shapes not here (the drafter's q, o and gate|up), and every shape on other GPUs than sm_90 (where
+# (its one dense GEMV) 1.880 -> 1.859 ms with 1 x 1024 (run FO); three of the drafter's in its draft loop (runs
+# HT, HY, HZ). Shapes not here (the drafter's q and o), and every shape on other GPUs than sm_90 (where
 # these were not measured), are autotuned.
 FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     (3072, 2560, True, "none"): GemvConfig(8, 1024, 4),  # q|k|v
@@ -343,6 +343,9 @@ FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     # these (run HT, bench.draft_loop --fused-table, one process; the same drafts)
     (256, 2048, False, "none"): GemvConfig(2, 1024, 4),
     (256, 5120, False, "none"): GemvConfig(2, 1024, 4),
+    # the drafter's gate|up: the draft loop 498.6 -> 487.0 us against the autotuned 4x256w2 (run HY), 509.5 ->
+    # 494.8 (run HZ, the same machine; 4x256w2 given as a table there: 519.8); the same drafts
+    (4096, 256, True, "geglu"): GemvConfig(8, 256, 2),
 }
 
 # the fused GEMVs of an E4B one-row step and of its drafter's step by name: (N, K, prologue, epilogue)
