@@ -37,6 +37,9 @@
 #             dot, write a share) as stream-ordered launches, PDL launches, or one launch with grid
 #             barriers, per program count, each chain checked against its twin (bench.floor; FLOOR_ARGS,
 #             default "--no-work": the boundary alone too)
+#   floorstep a step's chain of phases at its own shapes: a layer's launches (programs, MB streamed each) repeated,
+#             pdl vs pdl_ahead, checked against the twin (bench.floor_step; FLOORSTEP_ARGS, e.g. "--layer
+#             96:4.2,64:0,... --layers 42"; default: the int4 frontier step's store layer)
 #   prefill   time to first token per prompt length and prompt path: eager, compiled, graph (padded,
 #             one CUDA graph per padded length), compiled_graph (bench.prefill; PREFILL_ARGS, e.g.
 #             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
@@ -124,6 +127,7 @@ print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 
     drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
     draftloop) run draftloop python3 -m fastgemma.bench.draft_loop ${DRAFTLOOP_ARGS:-} ;;
     floor) run floor python3 -m fastgemma.bench.floor ${FLOOR_ARGS:---no-work} --out "$out/floor.jsonl" ;;
+    floorstep) run floorstep python3 -m fastgemma.bench.floor_step ${FLOORSTEP_ARGS:-} --out "$out/floorstep.jsonl" ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     invariance) run invariance python3 -m fastgemma.bench.invariance ${INVARIANCE_ARGS:-} --out "$out/invariance.jsonl" ;;
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
@@ -136,7 +140,7 @@ print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 
            task.table=true "hydra.run.dir=$out/cli" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stream, stack, attention, head, drafthead, draftloop, floor, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stream, stack, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables

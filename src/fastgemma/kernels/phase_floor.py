@@ -7,7 +7,8 @@ phase before) and writes that sum to its share of the next vector (H / P values,
 layer op of the step has this dependency: each program needs all of the previous op's output.
 `work=False` keeps only the boundary: no loads, no stores.
 
-`stream` adds the weights a real phase reads: an int32 buffer [R, programs, blocks, WORDS]; phase i's
+`stream` adds the weights a real phase reads: an int32 buffer [R, programs, blocks, words] (blocks of
+MIN_WORDS..WORDS words); phase i's
 program p reads copy i % R of its blocks before its wait (a launch) or before the barrier that opens
 the phase (one launch), as the step's GEMVs load their weights, and keeps a bit of each word in a
 sink [programs] (so the loads stay). R copies larger than the L2 make every phase read from memory.
@@ -30,6 +31,10 @@ weights never depend on the phase before could:
 - `barrier_ahead`: one launch; a program arrives at phase i's barrier right after its stores, issues
   phase i + 1's loads, then waits for the others' arrivals, and sums the words after the wait.
 Their program may hold a phase's words in registers (more warps: `ahead_warps`).
+
+`phase_sequence(x, kinds, layers, style)` chains phases of several shapes, a step's layer of them
+repeated (each kind its own programs and words, the launches in the order given); `sequence_ref` is
+its twin.
 """
 from __future__ import annotations
 
@@ -47,16 +52,17 @@ AHEAD_REGS = 64  # registers a thread may give to an `_ahead` style's words in f
 AHEAD_MAX_BLOCKS = 12  # blocks a program of an `_ahead` style holds at most (96 words a thread at 16 warps)
 
 
-def ahead_warps(blocks: int, ahead: bool) -> int:
-    """Warps of a program that holds `blocks` streamed blocks across its boundary (4 otherwise):
-    AHEAD_REGS words a thread, at most 16 warps."""
+def ahead_warps(blocks: int, ahead: bool, words: int = WORDS) -> int:
+    """Warps of a program that holds `blocks` streamed blocks of `words` across its boundary (4
+    otherwise): AHEAD_REGS words a thread, at most 16 warps."""
     if not ahead:
         return 4
-    if blocks > AHEAD_MAX_BLOCKS:
+    if blocks * words > AHEAD_MAX_BLOCKS * WORDS:
         raise PhaseError(f"an _ahead style holds a phase's words in registers: at most {AHEAD_MAX_BLOCKS} blocks "
-                         f"of {WORDS * 4 // 1024} KB a program; got {blocks} (more programs or fewer MB)")
+                         f"of {WORDS * 4 // 1024} KB a program; got {blocks * words / WORDS:g} (more programs or "
+                         f"fewer MB)")
     warps = 4
-    while warps < 16 and blocks * WORDS > warps * 32 * AHEAD_REGS:
+    while warps < 16 and blocks * words > warps * 32 * AHEAD_REGS:
         warps *= 2
     return warps
 
@@ -177,12 +183,18 @@ def _meta(x, w):
     return H, P, C, dict(BLOCK=triton.next_power_of_2(H), BLOCK_C=triton.next_power_of_2(C))
 
 
-def stream_buffers(copies: int, programs: int, blocks: int, device="cpu", seed: int = 0):
-    """(big int32 [copies, programs, blocks, WORDS] of random words, sink int32 [programs]) for `stream`."""
+MIN_WORDS = 128  # the smallest streamed block (512 bytes): one word a thread at 4 warps
+
+
+def stream_buffers(copies: int, programs: int, blocks: int, device="cpu", seed: int = 0, words: int = WORDS):
+    """(big int32 [copies, programs, blocks, words] of random words, sink int32 [programs]) for `stream`;
+    words a power of two in [MIN_WORDS, WORDS]."""
     if copies < 1 or programs < 1 or blocks < 1:
         raise PhaseError(f"copies, programs and blocks must be >= 1; got {copies}, {programs}, {blocks}")
+    if not MIN_WORDS <= words <= WORDS or words & (words - 1):
+        raise PhaseError(f"a block's words are a power of two in [{MIN_WORDS}, {WORDS}]; got {words}")
     g = torch.Generator(device="cpu").manual_seed(seed)
-    big = torch.randint(-2**31, 2**31 - 1, (copies, programs, blocks, WORDS), generator=g, dtype=torch.int32)
+    big = torch.randint(-2**31, 2**31 - 1, (copies, programs, blocks, words), generator=g, dtype=torch.int32)
     return big.to(device), torch.zeros(programs, dtype=torch.int32, device=device)
 
 
@@ -194,15 +206,18 @@ def stream_ref(big: torch.Tensor, phases) -> torch.Tensor:
 
 
 def _stream_args(stream, P):
+    """-> (big, sink, blocks, copies, words a block)."""
     if stream is None:
-        return None, None, 0, 1
+        return None, None, 0, 1, WORDS
     big, sink = stream
-    if big.dim() != 4 or big.shape[1] != P or big.shape[3] != WORDS or big.dtype != torch.int32:
-        raise PhaseError(f"stream's buffer must be int32 [copies, programs={P}, blocks, {WORDS}]; got "
-                         f"{tuple(big.shape)} {big.dtype}")
+    wb = big.shape[-1] if big.dim() == 4 else 0
+    if (big.dim() != 4 or big.shape[1] != P or not MIN_WORDS <= wb <= WORDS or wb & (wb - 1)
+            or big.dtype != torch.int32):
+        raise PhaseError(f"stream's buffer must be int32 [copies, programs={P}, blocks, words] (words a power of "
+                         f"two in [{MIN_WORDS}, {WORDS}]); got {tuple(big.shape)} {big.dtype}")
     if sink.shape != (P,) or sink.dtype != torch.int32:
         raise PhaseError(f"stream's sink must be int32 [{P}]; got {tuple(sink.shape)} {sink.dtype}")
-    return big, sink, big.shape[2], big.shape[0]
+    return big, sink, big.shape[2], big.shape[0], wb
 
 
 CHAIN_STYLES = ("graph", "pdl", "pdl_ahead")
@@ -214,17 +229,39 @@ def phase_chain(x: torch.Tensor, w: torch.Tensor, n: int, style: str = "graph", 
     stream: (big, sink) of `stream_buffers`: phase i (counted from `first`) reads copy i % copies and
     writes its sum to the sink."""
     _check(x, w, n)
+    _chain_style(style)
+    for i in range(n):
+        _launch_phase(x, w, i, style, work, stream, first + i)
+
+
+def _chain_style(style: str):
     if style not in CHAIN_STYLES:
         raise PhaseError(f"phase_chain's style is one of {', '.join(CHAIN_STYLES)}; got {style!r}")
+
+
+def _launch_phase(x, w, i: int, style: str, work: bool, stream, copy: int):
+    """Phase i of a chain (x[i % 2] -> x[(i + 1) % 2]), its words (if any) from copy `copy` % copies."""
     H, P, C, meta = _meta(x, w)
-    big, sink, NB, R = _stream_args(stream, P)
+    big, sink, NB, R, WB = _stream_args(stream, P)
     ahead = style == "pdl_ahead"
-    launch = pdl_args(style != "graph", x.device)
-    step = P * NB * WORDS
-    for i in range(n):
-        _phase_kernel[(P,)](x[i % 2], x[(i + 1) % 2], w, H, C, big if NB else w, sink if NB else w,
-                            ((first + i) % R) * step, WORK=work, AHEAD=ahead, NB=NB, WB=WORDS,
-                            num_warps=ahead_warps(NB, ahead), **launch, **meta)
+    _phase_kernel[(P,)](x[i % 2], x[(i + 1) % 2], w, H, C, big if NB else w, sink if NB else w,
+                        (copy % R) * (P * NB * WB), WORK=work, AHEAD=ahead, NB=NB, WB=WB,
+                        num_warps=ahead_warps(NB, ahead, WB), **pdl_args(style != "graph", x.device), **meta)
+
+
+def phase_sequence(x: torch.Tensor, kinds: list, layers: int, style: str = "pdl_ahead", first: int = 0):
+    """`layers` layers of len(kinds) launches: a layer runs kinds[0], kinds[1], ... in order, each a
+    (w [P, H], stream or None) with its own program count and words. Phase i reads x[i % 2] and writes
+    x[(i + 1) % 2]; layer l's phase of a kind reads that kind's copy (first + l) % copies and writes
+    its sum to the kind's sink. `sequence_ref` is the twin."""
+    if not kinds or isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise PhaseError(f"a sequence needs kinds and layers >= 1; got {len(kinds)} kinds, layers {layers!r}")
+    _chain_style(style)
+    for w, _ in kinds:
+        _check(x, w, 1)
+    for layer in range(layers):
+        for j, (w, stream) in enumerate(kinds):
+            _launch_phase(x, w, layer * len(kinds) + j, style, True, stream, first + layer)
 
 
 def phase_persistent(x: torch.Tensor, w: torch.Tensor, n: int, bar: torch.Tensor, err: torch.Tensor,
@@ -236,13 +273,13 @@ def phase_persistent(x: torch.Tensor, w: torch.Tensor, n: int, bar: torch.Tensor
     ahead (`barrier_ahead`): phases 0..n - 1's, each in flight across the barrier before it."""
     _check(x, w, n)
     H, P, C, meta = _meta(x, w)
-    big, sink, NB, R = _stream_args(stream, P)
+    big, sink, NB, R, WB = _stream_args(stream, P)
     if x.device.type == "cuda":
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if P > sms:
             raise PhaseError(f"a grid barrier needs every program resident: at most {sms} programs here; got {P}")
     _persistent_kernel[(P,)](x, w, bar, err, n, H, C, big if NB else w, sink if NB else w, R, WORK=work,
-                             SPIN=SPIN_LIMIT, NB=NB, WB=WORDS, AHEAD=ahead, num_warps=ahead_warps(NB, ahead), **meta)
+                             SPIN=SPIN_LIMIT, NB=NB, WB=WB, AHEAD=ahead, num_warps=ahead_warps(NB, ahead, WB), **meta)
 
 
 def ring_weights(programs: int, hidden: int, device="cpu") -> torch.Tensor:
@@ -265,4 +302,14 @@ def phase_ref(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     v, wd = x[0].double(), w.double()
     for _ in range(n):
         v = (wd @ v)[owner]
+    return v.float()
+
+
+def sequence_ref(x: torch.Tensor, ws: list) -> torch.Tensor:
+    """The twin of a sequence: the vector after the phases of ws (each w [P, H], in launch order)."""
+    v = x[0].double()
+    for w in ws:
+        _check(x, w, 1)
+        H, P, C, _ = _meta(x, w)
+        v = (w.double() @ v)[torch.arange(H, device=x.device) // C]
     return v.float()
