@@ -30,12 +30,22 @@ D16 = [["tt.divisibility", 16]]
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def _ptxas(ptx: str, d: str) -> subprocess.CompletedProcess:
+    """ptx assembled for sm_90a into d/k.cubin (-v: registers and spills on stderr); exits on an error."""
+    path = os.path.join(d, "k.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")], capture_output=True,
+                       text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr)
+    return r
+
+
 def sass(ptx: str) -> str:
     """The sm_90a SASS of a PTX text (the bundled ptxas and cuobjdump)."""
     with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "k.ptx"), "w") as f:
-            f.write(ptx)
-        subprocess.run([PTXAS, "-arch=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")], check=True)
+        _ptxas(ptx, d)
         return subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
                               capture_output=True, text=True, check=True).stdout
 
@@ -48,13 +58,7 @@ def build(fn, sig, constexprs, aligned, warps, stages=None, maxnreg=None):
         options["maxnreg"] = maxnreg
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(r.stderr)
+        r = _ptxas(ptx, d)
     regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", r.stderr))
     return ptx, regs, spills

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastgemma.bench import floor_step
+from fastgemma.bench import floor, floor_step
 from fastgemma.kernels.phase_floor import (MIN_WORDS, WORDS, PhaseError, phase_sequence, ring_weights,
                                            sequence_ref, stream_buffers, stream_ref)
 
@@ -51,13 +51,13 @@ def test_sequence_and_buffers_refuse_bad_input():
 
 
 def test_stream_layout_picks_blocks_and_copies():
-    assert floor_step.stream_layout(27.8, 640, 60 * 2**20)[:2] == (3, WORDS)  # 10,859 words a program
-    blocks, words, copies = floor_step.stream_layout(1.3, 256, 60 * 2**20)  # 5 KB a program
+    assert floor.stream_layout(27.8, 640, 60 * 2**20)[:2] == (3, WORDS)  # 10,859 words a program
+    blocks, words, copies = floor.stream_layout(1.3, 256, 60 * 2**20)  # 5 KB a program
     assert (blocks, words) == (1, 1024) and copies * 256 * 1024 * 4 >= 2 * 60 * 2**20
-    assert floor_step.stream_layout(0.001, 100, 0) == (1, MIN_WORDS, 2)  # under the smallest block: one of it
-    assert floor_step.stream_layout(13.9, 80, 0)[:2] == (11, WORDS)
+    assert floor.stream_layout(0.001, 100, 0) == (1, MIN_WORDS, 2)  # under the smallest block: one of it
+    assert floor.stream_layout(13.9, 80, 0)[:2] == (11, WORDS)
     with pytest.raises(ValueError, match="at most 64"):
-        floor_step.stream_layout(100.0, 1, 0)
+        floor.stream_layout(100.0, 1, 0)
 
 
 def test_parse_layer():

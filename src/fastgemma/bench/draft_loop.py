@@ -231,12 +231,9 @@ def main(argv=None):
                          "those changed; the drafter's cases are 'draft_...'); repeated: one row each, in one process")
     ap.add_argument("--model", default="gemma4_e4b")
     a = ap.parse_args(argv)
-    from ..kernels.fused_gemv import parse_fused_table
+    from .stack import fused_table_arg
 
-    try:  # before any work
-        tables = [(t, parse_fused_table(t)) for t in a.fused_table]
-    except ValueError as e:
-        raise SystemExit(f"--fused-table: {e}") from e
+    tables = [(t, fused_table_arg(t)) for t in a.fused_table]  # before any work
     bench_draft_loop(a.depth, a.context, a.window, a.checks, a.programs, a.splits, a.barriers, a.fp32_checks,
                      compile=not a.no_compile, model=a.model, fused_tables=tables)
 

@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from ..kernels.phase_floor import (BASE_STYLES, STYLES, WORDS, ahead_warps, phase_chain, phase_persistent,
-                                   phase_ref, ring_weights, stream_buffers, stream_ref)
+from ..kernels.phase_floor import (BASE_STYLES, MIN_WORDS, STYLES, WORDS, ahead_warps, phase_chain,
+                                   phase_persistent, phase_ref, ring_weights, stream_buffers, stream_ref)
 
 
 def _list_of(cast, what: str, least):
@@ -59,15 +59,25 @@ def _styles(text: str) -> tuple[str, ...]:
 MAX_BLOCKS = 64  # streamed blocks a program of one phase reads (16 KB each, unrolled in the kernel)
 
 
-def stream_shape(mb: float, programs: int, l2_bytes: int) -> tuple[int, int]:
-    """(blocks per program, copies) that stream ~mb MB per phase over `programs` programs, with copies
-    enough that a phase's words are not in the L2 from the last time (twice its size)."""
-    per_block = programs * WORDS * 4
-    blocks = max(1, round(mb * 1e6 / per_block))
+def stream_layout(mb: float, programs: int, l2_bytes: int, min_words: int = MIN_WORDS) -> tuple[int, int, int]:
+    """(blocks per program, words a block, copies) that stream ~mb MB per phase over `programs` programs:
+    blocks of 16 KB, or one smaller power-of-two block (at least `min_words`) where a program's share is
+    under 16 KB; copies enough that a phase's words are not in the L2 from the last time (twice its size)."""
+    need = mb * 1e6 / (programs * 4)  # words a program
+    words = WORDS
+    while words > min_words and need < words:
+        words //= 2
+    blocks = max(1, round(need / words))
     if blocks > MAX_BLOCKS:
         raise ValueError(f"{mb} MB a phase over {programs} programs is {blocks} blocks of {WORDS * 4 // 1024} KB a "
                          f"program; at most {MAX_BLOCKS}: more programs or fewer MB")
-    return blocks, max(2, math.ceil(2 * l2_bytes / (blocks * per_block)))
+    return blocks, words, max(2, math.ceil(2 * l2_bytes / (programs * blocks * words * 4)))
+
+
+def stream_shape(mb: float, programs: int, l2_bytes: int) -> tuple[int, int]:
+    """(blocks per program, copies) of `stream_layout` in 16 KB blocks only (bench_floor's phases)."""
+    blocks, _, copies = stream_layout(mb, programs, l2_bytes, min_words=WORDS)
+    return blocks, copies
 
 
 def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=BASE_STYLES, phases: int = 256, hidden: int = 2560,

@@ -23,9 +23,9 @@ import math
 
 import torch
 
-from ..kernels.phase_floor import (CHAIN_STYLES, MIN_WORDS, WORDS, PhaseError, ahead_warps, phase_sequence,
-                                   ring_weights, sequence_ref, stream_buffers, stream_ref)
-from .floor import MAX_BLOCKS
+from ..kernels.phase_floor import (CHAIN_STYLES, PhaseError, ahead_warps, phase_sequence, ring_weights, sequence_ref,
+                                   stream_buffers, stream_ref)
+from .floor import stream_layout
 
 FRONTIER_LAYER = "96:4.2,64:0,80:2.8,640:27.8,80:13.9,256:1.3,160:0.35"
 
@@ -42,22 +42,6 @@ def parse_layer(text: str) -> list[tuple[int, float]]:
         if out[-1][0] < 1 or out[-1][1] < 0 or not math.isfinite(out[-1][1]):
             raise ValueError(f"layer entry {item!r}: programs >= 1 and MB >= 0")
     return out
-
-
-def stream_layout(mb: float, programs: int, l2_bytes: int) -> tuple[int, int, int]:
-    """(blocks a program, words a block, copies) streaming ~mb MB over `programs` programs: 16 KB blocks,
-    or one smaller power-of-two block where a program's share is under 16 KB; copies enough that a
-    phase's words are not in the L2 from the last layer (twice its size)."""
-    need = mb * 1e6 / (programs * 4)  # words a program
-    words = WORDS
-    while words > MIN_WORDS and need < words:
-        words //= 2
-    blocks = max(1, round(need / words))
-    if blocks > MAX_BLOCKS:
-        raise ValueError(f"{mb} MB over {programs} programs is {blocks} blocks of {WORDS * 4 // 1024} KB a program; "
-                         f"at most {MAX_BLOCKS}: more programs or fewer MB")
-    per_copy = programs * blocks * words * 4
-    return blocks, words, max(2, math.ceil(2 * l2_bytes / per_copy))
 
 
 def build_kinds(layer, hidden: int, device, l2_bytes: int, ahead: bool) -> list:

@@ -40,7 +40,7 @@ from ..kernels import w4a16
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 from .floor import floor_option
-from .stack import VARIANT_OPTS, mma_table_arg
+from .stack import VARIANT_OPTS, fused_table_arg, mma_table_arg
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base"):
@@ -260,12 +260,9 @@ def main(argv=None):
 
         set_table(mma_table_arg(a.mma_table))  # this process's table
     if a.fused_table:
-        from ..kernels.fused_gemv import parse_fused_table, set_fused_table
+        from ..kernels.fused_gemv import set_fused_table
 
-        try:
-            set_fused_table(parse_fused_table(a.fused_table))  # this process's table
-        except ValueError as e:
-            raise SystemExit(f"--fused-table: {e}") from e
+        set_fused_table(fused_table_arg(a.fused_table))  # this process's table
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)

@@ -100,6 +100,17 @@ def mma_table_arg(text: str) -> dict:
         raise SystemExit(str(e)) from e
 
 
+def fused_table_arg(text: str) -> dict:
+    """A --fused-table value -> the fused one-row GEMVs' table (`fused_gemv.parse_fused_table`), or exit
+    naming the option and the entry at fault."""
+    from ..kernels.fused_gemv import parse_fused_table
+
+    try:
+        return parse_fused_table(text)
+    except ValueError as e:
+        raise SystemExit(f"--fused-table: {e}") from e
+
+
 def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str = "base", attn_tiles: str = ""):
     """Synthetic weights -> the body's transforms (fuse: the fused one-row step, bf16 and int4
     bodies, with the options of `variant`; `attn_tiles`: fuse.attn_tiles). -> (model, {transform: describe()})."""
@@ -254,11 +265,8 @@ def main(argv=None):
     from ..kernels import fused_gemv
 
     shipped_fused = dict(fused_gemv.FUSED_CONFIGS)
-    try:
-        fused_tables = {"" if t == "default" else t: shipped_fused if t == "default" else fused_gemv.parse_fused_table(t)
-                        for t in a.fused_table or ["default"]}
-    except ValueError as e:
-        raise SystemExit(f"--fused-table: {e}") from e
+    fused_tables = {"" if t == "default" else t: shipped_fused if t == "default" else fused_table_arg(t)
+                    for t in a.fused_table or ["default"]}
     from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
 
     attn_tiles = []  # '' is the kernel's own
