@@ -511,9 +511,7 @@ class MmaConfig:
     of a one-tile program ahead of its mmas whatever the depth, so gate|up's `2x4d5p9f` takes 210
     registers, 2 programs per multiprocessor, and its 640 programs run in ~2.4 waves; above the cap
     ptxas spills to local memory. Timed slower on every E4B shape, so the table sets none (run GR:
-    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128).
-    ring: N > 0 runs kernels/mma_ring.py (persist programs a multiprocessor, each tile's words through
-    shared memory N - 1 tiles ahead of its use; depth, iters, splits and fresh unset)."""
+    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -523,7 +521,6 @@ class MmaConfig:
     fresh: bool = False
     hw: int = 0
     regs: int = 0
-    ring: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -579,22 +576,21 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?(?:c(\d+))?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f][nH][rG][cC]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs
-    per multiprocessor, f fresh chains, H hardware warps, G registers per thread at most, C stages of the ring
-    kernel; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128', '2x4p1n8c3') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH][rG]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains, H hardware warps, G registers per thread at most; e.g. '1x4s4', '2x4d2',
+    '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][cC], e.g. '1x4s4', '2x4d2' or "
-                         f"'2x4p1n8c3'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
     return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
-                     int(m.group(9) or 0), int(m.group(10) or 0))
+                     int(m.group(9) or 0))
 
 
 def format_config(cfg: MmaConfig) -> str:
@@ -602,7 +598,7 @@ def format_config(cfg: MmaConfig) -> str:
     return (f"{cfg.tiles}x{cfg.warps}" + (f"d{cfg.depth}" if cfg.depth != MmaConfig.depth else "")
             + (f"i{cfg.iters}" if cfg.iters != 1 else "") + (f"s{cfg.splits}" if cfg.splits != 1 else "")
             + (f"p{cfg.persist}" if cfg.persist else "") + ("f" if cfg.fresh else "")
-            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else "") + (f"c{cfg.ring}" if cfg.ring else ""))
+            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else ""))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -628,7 +624,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
             continue
         m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][cC] with CASE one of "
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH] with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
@@ -659,12 +655,6 @@ def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") 
 
 def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_w4a16` cannot launch cfg for W [N, K] in groups of G with `epilogue`, or None."""
-    if cfg.ring:
-        from .mma_ring import ring_problem
-
-        problem = ring_problem(cfg, K)
-        if problem:
-            return problem
     if cfg.persist < 0 or (cfg.persist and (cfg.iters > 1 or cfg.splits > 1)):
         return f"persist must be >= 0, and > 0 only with iters 1 and splits 1, got {cfg}"
     if cfg.fresh and not cfg.persist:
@@ -719,11 +709,6 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         cnt = arrival_counters(x.device, n_tiles, "mma_w4a16 split-K")
     else:
         ws = cnt = out
-    if cfg.ring:
-        from .mma_ring import launch_ring
-
-        launch_ring(x, weight, out, epi, cfg, n_tiles, pdl_args(pdl, x.device), _INTERPRET)
-        return out
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         niter = triton.cdiv(n_tiles, grid[0])
@@ -764,19 +749,19 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 regs: int, ring: int, pdl: bool) -> torch.Tensor:
+                 regs: int, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue,
-                     MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, ring), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs),
+                     pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. ring arguments)."""
-    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs, cfg.ring
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. regs arguments)."""
+    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, ring, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -840,8 +825,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
             runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
                      + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
-                     + (f", {c.hw} hw warps" if c.hw else "") + (f", <= {c.regs} registers" if c.regs else "")
-                     + (f", ring of {c.ring}" if c.ring else ""), mma,
+                     + (f", {c.hw} hw warps" if c.hw else "") + (f", <= {c.regs} registers" if c.regs else ""), mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl), format_config(c))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
