@@ -241,8 +241,9 @@ def main():
         print(f"draft\t{name}\t{regs}\t{spills}\t{ptx.count('atom.global.gpu.acq_rel')}\t"
               f"{ptx.count('griddepcontrol.wait')}\t{len(re.findall(r'ld[.]global', ptx[:wait]))}")
 
-    head_line("draft head select", _select_kernel, head_sig, dict(H=256, TOP_K=32, BLOCK_C=2048, BLOCK_T=128,
-                                                                  BLOCK_H=64, BLOCK_P=32, KEY_SHIFT=16), tuple(range(9)))
+    head_line("draft head select", _select_kernel, head_sig, dict(H=256, TOP_K=32, BLOCK_C=2048, BLOCK_T=32,
+                                                                  BLOCK_H=64, BLOCK_P=128, KEY_SHIFT=16, S=4),
+              tuple(range(9)))
     cent_sig = {"g_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "C": "i32", "stride_gn": "i32",
                 "stride_sn": "i32"}
     head_line("draft head centroids", _centroid_kernel, cent_sig, dict(H=256, BLOCK_C=CENTROID_BLOCK, BLOCK_H=64),

@@ -619,6 +619,6 @@ def test_draft_head_bench_on_the_cpu(capsys):
     rows = bench_draft_head(rows=2, checks=3, device="cpu", model="gemma4_tiny", dtype=torch.float32,
                             timer=lambda fn: (fn(), 1e-3)[1])
     assert [r["path"] for r in rows] == ["torch (topk, gather, einsum)", "kernels/draft_head.py",
-                                         "kernels/draft_head.py, PDL"]
+                                         "kernels/draft_head.py, PDL", "PDL, one select program a centroid"]
     assert all(r["ids_equal"] == r["checks"] == 3 and r["us"] == 1.0 for r in rows), rows
     assert "3/3" in capsys.readouterr().out

@@ -108,3 +108,24 @@ def test_kth_largest_is_the_sorted_keys_kth(bits):
             o = torch.zeros(1, dtype=torch.int32)
             _kth_probe[(1,)](x, o, k, B=64, BITS=bits)
             assert o.item() == want[k - 1].item(), (k, x.tolist())
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8, 24])
+def test_candidate_splits_pick_the_same_ids(splits):
+    """Each centroid's candidates over 1..24 select programs (a split of 1 candidate included), ties in
+    candidate scores across splits broken as the twin breaks them (the earlier candidate in rank order)."""
+    from fastgemma.kernels.draft_head import candidate_splits
+
+    g, wc, order, emb = _head(C=32, TPC=24, H=16, N=2, seed=splits)
+    s = (wc @ g[0]).argsort(descending=True)
+    table = order.view(32, 24)
+    for pos in (20, 3):  # equal best scores in two splits of the first-ranked centroid (row 0's) ...
+        emb[table[s[0], pos]] = 4 * g[0]
+    emb[table[s[1], 1]] = 4 * g[0]  # ... and in the second-ranked one
+    for k in (1, 2, 5):
+        got = draft_head(g, wc, order, emb, k, splits=splits)
+        assert got.tolist() == draft_head_ref(g, wc, order, emb, k).tolist()
+        assert got[0] == table[s[0], 3]
+    assert candidate_splits(24) == 4 and candidate_splits(128) == 4 and candidate_splits(6) == 3
+    with pytest.raises(ValueError, match="divide"):
+        draft_head(g, wc, order, emb, 2, splits=5)

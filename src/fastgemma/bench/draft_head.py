@@ -3,7 +3,8 @@
 E4B's drafter (2,048 centroids of 128 tokens, hidden 256, top 32; synthetic weights with the exact
 shapes): `Drafter.next_token` with its torch path (centroid GEMV, topk, the candidates' rows, their
 scores, argmax: the fused drafter's head before) and with the two launches of kernels/draft_head.py
-(`head_fn`, fuse=layers' default; plain, and as programmatic dependent launches as under fuse.pdl),
+(`head_fn`, fuse=layers' default; plain, and as programmatic dependent launches as under fuse.pdl;
+under PDL also with one select program a centroid instead of `CANDIDATE_SPLITS`),
 each in a CUDA graph (median of repeats; the head's 3 MB stay in L2, as they do between the steps of
 the draft loop). The ids of every path are checked against the kernel's twin on fresh random states
 first. Run: python -m fastgemma.bench.draft_head [--rows 1]
@@ -44,7 +45,8 @@ def bench_draft_head(rows: int = 1, checks: int = 64, device: str = "cuda", mode
     print(f"{'path':>30} | {'us':>8} | ids = twin")
     out = []
     for name, fn in (("torch (topk, gather, einsum)", None), ("kernels/draft_head.py", draft_head_op),
-                     ("kernels/draft_head.py, PDL", functools.partial(draft_head_op, pdl=True))):
+                     ("kernels/draft_head.py, PDL", functools.partial(draft_head_op, pdl=True)),
+                     ("PDL, one select program a centroid", functools.partial(draft_head_op, pdl=True, splits=1))):
         d.head_fn = fn
         same = sum(int(torch.equal(d.next_token(g), draft_head_ref(g, *args))) for g in states)
         g0 = states[0]

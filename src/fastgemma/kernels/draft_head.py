@@ -6,15 +6,17 @@ The drafter picks its token from the candidates of its top-k centroids (E4B: 32 
 kernels per draft token (topk alone ~13 us on the H200). Here:
 1. `_centroid_kernel`: scores[n, c] = g[n] . Wc[c], fp32 sums rounded to g's dtype (as F.linear);
    grid (C / CENTROID_BLOCK, rows); under PDL its centroid rows are read before the wait.
-2. `_select_kernel`, one program per selected centroid (top_k of them) and row: each finds the
+2. `_select_kernel`, S programs per selected centroid (top_k of them) and row: each finds the
    top_k itself from the row's C scores (int32 keys in score order; the top_k-th largest key two
    bits a round, the counts of 4 candidates in one block-wide reduction: 8 rounds for bf16 scores,
    where a bisection took 16 and the draft loop 58 us more at k = 7, runs HF; keys above it, then the
    lowest indices among keys equal to it), takes the p-th selected centroid in index order and its rank
-   among the selected (larger score first, the lower index on a tie), scores its candidates (fp32
-   sums rounded to g's dtype, as the twin's einsum) and keeps the first maximum; the row's last
-   program to arrive (an arrival counter, `counters.py`) picks the highest score, the earliest
-   (rank, position) on ties: torch.argmax's first maximum over the candidates in rank order.
+   among the selected (larger score first, the lower index on a tie), scores its s-th 1/S of the
+   centroid's candidates (fp32 sums rounded to g's dtype, as the twin's einsum) and keeps the first
+   maximum; the row's last program to arrive (an arrival counter, `counters.py`) picks the highest
+   score, the earliest (rank, position) on ties: torch.argmax's first maximum over the candidates in
+   rank order. The candidates' rows can only be read once the selection is known: S splits a
+   centroid's 128 rows (64 KB at E4B) over S programs, so each waits out a shorter read.
    (Earlier versions gave each program 64 centroids to rank against all C with int64 keys and a
    loop over the selected ones among them: 30 us per call on the H200 with a sort, run Z; 35 us
    with ranks, run AA.)
@@ -33,6 +35,7 @@ from .counters import arrival_counters
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 
 CENTROID_BLOCK = 16  # centroids per program of the score kernel (E4B: 128 programs of 8 KB)
+CANDIDATE_SPLITS = 4  # select programs per centroid (E4B: 128 programs of 32 candidates, 16 KB each)
 
 
 @triton.jit
@@ -104,9 +107,11 @@ def _kth_largest(key, K, KEY_BITS: tl.constexpr, DIGIT: tl.constexpr = 2):
 def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_ptr, cnt_ptr, out_ptr,
                    C, TPC, stride_sn, stride_gn,
                    H: tl.constexpr, TOP_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, KEY_SHIFT: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, KEY_SHIFT: tl.constexpr, S: tl.constexpr = 1,
+                   PDL: tl.constexpr = False):
     _pdl_wait(PDL)  # the centroid scores
-    p = tl.program_id(0)  # the p-th selected centroid, in index order
+    p = tl.program_id(0) // S  # the p-th selected centroid, in index order
+    sp = tl.program_id(0) % S  # its candidates sp * TPC / S ..
     n = tl.program_id(1)
     c = tl.arange(0, BLOCK_C)
     key = _keys(s_ptr + n * stride_sn, c, C, KEY_SHIFT)
@@ -121,24 +126,26 @@ def _select_kernel(s_ptr, g_ptr, order_ptr, emb_ptr, pmax_ptr, pord_ptr, ptok_pt
     # its rank among the selected: larger keys first, the lower centroid index first on a tie
     rank = tl.sum((sel & ((key > my_key) | ((key == my_key) & (c < cent)))).to(tl.int32), axis=0)
     # its candidates' scores (fp32 sums rounded to g's dtype, as the twin's einsum); the first maximum
+    TPS = TPC // S
     j = tl.arange(0, BLOCK_T)
-    j_ok = j < TPC
-    ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + j, mask=j_ok, other=0)
+    j_ok = j < TPS
+    ids = tl.load(order_ptr + cent.to(tl.int64) * TPC + sp * TPS + j, mask=j_ok, other=0)
     acc = _dot_blocks(_row_blocks(emb_ptr, ids, j_ok, H, BLOCK_H), g_ptr + n * stride_gn, H, BLOCK_H)
     score = tl.where(j_ok, acc.to(emb_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
     v = tl.max(score, axis=0)
     first = tl.min(tl.where(score == v, j, BLOCK_T), axis=0)
-    tl.store(pmax_ptr + n * TOP_K + p, v)
-    tl.store(pord_ptr + n * TOP_K + p, rank * TPC + first)
-    tl.store(ptok_ptr + n * TOP_K + p, tl.sum(tl.where(j == first, ids, 0), axis=0))
+    P = TOP_K * S  # partial picks per row
+    tl.store(pmax_ptr + n * P + tl.program_id(0), v)
+    tl.store(pord_ptr + n * P + tl.program_id(0), rank * TPC + sp * TPS + first)
+    tl.store(ptok_ptr + n * P + tl.program_id(0), tl.sum(tl.where(j == first, ids, 0), axis=0))
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel", scope="gpu")
-    if arrived == TOP_K - 1:  # the row's last program: the highest score, the earliest (rank, position)
+    if arrived == P - 1:  # the row's last program: the highest score, the earliest (rank, position)
         q = tl.arange(0, BLOCK_P)
-        q_ok = q < TOP_K
-        pv = tl.load(pmax_ptr + n * TOP_K + q, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
-        po = tl.load(pord_ptr + n * TOP_K + q, mask=q_ok, other=2147483647, cache_modifier=".cg")
-        ptk = tl.load(ptok_ptr + n * TOP_K + q, mask=q_ok, other=0, cache_modifier=".cg")
+        q_ok = q < P
+        pv = tl.load(pmax_ptr + n * P + q, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+        po = tl.load(pord_ptr + n * P + q, mask=q_ok, other=2147483647, cache_modifier=".cg")
+        ptk = tl.load(ptok_ptr + n * P + q, mask=q_ok, other=0, cache_modifier=".cg")
         po = tl.where(pv == tl.max(pv, axis=0), po, 2147483647)
         tl.store(out_ptr + n, tl.sum(tl.where(po == tl.min(po, axis=0), ptk, 0), axis=0))
         tl.store(cnt_ptr + n, 0)
@@ -161,11 +168,24 @@ def _check(g, centroids, ordering, emb, top_k):
     return C, H, V
 
 
-def draft_head(g, centroids, ordering, emb, top_k: int, pdl: bool = False) -> torch.Tensor:
+def candidate_splits(tokens_per_centroid: int, splits: int = 0) -> int:
+    """Select programs per centroid: `splits` (it must divide the centroid's tokens), or for 0 the
+    largest divisor of them up to CANDIDATE_SPLITS."""
+    if splits:
+        if splits < 1 or tokens_per_centroid % splits:
+            raise ValueError(f"draft_head splits must divide the {tokens_per_centroid} tokens of a centroid, "
+                             f"got {splits}")
+        return splits
+    return max(s for s in range(1, CANDIDATE_SPLITS + 1) if tokens_per_centroid % s == 0)
+
+
+def draft_head(g, centroids, ordering, emb, top_k: int, pdl: bool = False, splits: int = 0) -> torch.Tensor:
     """Triton: g [N, H] (final-norm drafter state) -> token ids [N] int64; centroids [C, H],
     ordering [V] (token_ordering), emb [V, H] (the head's rows). No host sync. pdl: both launches
-    programmatic dependent ones (the centroid rows read while the kernel before runs)."""
+    programmatic dependent ones (the centroid rows read while the kernel before runs). splits: select
+    programs per centroid (`candidate_splits`; 0: the default)."""
     C, H, V = _check(g, centroids, ordering, emb, top_k)
+    S = candidate_splits(V // C, splits)
     if not (g.is_cuda or _INTERPRET):
         raise RuntimeError("draft_head runs on CUDA tensors (or with TRITON_INTERPRET=1); use draft_head_ref")
     if not (centroids.is_contiguous() and emb.is_contiguous() and ordering.is_contiguous()):
@@ -178,23 +198,25 @@ def draft_head(g, centroids, ordering, emb, top_k: int, pdl: bool = False) -> to
     launch = pdl_args(pdl, g.device)
     _centroid_kernel[(triton.cdiv(C, CENTROID_BLOCK), N)](g, centroids, scores, C, g.stride(0), scores.stride(0), H=H,
                                                           BLOCK_C=CENTROID_BLOCK, BLOCK_H=block_h, num_warps=4, **launch)
-    pmax = torch.empty(N, top_k, device=g.device, dtype=torch.float32)
-    pord = torch.empty(N, top_k, device=g.device, dtype=torch.int32)
-    ptok = torch.empty(N, top_k, device=g.device, dtype=torch.int64)
+    pmax = torch.empty(N, top_k * S, device=g.device, dtype=torch.float32)
+    pord = torch.empty(N, top_k * S, device=g.device, dtype=torch.int32)
+    ptok = torch.empty(N, top_k * S, device=g.device, dtype=torch.int64)
     out = torch.empty(N, device=g.device, dtype=torch.int64)
     cnt = arrival_counters(g.device, N, "draft_head")
     # bf16 scores (F.linear's rounding) carry 16 significant bits: keys of 16 bits, 16 bisection steps
     shift = 16 if scores.dtype == torch.bfloat16 else 0
-    _select_kernel[(top_k, N)](scores, g, ordering, emb, pmax, pord, ptok, cnt, out, C, V // C, scores.stride(0),
-                               g.stride(0), H=H, TOP_K=top_k, BLOCK_C=triton.next_power_of_2(C),
-                               BLOCK_T=triton.next_power_of_2(V // C), BLOCK_H=block_h,
-                               BLOCK_P=triton.next_power_of_2(top_k), KEY_SHIFT=shift, num_warps=4, **launch)
+    _select_kernel[(top_k * S, N)](scores, g, ordering, emb, pmax, pord, ptok, cnt, out, C, V // C, scores.stride(0),
+                                   g.stride(0), H=H, TOP_K=top_k, BLOCK_C=triton.next_power_of_2(C),
+                                   BLOCK_T=triton.next_power_of_2(V // C // S), BLOCK_H=block_h,
+                                   BLOCK_P=triton.next_power_of_2(top_k * S), KEY_SHIFT=shift, S=S, num_warps=4,
+                                   **launch)
     return out
 
 
-def draft_head_ref(g, centroids, ordering, emb, top_k: int, pdl: bool = False) -> torch.Tensor:
+def draft_head_ref(g, centroids, ordering, emb, top_k: int, pdl: bool = False, splits: int = 0) -> torch.Tensor:
     """The twin: F.linear scores, a stable descending sort (ties: lower centroid first), the
-    candidates in rank order, their einsum scores, the first maximum (pdl: `draft_head`'s, unused)."""
+    candidates in rank order, their einsum scores, the first maximum (pdl, splits: `draft_head`'s,
+    unused)."""
     C, H, V = _check(g, centroids, ordering, emb, top_k)
     s = F.linear(g, centroids)
     top = torch.sort(s.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
@@ -206,10 +228,10 @@ def draft_head_ref(g, centroids, ordering, emb, top_k: int, pdl: bool = False) -
 # an opaque op, so torch.compile traces around the launches
 @torch.library.custom_op("fastgemma::draft_head", mutates_args=())
 def draft_head_op(g: torch.Tensor, centroids: torch.Tensor, ordering: torch.Tensor, emb: torch.Tensor,
-                  top_k: int, pdl: bool = False) -> torch.Tensor:
-    return draft_head(g, centroids, ordering, emb, top_k, pdl)
+                  top_k: int, pdl: bool = False, splits: int = 0) -> torch.Tensor:
+    return draft_head(g, centroids, ordering, emb, top_k, pdl, splits)
 
 
 @draft_head_op.register_fake
-def _(g, centroids, ordering, emb, top_k, pdl=False):
+def _(g, centroids, ordering, emb, top_k, pdl=False, splits=0):
     return g.new_empty(g.shape[0], dtype=torch.int64)
