@@ -294,8 +294,8 @@ def test_bench_checks_the_ahead_styles_streamed_sums(monkeypatch):
     rows = floor.bench_floor(programs=(1,), styles=("pdl_ahead", "barrier_ahead"), phases=3, hidden=16, mbs=(0.05,),
                              timer=lambda fn: (fn(), 1.0)[1], device="cpu")
     assert [(r["style"], r["us_per_phase"]) for r in rows] == [("pdl_ahead", 0.0), ("barrier_ahead", 0.0)]
-    assert floor._copies_summed("barrier_ahead", 3, 2) == [0, 1, 0]
-    assert floor._copies_summed("barrier", 3, 2) == [0, 1, 0, 1] and floor._copies_summed("pdl_ahead", 3, 2) == [0]
+    assert floor.copies_summed("barrier_ahead", 3, 2) == [0, 1, 0]
+    assert floor.copies_summed("barrier", 3, 2) == [0, 1, 0, 1] and floor.copies_summed("pdl_ahead", 3, 2) == [0]
     real = floor.phase_persistent
     monkeypatch.setattr(floor, "phase_persistent", lambda *a, **k: real(*a, **dict(k, ahead=False)))
     with pytest.raises(RuntimeError, match="streamed words' sums differ"):

@@ -128,7 +128,7 @@ def bench_floor(programs=(1, 16, 80, 132, 264, 640), styles=BASE_STYLES, phases:
     return rows
 
 
-def _copies_summed(style: str, n: int, copies: int) -> list[int]:
+def copies_summed(style: str, n: int, copies: int) -> list[int]:
     """The copies whose words a chain of n phases leaves summed in the sink: each phase's in one launch
     (`barrier` reads a phase n's too, before its last barrier), the last phase's with a launch each."""
     if style == "barrier":
@@ -158,7 +158,7 @@ def _time_phases(row, x0, bar, err, stream, timer) -> dict:
                            f"(a phase read a stale vector?)")
     if stream is not None:
         big, sink = stream
-        if not torch.equal(sink, stream_ref(big, _copies_summed(style, n, big.shape[0]))):
+        if not torch.equal(sink, stream_ref(big, copies_summed(style, n, big.shape[0]))):
             raise RuntimeError(f"{style}, {P} programs: the streamed words' sums differ from the twin's")
     t1, t2 = timer(lambda: run(n)), timer(lambda: run(2 * n))
     if int(err.item()):

@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.phase_floor import (CHAIN_STYLES, PhaseError, ahead_warps, phase_sequence, ring_weights, sequence_ref,
                                    stream_buffers, stream_ref)
-from .floor import stream_layout
+from .floor import copies_summed, stream_layout
 
 FRONTIER_LAYER = "96:4.2,64:0,80:2.8,640:27.8,80:13.9,256:1.3,160:0.35"
 
@@ -97,7 +97,10 @@ def _time_sequence(row, x0, kinds, style, timer) -> dict:
         raise RuntimeError(f"{style}: the vector after {layers} layers differs from the twin's (a phase read a "
                            f"stale vector?)")
     for w, stream in kinds:
-        if stream is not None and not torch.equal(stream[1], stream_ref(stream[0], [(layers - 1) % stream[0].shape[0]])):
+        if stream is None:
+            continue
+        big, sink = stream
+        if not torch.equal(sink, stream_ref(big, copies_summed(style, layers, big.shape[0]))):
             raise RuntimeError(f"{style}: the streamed words' sums of a {w.shape[0]}-program phase differ from the "
                                f"twin's")
     t1 = timer(lambda: phase_sequence(x, kinds, layers, style))

@@ -297,19 +297,19 @@ def ring_weights(programs: int, hidden: int, device="cpu") -> torch.Tensor:
 def phase_ref(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     """The twin: the vector after n phases from x[0] (fp64 sums, returned in fp32)."""
     _check(x, w, n)
-    H, P, C, _ = _meta(x, w)
-    owner = torch.arange(H, device=x.device) // C
-    v, wd = x[0].double(), w.double()
-    for _ in range(n):
-        v = (wd @ v)[owner]
-    return v.float()
+    return sequence_ref(x, [w] * n)
 
 
 def sequence_ref(x: torch.Tensor, ws: list) -> torch.Tensor:
-    """The twin of a sequence: the vector after the phases of ws (each w [P, H], in launch order)."""
+    """The twin of a sequence: the vector after the phases of ws (each w [P, H], in launch order; a w
+    repeated is checked and converted once)."""
     v = x[0].double()
+    prepared = {}  # id(w) -> (w in fp64, the program owning each value)
     for w in ws:
-        _check(x, w, 1)
-        H, P, C, _ = _meta(x, w)
-        v = (w.double() @ v)[torch.arange(H, device=x.device) // C]
+        if id(w) not in prepared:
+            _check(x, w, 1)
+            H, P, C, _ = _meta(x, w)
+            prepared[id(w)] = (w.double(), torch.arange(H, device=x.device) // C)
+        wd, owner = prepared[id(w)]
+        v = (wd @ v)[owner]
     return v.float()
