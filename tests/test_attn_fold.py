@@ -84,8 +84,6 @@ def _partials(Hkv, NS, PG, PD, seed, empty=()):
     (2, 5, 2, 128, 128, 32, MmaConfig(1, 4, 1, persist=9, fresh=True)),
     # 4 warps of 64 k over heads of 128: two warps per head, the weights made in each
     (1, 2, 2, 128, 64, 32, MmaConfig(2, 4, 1, persist=1)),
-    # the same with x (the partials) and the combine's weights once a K slice for the two tiles (share)
-    (1, 2, 2, 128, 64, 32, MmaConfig(2, 4, 1, persist=1, share=True)),
 ])
 def test_o_on_the_partials_matches_the_combine_then_o(Hkv, NS, PG, PD, G, N, cfg):
     from fastgemma.kernels.mma_fold import mma_rows

@@ -98,8 +98,6 @@ def _exact(x, q, s, z, G, epilogue):
     (96, 256, 64, 2, "geglu", MmaConfig(2, 2, iters=2)),  # 3 gate / up pairs over 2 programs
     (32, 1024, 128, 1, "none", MmaConfig(1, 2, splits=4)),  # K over 4 programs per tile, one group per warp
     (64, 512, 128, 8, "none", MmaConfig(2, 2, splits=2)),  # 2 tiles per program, K over 2 programs
-    (64, 512, 128, 5, "none", MmaConfig(2, 2, splits=2, share=True)),  # the same, x once a K slice
-    (96, 512, 64, 3, "geglu", MmaConfig(2, 2, iters=2, share=True)),  # GeGLU pairs, x once a K slice
     (64, 512, 64, 3, "geglu", MmaConfig(2, 1, splits=2)),  # GeGLU after the partials are added
 ])
 def test_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
@@ -257,10 +255,9 @@ for name, K, T, W, EPI, D, I, S in [("down", 10240, 1, 4, 0, 64, 1, 1), ("down d
                                     ("gate|up geglu", 2560, 2, 4, 1, 64, 1, 1), ("o", 2048, 2, 8, 0, 64, 1, 1),
                                     ("q|k|v 2 tiles per program", 2560, 1, 4, 0, 64, 2, 1),
                                     ("down K over 4 programs", 10240, 1, 4, 0, 64, 1, 4),
-                                    ("gate|up a lane row per thread", 2560, 2, 4, 1, 2, 1, 1),
-                                    ("gate|up geglu shared", 2560, 2, 4, 1, 64, 1, 1)]:
+                                    ("gate|up a lane row per thread", 2560, 2, 4, 1, 2, 1, 1)]:
     HW = W * T if "per thread" in name else W
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False, SHARE="shared" in name)
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, ITERS=I, S=S, PDL=True, EMU=False)
     ptx, regs, spills = build(_mma_w4a16_kernel, sig, ce, aligned, HW)
     print(f"mma\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{ptx.count('griddepcontrol.wait')}\t"
           f"{mma_layouts(_mma_w4a16_kernel, sig, ce, aligned, HW)}")
@@ -269,18 +266,13 @@ ssig["NITER"] = "i32"
 # the table's one-row entries, one tile per program at E4B's shapes (ONE, as launched), and a program with tiles
 for name, K, T, W, EPI, D, F, one in [("gate|up", 2560, 2, 4, 1, 5, True, True),
                                       ("down", 10240, 2, 8, 0, 3, False, True),
-                                      ("gate|up looping", 2560, 2, 4, 1, 5, True, False),
-                                      ("gate|up shared", 2560, 2, 4, 1, 5, True, True),
-                                      ("gate|up looping shared", 2560, 2, 4, 1, 5, True, False)]:
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=F, PDL=True, EMU=False, ONE=one, NS=0,
-              SHARE="shared" in name)
+                                      ("gate|up looping", 2560, 2, 4, 1, 5, True, False)]:
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=F, PDL=True, EMU=False, ONE=one, NS=0)
     ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)
-    print(f"stream\t{name}\t{spills}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}\t"
-          f"{ptx.count('mma.sync')}")
+    print(f"stream\t{name}\t{spills}\t{mma_layouts(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), W)}")
 # a register cap (MmaConfig.regs, the launch's maxnreg) reaches ptxas: gate|up's entry under 128 and 96
 for cap in (128, 96):
-    ce = dict(K=2560, GROUP=128, T=2, W=4, EPI=1, DEPTH=2, FRESH=False, PDL=True, EMU=False, ONE=True, NS=0,
-              SHARE=False)
+    ce = dict(K=2560, GROUP=128, T=2, W=4, EPI=1, DEPTH=2, FRESH=False, PDL=True, EMU=False, ONE=True, NS=0)
     ptx, regs, spills = build(_mma_stream_kernel, ssig, ce, (0, 1, 2, 3, 7, 8), 4, maxnreg=cap)
     print(f"cap\t{cap}\t{regs}\t{spills}")
 # the norm fold (kernels/norm_fold.py) on the table's one-row entries: o as the producer (one tile per program),
@@ -294,22 +286,14 @@ for name, K, T, W, EPI, D, extra in [("o producer", 2048, 2, 4, 0, 5, dict(FOLD=
                                      ("gate|up consumer", 2560, 2, 4, 1, 5,
                                       dict(FOLD=2, NPART=80, NP2=128, HB=64, ONE=True)),
                                      ("q|k|v consumer", 2560, 2, 4, 0, 5,
-                                      dict(FOLD=2, NPART=160, NP2=256, HAS_SCALE=True, HB=64, ONE=True)),
-                                     # x once a K slice, its rows' alignment unknown (the ones-mma's operands
-                                     # in the tile mmas' layout all the same)
-                                     ("o producer shared", 2048, 2, 4, 0, 5, dict(FOLD=1, ONE=True, SHARE=True)),
-                                     ("o producer on partials shared", 2048, 2, 4, 0, 5,
-                                      dict(FOLD=1, ONE=True, NS=8, PG=4, PD=256, SHARE=True)),
-                                     ("gate|up consumer shared", 2560, 2, 4, 1, 5,
-                                      dict(FOLD=2, NPART=80, NP2=128, HB=64, ONE=True, SHARE=True))]:
-    ce = dict(dict(NS=0, SHARE=False), K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False,
-              **extra)
+                                      dict(FOLD=2, NPART=160, NP2=256, HAS_SCALE=True, HB=64, ONE=True))]:
+    ce = dict(dict(NS=0), K=K, GROUP=128, T=T, W=W, EPI=EPI, DEPTH=D, FRESH=True, PDL=True, EMU=False, **extra)
     ptx, regs, spills = build(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3, 7, 8), W)
     print(f"fold\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{mma_layouts(_mma_stream_kernel, fsig, ce, (0, 1, 2, 3), W)}\t"
           f"{ptx.count('ld.global.v4')}")
 psig = dict(sig, **{n: "*bf16" for n in ("f_res", "f_post", "f_pre", "f_rows")}, f_parts="*fp32", off="fp32")
 for name, K, T, W in [("o full producer", 4096, 2, 8), ("PLE projection producer", 256, 1, 1)]:
-    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=0, DEPTH=64, ITERS=1, S=1, PDL=True, EMU=False, FOLD=1, SHARE=False)
+    ce = dict(K=K, GROUP=128, T=T, W=W, EPI=0, DEPTH=64, ITERS=1, S=1, PDL=True, EMU=False, FOLD=1)
     ptx, regs, spills = build(_mma_w4a16_kernel, psig, ce, (0, 1, 2, 3), W)
     print(f"fold\t{name}\t{regs}\t{spills}\t{ptx.count('mma.sync')}\t{mma_layouts(_mma_w4a16_kernel, psig, ce, (0, 1, 2, 3), W)}\t"
           f"{ptx.count('ld.global.v4')}")
@@ -322,7 +306,7 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
                        cwd=Path(__file__).parents[1])
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "mma"}
-    assert len(rows) == 8, r.stdout
+    assert len(rows) == 7, r.stdout
     for name, (regs, spills, mmas, waits, layouts) in rows.items():
         # every mma operand: one lane per row (threadsPerWarp [32, 1]), a lane's 4 values in its registers
         assert layouts == "['[1, 4][32, 1]']", (name, layouts)
@@ -330,17 +314,12 @@ def test_sm90_build_lays_the_mma_operands_out_one_lane_per_row():
     # the persistent kernel (the table's one-row entries) too
     stream = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "stream"}
     # (down spilled 84 bytes at 255 registers while it held a next tile's words; ONE drops them)
-    assert {n: v[:2] for n, v in stream.items()} == {n: ["0", "['[1, 4][32, 1]']"] for n in (
-        "gate|up", "down", "gate|up looping", "gate|up shared", "gate|up looping shared")}, stream
-    # gate|up's one tile: 4 warps x 640 k, 10 blocks of 64 k a thread row, 4 mmas each. A thread's two rows: two
-    # K slices of one tile (20 tile blocks, 20 ones blocks), or under SHARE one slice's gate and up tiles, whose
-    # x and sum of x (the ones-mma) are made once for both (20 + 10)
-    assert stream["gate|up"][2] == str((20 + 20) * 4) and stream["gate|up shared"][2] == str((20 + 10) * 4), stream
+    assert stream == {n: ["0", "['[1, 4][32, 1]']"] for n in ("gate|up", "down", "gate|up looping")}, stream
     caps = [f[1:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "cap"]
     assert len(caps) == 2 and all(int(regs) <= int(cap) for cap, regs, _ in caps), caps
     # and the norm fold's producers and consumers: no spills, the same operand layouts
     fold = {f[1]: f[2:] for f in (line.split("\t") for line in r.stdout.splitlines()) if f[0] == "fold"}
-    assert len(fold) == 9, r.stdout
+    assert len(fold) == 6, r.stdout
     for name, (regs, spills, mmas, layouts, _) in fold.items():
         assert int(spills) == 0 and int(mmas) > 0 and layouts == "['[1, 4][32, 1]']", (name, regs, spills, layouts)
     # the partials' x: 16-byte loads like o's own x (a scalar load per word would be 4x the instructions)
@@ -408,8 +387,6 @@ def test_table_from_text():
     (80, 512, 128, 8, "none", MmaConfig(1, 2, 1, persist=1)),  # 5 tiles, depth 1
     (160, 256, 64, 2, "none", MmaConfig(2, 1, 4, persist=9, fresh=True)),  # one tile per program
     (64, 512, 128, 4, "geglu", MmaConfig(2, 2, 2, persist=9, fresh=True, hw=4)),  # a lane row per thread
-    (96, 512, 64, 3, "geglu", MmaConfig(2, 2, 2, persist=1, fresh=True, share=True)),  # x once a K slice, streamed
-    (128, 512, 128, 8, "none", MmaConfig(2, 4, 2, persist=9, share=True)),  # x once a K slice, one tile a program
 ])
 def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     """The persistent kernel (`persist`, interpreter: 2 multiprocessors) with its loads crossing tile
@@ -426,14 +403,11 @@ def test_persistent_config_text_and_refusals():
     from fastgemma.kernels.mma_w4a16 import config_args, config_problem, format_config, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
-    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0, False)  # mma_w4a16_op's order
-    assert parse_config("2x4d5p9fr168x") == MmaConfig(2, 4, 5, persist=9, fresh=True, regs=168, share=True)
-    assert "share" in config_problem(MmaConfig(2, 4, hw=8, share=True), 64, 1024, 128, "none")
+    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0)  # mma_w4a16_op's order
     assert parse_config("2x4d2p9r128") == MmaConfig(2, 4, 2, persist=9, regs=128)
-    assert parse_config("2x4d2p9r128").launch == {"num_warps": 4, "SHARE": False, "maxnreg": 128}
-    assert parse_config("2x4d2p9x").launch == {"num_warps": 4, "SHARE": True}
-    assert parse_config("2x4n8").launch == {"num_warps": 8, "SHARE": False}
-    for text in ("2x4d5p9f", "1x1s8", "2x8d3p1", "2x4i2", "2x4d2p9fn8r128", "1x4", "2x4d5p9fr168x"):
+    assert parse_config("2x4d2p9r128").launch == {"num_warps": 4, "maxnreg": 128}
+    assert parse_config("2x4n8").launch == {"num_warps": 8}
+    for text in ("2x4d5p9f", "1x1s8", "2x8d3p1", "2x4i2", "2x4d2p9fn8r128", "1x4"):
         assert format_config(parse_config(text)) == text
     assert "regs" in config_problem(MmaConfig(2, 4, regs=16), 64, 1024, 128, "none")
     assert "regs" in config_problem(MmaConfig(2, 4, regs=256), 64, 1024, 128, "none")

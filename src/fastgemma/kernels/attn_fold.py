@@ -37,31 +37,32 @@ def _part_x_ptrs(x_ptr, r, oj, NS: tl.constexpr, PG: tl.constexpr, PD: tl.conste
 
 
 @triton.jit
-def _part_head(rs, g, K: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, PG: tl.constexpr, PD: tl.constexpr):
-    """Group g of each x row's warp K slice (`_x_rows`' rows rs): (its KV head, its query head within the
-    KV head, its first k within the head), [RX, 1] each."""
-    k0 = ((rs // 32) // (rs.shape[0] // (W * 32))) * (K // W) + g * GROUP
+def _part_head(r, g, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, PG: tl.constexpr,
+               PD: tl.constexpr):
+    """Group g of each row's warp K slice: (its KV head, its query head within the KV head, its first k
+    within the head), [R, 1] each."""
+    k0 = ((r // 32) // T) * (K // W) + g * GROUP
     hd = k0 // PD
     return hd // PG, hd % PG, k0 % PD
 
 
 @triton.jit
-def _part_group_ptrs(xc_ptrs, rs, g, NS: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
-                     PG: tl.constexpr, PD: tl.constexpr):
+def _part_group_ptrs(xc_ptrs, r, g, NS: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
+                     W: tl.constexpr, PG: tl.constexpr, PD: tl.constexpr):
     """Group g's first x words (`_group_acc`'s xg) from the lane's column base."""
-    kvh, rr, kd = _part_head(rs, g, K, GROUP, W, PG, PD)
+    kvh, rr, kd = _part_head(r, g, K, GROUP, T, W, PG, PD)
     # in 64-k blocks (32 words; a group starts a whole number of them into its head), so the compiler sees
     # 16-byte aligned lane loads
     return xc_ptrs + ((kvh * NS * PG + rr) * (PD // 64) + kd // 64) * 32
 
 
 @triton.jit
-def _part_weights(lse_ptr, rs, oj, g, NS: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
-                  PG: tl.constexpr, PD: tl.constexpr):
-    """The combine's weights for group g's head at the accumulator's elements [RX, 4] of x's rows
-    (element c of lane g*4 + tq: column tq*2 + c % 2), 0 for the columns past NS: 2^(lse_s - max) / sum,
-    as `_combine_kernel` weighs (an empty split's lse is -inf: weight 0)."""
-    kvh, rr, _ = _part_head(rs, g, K, GROUP, W, PG, PD)
+def _part_weights(lse_ptr, r, oj, g, NS: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
+                  W: tl.constexpr, PG: tl.constexpr, PD: tl.constexpr):
+    """The combine's weights for group g's head at the accumulator's elements [R, 4] (element c of lane
+    g*4 + tq: column tq*2 + c % 2), 0 for the columns past NS: 2^(lse_s - max) / sum, as
+    `_combine_kernel` weighs (an empty split's lse is -inf: weight 0)."""
+    kvh, rr, _ = _part_head(r, g, K, GROUP, T, W, PG, PD)
     base = lse_ptr + kvh * (NS * PG) + rr
     ls = ()
     for s in tl.static_range(NS):
@@ -70,9 +71,9 @@ def _part_weights(lse_ptr, rs, oj, g, NS: tl.constexpr, K: tl.constexpr, GROUP: 
     for s in tl.static_range(1, NS):
         mx = tl.maximum(mx, ls[s])
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    col = (rs % 32 % 4) * 2 + oj % 2
+    col = (r % 32 % 4) * 2 + oj % 2
     tot = tl.zeros_like(mx)
-    w = tl.zeros((rs.shape[0], 4), dtype=tl.float32)
+    w = tl.zeros((r.shape[0], 4), dtype=tl.float32)
     for s in tl.static_range(NS):
         e = tl.exp2(ls[s] - mx)
         tot += e

@@ -188,18 +188,17 @@ def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, p
 @torch.library.custom_op("fastgemma::mma_rows", mutates_args=())
 def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, res: torch.Tensor,
                 post: torch.Tensor, pre: torch.Tensor, offset: float, tiles: int, warps: int, depth: int, iters: int,
-                splits: int, persist: int, fresh: bool, hw: int, regs: int, share: bool, pdl: bool,
+                splits: int, persist: int, fresh: bool, hw: int, regs: int, pdl: bool,
                 lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lse given: x is an attention's split partials (`mma_rows`)."""
     weight = MmaWeight(words, sz, N, words.shape[1] * 64, group_size)  # words [N/16, K/64, 32, 4]
     return mma_rows(x, weight, res, post, pre, offset=offset,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, share), pdl=pdl,
-                    lse=lse)
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs), pdl=pdl, lse=lse)
 
 
 @mma_rows_op.register_fake
 def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, iters, splits, persist, fresh, hw,
-      regs, share, pdl, lse=None):
+      regs, pdl, lse=None):
     return (x.new_empty((1, N)), x.new_empty((2, N)),
             x.new_empty((rows_tiles(N, MmaConfig(tiles)), N_PARTS), dtype=torch.float32))
 
@@ -208,14 +207,14 @@ def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, 
 def mma_fold_op(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int,
                 group_size: int, epilogue: str, res: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
                 scale: torch.Tensor | None, eps: float, offset: float, tiles: int, warps: int, depth: int, iters: int,
-                splits: int, persist: int, fresh: bool, hw: int, regs: int, share: bool,
+                splits: int, persist: int, fresh: bool, hw: int, regs: int,
                 pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     weight = MmaWeight(words, sz, N, rows.shape[1], group_size)
     return mma_fold(rows, parts, weight, res, y, post, scale, eps=eps, offset=offset, epilogue=epilogue,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, share), pdl=pdl)
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs), pdl=pdl)
 
 
 @mma_fold_op.register_fake
 def _(rows, parts, words, sz, N, group_size, epilogue, res, y, post, scale, eps, offset, tiles, warps, depth, iters,
-      splits, persist, fresh, hw, regs, share, pdl):
+      splits, persist, fresh, hw, regs, pdl):
     return rows.new_empty((1, N // 2 if epilogue == "geglu" else N)), rows.new_empty((1, rows.shape[1]))

@@ -199,19 +199,13 @@ def _group_loads(w_ptrs, sz_ptrs, g, ok, BG: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def _tile_ptrs(it, sp, w_ptr, sz_ptr, HALF, r, oj, K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr,
-               W: tl.constexpr, S: tl.constexpr, EPI: tl.constexpr, SHARE: tl.constexpr):
+               W: tl.constexpr, S: tl.constexpr, EPI: tl.constexpr):
     """Program tile `it`'s word and scale / zero pointers in K split `sp` of S. [R, 4] tensors: row r
-    is lane r % 32 of (K slice, tile) (r // 32) // T, (r // 32) % T, or under SHARE of (tile, K slice)
-    (r // 32) // W, (r // 32) % W (tile-major: a thread's rows are its slice's T tiles, which share x);
-    a lane's 4 words are one 16-byte load, so the words' layout puts lanes on rows and the 4 in one
-    thread."""
+    is lane r % 32 of (K slice, tile) (r // 32) // T, (r // 32) % T; a lane's 4 words are one 16-byte
+    load, so the words' layout puts lanes on rows and the 4 in one thread."""
     lane = r % 32
-    if SHARE:
-        ow = sp * W + (r // 32) % W  # the warp's K slice of W * S
-        ot = (r // 32) // W
-    else:
-        ow = sp * W + (r // 32) // T
-        ot = (r // 32) % T
+    ow = sp * W + (r // 32) // T  # the warp's K slice of W * S
+    ot = (r // 32) % T
     if EPI == 1:  # the gate tile and its up tile
         tile = it + ot * (HALF // 16)
     else:
@@ -236,85 +230,42 @@ def _first_loads(w_ptrs, sz_ptrs, ok, NG: tl.constexpr, DEPTH: tl.constexpr, BG:
 
 
 @triton.jit
-def _x_rows(R: tl.constexpr, W: tl.constexpr, SHARE: tl.constexpr):
-    """The rows of x's tensors [RX, 1], row rs: lane rs % 32 of K slice (rs // 32) // (RX // (W*32)).
-    SHARE (`_tile_ptrs`' tile-major rows; a thread holds whole lane rows: hardware warps <= W): one row a
-    lane and slice (RX = W*32), x loaded and summed once for the T tiles; else the program's R rows (its
-    slice-major order)."""
-    RX: tl.constexpr = W * 32 if SHARE else R
-    return tl.arange(0, RX)[:, None]
-
-
-@triton.jit
-def _tiles(v, R: tl.constexpr):
-    """An x tensor [RX, 4] (`_x_rows`) repeated to the program's R rows (tile-major: row ot*W*32 + ow*32
-    + lane). Under SHARE a thread holds the T rows of its lane and slice, so this moves no data."""
-    if v.shape[0] == R:
-        return v
-    return tl.reshape(tl.broadcast_to(v[None, :, :], (R // v.shape[0], v.shape[0], 4)), (R, 4))
-
-
-@triton.jit
-def _one_tile(v, RX: tl.constexpr):
-    """`_tiles`' inverse on x's words [R, 4] -> [RX, 4], in the layout of the [R, 4] tensors that the tile
-    mmas take (the max of equal values: no instruction where they are one register). The ones-mma's
-    operands come from here, not from x's own load, whose layout follows its pointers' alignment and
-    need not be one lane a row (a 4-byte aligned x row loads as [1, 1] pieces)."""
-    if v.shape[0] == RX:
-        return v
-    return tl.max(tl.reshape(v, (v.shape[0] // RX, RX, 4)), axis=0)
-
-
-@triton.jit
-def _group_acc(acc, grp, xg, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr, wsel,
-               WEIGH: tl.constexpr):
+def _group_acc(acc, grp, xg, BG: tl.constexpr, R: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr,
+               wsel, WEIGH: tl.constexpr):
     """acc + a group's sums from its words `grp` (BG word blocks, then the scale / zero words) and its x
-    words from xg (the group's first block, [RX, 4] on `_x_rows`: x and sum x are the same for a slice's
-    T tiles, so under SHARE they are loaded and summed once and repeated by `_tiles`): P = sum (128 + q) x
-    and sum x by the mmas, then s P + (z - 128 s) sum x (WEIGH: times wsel [RX, 4], kernels/attn_fold.py's
-    weights).
-    FRESH: each 64-k block's mmas start from zero and are added after (chains of 4 dependent mmas
-    instead of one through the group)."""
-    RX: tl.constexpr = xg.shape[0]
+    words from xg (the group's first block): P = sum (128 + q) x and sum x by the mmas, then s P +
+    (z - 128 s) sum x (WEIGH: times wsel, kernels/attn_fold.py's weights). FRESH: each 64-k block's mmas
+    start from zero and are added after (chains of 4 dependent mmas instead of one through the group)."""
     p = tl.zeros((R, 4), dtype=tl.float32)
-    xs = tl.zeros((RX, 4), dtype=tl.float32)
+    xs = tl.zeros((R, 4), dtype=tl.float32)
     for i in tl.static_range(BG):
-        xa = _tiles(tl.load(xg + i * 32), R)
-        xb = _tiles(tl.load(xg + i * 32 + 4), R)
+        xa = tl.load(xg + i * 32)
+        xb = tl.load(xg + i * 32 + 4)
         if FRESH:
-            xs += _ones_mma(_one_tile(xa, RX), _one_tile(xb, RX), tl.zeros((RX, 4), dtype=tl.float32), EMU)
+            xs += _ones_mma(xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
             p += _tile_mma(grp[i], xa, xb, tl.zeros((R, 4), dtype=tl.float32), EMU)
         else:
-            xs = _ones_mma(_one_tile(xa, RX), _one_tile(xb, RX), xs, EMU)
+            xs = _ones_mma(xa, xb, xs, EMU)
             p = _tile_mma(grp[i], xa, xb, p, EMU)
     s, z = _bf16_pairs(grp[BG])
     if WEIGH:
-        return acc + _tiles(wsel, R) * (s * p + (z - 128.0 * s) * _tiles(xs, R))
-    return acc + (s * p + (z - 128.0 * s) * _tiles(xs, R))
+        return acc + wsel * (s * p + (z - 128.0 * s) * xs)
+    return acc + (s * p + (z - 128.0 * s) * xs)
 
 
 @triton.jit
-def _x_ptrs(x_ptr, rs, oj, sp, M, stride_xm, K: tl.constexpr, W: tl.constexpr, S: tl.constexpr):
-    """The B operand's x words [RX, 4] on `_x_rows`' rows: lane g*4 + tq takes
-    16 consecutive x of row g per 64-k block of its warp's K slice in split sp (rows past M read row
-    M - 1; their columns are not stored): words tq*8 + 0..3 (xa) and + 4..7 (xb)."""
-    TX: tl.constexpr = rs.shape[0] // (W * 32)  # x rows a lane row of a slice repeats in
-    lane = rs % 32
+def _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K: tl.constexpr, T: tl.constexpr, W: tl.constexpr, S: tl.constexpr):
+    """The B operand's x words [R, 4]: lane g*4 + tq takes 16 consecutive x of row g per 64-k block of
+    its warp's K slice in split sp (rows past M read row M - 1; their columns are not stored): words
+    tq*8 + 0..3 (xa) and + 4..7 (xb)."""
+    lane = r % 32
     return (x_ptr.to(tl.pointer_type(tl.int32)) + tl.minimum(lane // 4, M - 1) * (stride_xm // 2)
-            + (sp * W + (rs // 32) // TX) * (K // (W * S) // 2) + (lane % 4) * 8 + oj)
-
-
-@triton.jit
-def _slices_sum(acc, W: tl.constexpr, T: tl.constexpr, SHARE: tl.constexpr):
-    """The program's sums [R, 4] (`_tile_ptrs`' rows) -> [T*32, 4]: the W warps' K slices added."""
-    if SHARE:
-        return tl.reshape(tl.sum(tl.reshape(acc, (T, W, 32, 4)), axis=1), (T * 32, 4))
-    return tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
+            + (sp * W + (r // 32) // T) * (K // (W * S) // 2) + (lane % 4) * 8 + oj)
 
 
 @triton.jit
 def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexpr, BG: tl.constexpr,
-            R: tl.constexpr, W: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr, SHARE: tl.constexpr):
+            R: tl.constexpr, W: tl.constexpr, T: tl.constexpr, EMU: tl.constexpr):
     """One program tile's sums [T*32, 4] (the warps' K slices added), loading each group's words
     DEPTH groups ahead of its use."""
     acc = tl.zeros((R, 4), dtype=tl.float32)
@@ -329,7 +280,7 @@ def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexp
                     ahead = ahead + (words[k],)
             words = ahead
         acc = _group_acc(acc, words[g], x_ptrs + g * BG * 32, BG, R, False, EMU, 1.0, False)
-    return _slices_sum(acc, W, T, SHARE)
+    return tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
 
 
 @triton.jit
@@ -378,7 +329,7 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
                       f_res, f_post, f_pre, f_rows, f_parts, off,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                       DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
-                      EMU: tl.constexpr, FOLD: tl.constexpr = 0, SHARE: tl.constexpr = False):
+                      EMU: tl.constexpr, FOLD: tl.constexpr = 0):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
     next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
     (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them.
@@ -397,19 +348,19 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
     R: tl.constexpr = W * T * 32
     r = tl.arange(0, R)[:, None]
     oj = tl.arange(0, 4)[None, :]  # a lane's word j; as an accumulator index, element c
-    w_ptrs, sz_ptrs = _tile_ptrs(it0, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI, SHARE)
+    w_ptrs, sz_ptrs = _tile_ptrs(it0, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
     words = _first_loads(w_ptrs, sz_ptrs, True, NG, DEPTH, BG, R)
     _pdl_wait(PDL)
-    x_ptrs = _x_ptrs(x_ptr, _x_rows(R, W, SHARE), oj, sp, M, stride_xm, K, W, S)
+    x_ptrs = _x_ptrs(x_ptr, r, oj, sp, M, stride_xm, K, T, W, S)
     for j in tl.static_range(ITERS):
         it = it0 + j * nprog
         if j + 1 < ITERS:  # the next tile's words, in flight while this one is summed
-            nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI, SHARE)
+            nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, sp, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, S, EPI)
             nxt = _first_loads(nw_ptrs, nsz_ptrs, it + nprog < NPT, NG, NG, BG, R)
         if FOLD == 1:
             fpw, fp = _fold_weights(it, it < NPT, f_post, f_pre, T)
             fa = _fold_res(it, it < NPT, f_res, T)
-        y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU, SHARE)
+        y = _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG, DEPTH, BG, R, W, T, EMU)
         if FOLD == 1:
             _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
         elif S > 1:
@@ -427,8 +378,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
                        FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
                        HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False,
-                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1,
-                       SHARE: tl.constexpr = False):
+                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the source loads the next tile's first groups while the
@@ -448,7 +398,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     R: tl.constexpr = W * T * 32
     r = tl.arange(0, R)[:, None]
     oj = tl.arange(0, 4)[None, :]
-    w_ptrs, sz_ptrs = _tile_ptrs(pid, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI, SHARE)
+    w_ptrs, sz_ptrs = _tile_ptrs(pid, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
     buf = ()  # the DEPTH groups in flight, oldest first
     for d in tl.static_range(DEPTH):
         buf = buf + (_group_loads(w_ptrs, sz_ptrs, d, True, BG, R),)
@@ -466,30 +416,29 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
         fin = _h_inputs(f_res, f_y, pid, K, HB) + (fpost,)
     if (FOLD == 1) and ONE:
         fin = (_fold_res(pid, pid < NPT, f_res, T), fpw, fp)
-    rs = _x_rows(R, W, SHARE)
     if NS > 0:
-        x_ptrs = _part_x_ptrs(x_ptr, rs, oj, NS, PG, PD)
+        x_ptrs = _part_x_ptrs(x_ptr, r, oj, NS, PG, PD)
     else:
-        x_ptrs = _x_ptrs(x_ptr, rs, oj, 0, M, stride_xm, K, W, 1)
+        x_ptrs = _x_ptrs(x_ptr, r, oj, 0, M, stride_xm, K, T, W, 1)
     if ONE:
         _stream_tile(0, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr, sz_ptr, out_ptr, M, N, HALF,
                      stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r,
-                     rs, oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, SHARE)
+                     oj, K, GROUP, T, W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
     else:
         for j in range(0, NITER):
             buf, w_ptrs, sz_ptrs = _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr, sz_ptr,
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
-                                                f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, rs, oj, K, GROUP, T,
-                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD, SHARE)
+                                                f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
+                                                W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
 
 
 @triton.jit
 def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr, sz_ptr, out_ptr, M, N, HALF,
-                 stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, rs, oj,
+                 stride_om, NPT, f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj,
                  K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                  DEPTH: tl.constexpr, FRESH: tl.constexpr, EMU: tl.constexpr, FOLD: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HB: tl.constexpr, ONE: tl.constexpr, NS: tl.constexpr, PG: tl.constexpr,
-                 PD: tl.constexpr, SHARE: tl.constexpr):
+                 PD: tl.constexpr):
     """`_mma_stream_kernel`'s step j: program tile pid + j * nprog from the groups in flight `buf`,
     the next tile's first ones loaded as this one's are used (none with ONE) -> (buf, the next tile's
     word and scale / zero pointers)."""
@@ -497,7 +446,7 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr
     NG: tl.constexpr = K // W // GROUP
     R: tl.constexpr = W * T * 32
     it = pid + j * nprog
-    nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI, SHARE)
+    nw_ptrs, nsz_ptrs = _tile_ptrs(it + nprog, 0, w_ptr, sz_ptr, HALF, r, oj, K, GROUP, T, W, 1, EPI)
     more = it + nprog < NPT
     acc = tl.zeros((R, 4), dtype=tl.float32)
     for g in tl.static_range(NG):
@@ -513,12 +462,12 @@ def _stream_tile(j, pid, nprog, buf, w_ptrs, sz_ptrs, x_ptrs, pv, fin, fs, w_ptr
             buf = nbuf + (_group_loads(nw_ptrs, nsz_ptrs, g + DEPTH - NG, more, BG, R),)
         if NS > 0:  # the splits' sums weighed by their head's combine weights (recomputed per head)
             if ((K // W) % PD != 0) or ((g * GROUP) % PD == 0):
-                wsel = _part_weights(lse_ptr, rs, oj, g, NS, K, GROUP, W, PG, PD)
-            acc = _group_acc(acc, cur, _part_group_ptrs(x_ptrs, rs, g, NS, K, GROUP, W, PG, PD), BG, R, FRESH, EMU,
+                wsel = _part_weights(lse_ptr, r, oj, g, NS, K, GROUP, T, W, PG, PD)
+            acc = _group_acc(acc, cur, _part_group_ptrs(x_ptrs, r, g, NS, K, GROUP, T, W, PG, PD), BG, R, FRESH, EMU,
                              wsel, True)
         else:
             acc = _group_acc(acc, cur, x_ptrs + g * BG * 32, BG, R, FRESH, EMU, 1.0, False)
-    y = _slices_sum(acc, W, T, SHARE)
+    y = tl.sum(tl.reshape(acc, (W, T * 32, 4)), axis=0)
     if NS > 0:
         y = _col_sum(y, T)
     if FOLD == 1:
@@ -562,12 +511,7 @@ class MmaConfig:
     of a one-tile program ahead of its mmas whatever the depth, so gate|up's `2x4d5p9f` takes 210
     registers, 2 programs per multiprocessor, and its 640 programs run in ~2.4 waves; above the cap
     ptxas spills to local memory. Timed slower on every E4B shape, so the table sets none (run GR:
-    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128).
-    share: a thread's rows are one K slice's T tiles (tile-major rows, hardware warps <= warps), so the
-    slice's x words and their sum (the ones-mma) are loaded and made once for its tiles, not once a tile:
-    gate|up's sm_90a loop 1,004 -> 903 instructions, 160 -> 120 mmas, 214 -> 174 registers (3 programs a
-    multiprocessor under `regs` 168). ptxas then issues the x loads later (run IG: gate|up 12.33 -> 13.89
-    us at one row uncapped, 11.57 at 168; o 3.06 -> 4.69; down 7.07 -> 16.91)."""
+    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -577,7 +521,6 @@ class MmaConfig:
     fresh: bool = False
     hw: int = 0
     regs: int = 0
-    share: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -585,8 +528,8 @@ class MmaConfig:
 
     @property
     def launch(self) -> dict:
-        """The launch's compile options (warps, and the register cap where one is set) and SHARE."""
-        return dict(num_warps=self.num_warps, SHARE=self.share, **({"maxnreg": self.regs} if self.regs else {}))
+        """The launch's compile options: warps, and the register cap where one is set."""
+        return dict(num_warps=self.num_warps, **({"maxnreg": self.regs} if self.regs else {}))
 
 
 # (N, K, rows > 1) -> the fastest config on the H200 for the E4B shapes where this kernel beats the one the
@@ -633,21 +576,21 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?(x)?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f][nH][rG][x]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs
-    per multiprocessor, f fresh chains, H hardware warps, G registers per thread at most, x share; e.g. '1x4s4',
-    '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128', '2x4d5p9fr168x') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH][rG]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
+    multiprocessor, f fresh chains, H hardware warps, G registers per thread at most; e.g. '1x4s4', '2x4d2',
+    '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][x], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
     return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
-                     int(m.group(9) or 0), m.group(10) == "x")
+                     int(m.group(9) or 0))
 
 
 def format_config(cfg: MmaConfig) -> str:
@@ -655,7 +598,7 @@ def format_config(cfg: MmaConfig) -> str:
     return (f"{cfg.tiles}x{cfg.warps}" + (f"d{cfg.depth}" if cfg.depth != MmaConfig.depth else "")
             + (f"i{cfg.iters}" if cfg.iters != 1 else "") + (f"s{cfg.splits}" if cfg.splits != 1 else "")
             + (f"p{cfg.persist}" if cfg.persist else "") + ("f" if cfg.fresh else "")
-            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else "") + ("x" if cfg.share else ""))
+            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else ""))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -720,8 +663,6 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
         return f"depth must be >= 1, got {cfg}"
     if cfg.hw < 0 or (cfg.hw and (cfg.warps * cfg.tiles) % cfg.hw):
         return f"hw (hardware warps) must divide warps x tiles = {cfg.warps * cfg.tiles}, got {cfg}"
-    if cfg.share and cfg.num_warps > cfg.warps:
-        return f"share needs a thread to hold whole lane rows: hardware warps <= warps ({cfg.warps}), got {cfg}"
     if cfg.regs and not 24 <= cfg.regs <= 255:
         return f"regs (registers per thread at most) must be 0 or 24..255, got {cfg}"
     if cfg.splits < 1 or (cfg.splits > 1 and cfg.iters > 1):
@@ -808,21 +749,19 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 regs: int, share: bool, pdl: bool) -> torch.Tensor:
+                 regs: int, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs,
-                                                             share), pdl)
+    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs),
+                     pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. share arguments)."""
-    return (cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs,
-            cfg.share)
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. regs arguments)."""
+    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, share,
-      pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
