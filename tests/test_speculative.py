@@ -159,7 +159,7 @@ def test_replay_acceptance_follows_the_profile(model, drafter):
         gen._reset_state(8)
         gen.stat_end.fill_(8 + n_new)
         while int(gen.pos) + 2 * k + 2 < 8 + n_new and int(gen.step_i) < 2000:
-            gen.drafts.copy_(gen._replay_drafts(gen.drafts))
+            gen._set_replay_drafts()
             at = gen.pos + 1 + gen.ar_rows
             gen.targets.copy_(gen.ref.gather(1, at))  # the target continues the reference
             gen._accept()

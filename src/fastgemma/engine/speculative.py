@@ -16,7 +16,9 @@ no later query (positions >= P) keeps. The drafter masks at P-1, so it never see
 Host syncs: one per batch of steps, never per draft token. A batch is ceil(remaining / (k+1))
 steps (so it cannot overshoot), then the count is read; ~log(max_new) syncs per request.
 On CUDA with graphs=cuda_graph, prepare() captures the k-step draft loop as one graph, the verify
-pass as another and the accept bookkeeping as a third; on a CPU the same code runs uncaptured.
+pass as another and the accept bookkeeping as a third; on a CPU the same code runs uncaptured. The
+bookkeeping (and replay's drafts) is one kernel each (kernels/spec_accept.py) on CUDA and under
+TRITON_INTERPRET, its torch twin (`_accept_torch`, `_replay_drafts_torch`) elsewhere.
 """
 from __future__ import annotations
 
@@ -133,7 +135,7 @@ class SpecGenerator(Generator):
     def __init__(self, model, cache, drafter, depth: int, *, step=None, sampler=argmax_sampler,
                  prefill_chunk: int = 2048, replay: Replay | None = None, graphs: bool = False, compile: bool = False,
                  warmup_iters: int = 2, eos_check_steps: int = 4, compile_prefill: bool | None = None,
-                 prefill_bucket: int | None = None):
+                 prefill_bucket: int | None = None, fused_bookkeeping: bool | None = None):
         # `step` (the AR step) serves forced() only: teacher-forced logits do not depend on speculation.
         # The prompt follows the phases (compiled with them, captured per padded length with them)
         # unless the step or the arguments say otherwise
@@ -198,6 +200,14 @@ class SpecGenerator(Generator):
             self._draft_fn = compile_step(self._draft_loop)
         if compile:
             self._verify_fn = compile_step(self._verify_rows)
+        # the accept bookkeeping and replay's drafts: one kernel each (kernels/spec_accept.py) on CUDA and
+        # under TRITON_INTERPRET, else their torch twins below
+        from ..kernels.gemv import _INTERPRET
+        if fused_bookkeeping is None:
+            fused_bookkeeping = dev.type == "cuda" or _INTERPRET
+        self.fused_bookkeeping = fused_bookkeeping
+        self._accept = self._accept_fused if fused_bookkeeping else self._accept_torch
+        self._set_replay_drafts = self._replay_drafts_fused if fused_bookkeeping else self._replay_drafts_torch
 
     # ---- the three phases (graph-capturable: static buffers in, static buffers out) -------------
     def _draft_loop(self, tok, hid, pos):
@@ -205,20 +215,26 @@ class SpecGenerator(Generator):
         return draft_steps(self.drafter, self.model.embed_tokens.weight, self.cache, self.attn, tok, hid, pos,
                            self.k)[0]
 
-    def _replay_drafts(self, drafts):
-        """drafts [B, k] -> the reference's tokens where the profile accepts, wrong after a miss."""
+    def _replay_drafts_torch(self):
+        """self.drafts <- the reference's tokens where the profile accepts, wrong after a miss."""
         u = self.uniform.index_select(0, self.step_i)                # [1, k]
         ok = (u < self.profile).long().cumprod(1).bool()             # [1, k]
         idx = (self.pos + self.ar_drafts).clamp(max=self.ref.shape[1] - 1)
         want = self.ref.gather(1, idx)                               # [B, k]
         wrong = (want + 1) % self.model.config.vocab_size
-        return torch.where(ok, want, wrong)
+        self.drafts.copy_(torch.where(ok, want, wrong))
+
+    def _replay_drafts_fused(self):
+        from ..kernels.spec_accept import replay_drafts
+        replay_drafts(self.uniform, self.profile, self.step_i, self.pos, self.ref, self.drafts,
+                      self.model.config.vocab_size)
 
     def _draft(self):
         drafts = self._draft_fn(self.tok, self.hid, self.pos)
-        if self.replay is not None:
-            drafts = self._replay_drafts(drafts)
-        self.drafts.copy_(drafts)
+        if self.replay is not None:  # the drafter ran (its cost counted); the trace decides the drafts
+            self._set_replay_drafts()
+        else:
+            self.drafts.copy_(drafts)
 
     def _verify_rows(self, tok, drafts, pos):
         """[tok, d1..dk] at P..P+k through the target's static step -> argmax per row, hidden."""
@@ -235,7 +251,13 @@ class SpecGenerator(Generator):
         self.targets.copy_(t)
         self.rows_h.copy_(hidden)
 
-    def _accept(self):
+    def _accept_fused(self):
+        from ..kernels.spec_accept import accept
+        replay = (self.ref, self.ref_end, self.mismatch) if self.replay is not None else ()
+        accept(self.targets, self.drafts, self.rows_h, self.out, self.count, self.tok, self.hid, self.pos, self.hits,
+               self.tries, self.n_log, self.step_i, self.stat_end, *replay)
+
+    def _accept_torch(self):
         k, t, d = self.k, self.targets, self.drafts
         match = (d == t[:, :k]).long().cumprod(1)                    # [B, k]
         n = match.sum(1)                                             # drafts accepted [B]
