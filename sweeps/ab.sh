@@ -3,7 +3,7 @@
 # then with this checkout's, part by part (base then new), logs under $OUT/base and $OUT/new (or
 # ./results/h200/{base,new}); each call prints its part's tables, base first.
 #
-#   bash sweeps/ab.sh prepare REV      here, before the GPU call: REV's src/fastgemma into .ab/<short sha>
+#   bash sweeps/ab.sh prepare REV      here, before the GPU call: REV's src/fastgemma and conf/ into .ab/<short sha>
 #                                      (git-ignored through .git/info/exclude); carry ".ab" with the call
 #   bash sweeps/ab.sh REV PART...      on the GPU machine: each PART (h200.sh's names) for REV, then for
 #                                      this checkout; h200.sh's variables (STACK_ARGS, SPEC_ARGS, MMA_TRY,
@@ -25,7 +25,8 @@ fi
 if [ "$1" = prepare ]; then
   sha=$(git rev-parse --short "$2^{commit}" 2>/dev/null) || { echo "ab.sh: $2 is not a commit here" >&2; exit 2; }
   mkdir -p "$ab_dir/$sha"
-  git archive "$sha" src/fastgemma | tar -x -C "$ab_dir/$sha" || exit 1
+  # conf/ beside src/: the CLI (the cli part) reads its config groups from there
+  git archive "$sha" src/fastgemma conf | tar -x -C "$ab_dir/$sha" || exit 1
   if [ "$ab_dir" = .ab ] && ! grep -qx "/.ab/" .git/info/exclude 2>/dev/null; then
     echo "/.ab/" >> .git/info/exclude
   fi

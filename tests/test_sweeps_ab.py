@@ -21,6 +21,8 @@ def test_prepare_exports_the_package_of_a_revision(tmp_path):
     shown = subprocess.run(["git", "show", f"{sha}:src/fastgemma/kernels/mma_w4a16.py"], cwd=ROOT,
                            capture_output=True).stdout
     assert (pkg / "kernels" / "mma_w4a16.py").read_bytes() == shown
+    # and its config groups beside src/, where the CLI looks for them (the cli part)
+    assert (tmp_path / sha / "conf" / "config.yaml").is_file() and (tmp_path / sha / "conf" / "spec").is_dir()
     assert f"bash sweeps/ab.sh {sha} PART" in r.stdout
 
 
