@@ -30,7 +30,7 @@ if [ "$1" = prepare ]; then
   if [ "$ab_dir" = .ab ] && ! grep -qx "/.ab/" .git/info/exclude 2>/dev/null; then
     echo "/.ab/" >> .git/info/exclude
   fi
-  echo "$2 = $sha in $ab_dir/$sha/src ($(du -sh "$ab_dir/$sha" | cut -f1)); on the GPU: bash sweeps/ab.sh $sha PART... (carry \"$ab_dir\")"
+  echo "$2 = $sha in $ab_dir/$sha: src, conf ($(du -sh "$ab_dir/$sha" | cut -f1)); on the GPU: bash sweeps/ab.sh $sha PART... (carry \"$ab_dir\")"
   exit 0
 fi
 
