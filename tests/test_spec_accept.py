@@ -10,24 +10,12 @@ import torch
 from conftest import TINY
 from fastgemma.engine.cache import KVCache
 from fastgemma.engine.speculative import Replay, SpecGenerator
-from fastgemma.kernels.decode_attention import decode_attention_ref
 from fastgemma.kernels.spec_accept import accept, replay_drafts
-from fastgemma.model.drafter import synthetic_drafter
-from fastgemma.weights.synthetic import synthetic_model
+import test_speculative
+
+model, drafter = test_speculative.model, test_speculative.drafter  # the tiny target and drafter fixtures
 
 STATE = ("tok", "pos", "hid", "out", "count", "n_log", "step_i", "hits", "tries", "drafts")
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = synthetic_model(TINY, dtype=torch.float32, seed=3)
-    m.step_attention = decode_attention_ref
-    return m
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return synthetic_drafter(TINY, dtype=torch.float32, seed=0)
 
 
 def _generator(model, drafter, batch, k, replay, fused):
