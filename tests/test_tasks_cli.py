@@ -55,6 +55,10 @@ def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path):
     assert rec["status"] == "ok", rec["error"]
     assert "replay traces (3 prompts)" in rec["details"]["setup_s"]
     assert rec["metrics"]["tokens_per_step"] >= 1 and rec["metrics"]["accept_by_pos"]
+    # the timed requests reproduced their traces; each prompt's trace head (its draws' seed) recorded
+    replay = rec["details"]["replay"]
+    assert replay["mismatch"] == 0 and len(replay["reference_head"]) == 3
+    assert all(len(h) == 4 for h in replay["reference_head"])
 
 
 def test_weight_bytes_per_token_counts_the_head_and_one_ple_row(tmp_path):

@@ -46,6 +46,17 @@ def check_context(ctx, prompts, max_new: int) -> int:
     return need
 
 
+def _replay_details(gen, prompts, gens) -> dict | None:
+    """spec=replay: emitted tokens that left the reference trace (summed over the timed requests; bf16 drift
+    or a bug, 0 when the engine reproduces its own greedy trace) and each prompt's first 4 trace tokens, which
+    seed its acceptance draws (so two runs' acceptance compare only where these agree)."""
+    replay = getattr(gen, "replay", None)
+    if replay is None:
+        return None
+    heads = [replay.references.get(tuple(int(x) for x in p.ids), [])[:4] for p in prompts]
+    return {"mismatch": sum(g.replay_mismatch for g in gens), "reference_head": heads}
+
+
 def run(ctx):
     f, wl = ctx.factory, ctx.workload
     dev = f.device
@@ -98,6 +109,7 @@ def run(ctx):
     copy = copy_bandwidth_gbs(dev)
     metrics.update(weight_bytes_per_token=int(per_token), copy_bw_gbs=copy, mbu=mbu(per_token, metrics["tps"], copy))
     details = {"workload": wl.describe(), "max_context": max_ctx, "kv_cache_bytes": engine.cache.nbytes(),
+               "replay": _replay_details(gen, prompts, gens),
                "weight_bytes_per_step": per_step, "cdf": cdf, "step": engine.step.__class__.__name__,
                "setup_s": setup, "setup_compiles": compiles,
                "prompt_graph_s": {str(n): s for n, s in gen.capture_s.items()},
