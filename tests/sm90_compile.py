@@ -249,6 +249,7 @@ def main():
     head_line("draft head centroids", _centroid_kernel, cent_sig, dict(H=256, BLOCK_C=CENTROID_BLOCK, BLOCK_H=64),
               (0, 1, 2))
     draft_loop_line()
+    accept_line()
     stream_lines()
     floor_lines()
     for name, fn, sig, ce, aligned, warps in cases:
@@ -306,6 +307,21 @@ def floor_lines():
     ands = [m.start() for m in re.finditer(r"LOP3\.LUT R\d+, R\d+, 0x1, RZ, 0xc0", code)]
     counts = (code[:at].count("LDG.E.128"), sum(a < at for a in ands), sum(a > at for a in ands))
     print("floor\t" + "\t".join(map(str, ("barrier_ahead", regs, spills) + counts)))
+
+
+def accept_line():
+    """kernels/spec_accept.py's accept at k = 7 under replay, one warp as launched ("accept" line: registers,
+    spill bytes, barriers, the stores before the first barrier)."""
+    from fastgemma.kernels.spec_accept import _accept_kernel
+
+    names = ("t_ptr", "d_ptr", "rows_h_ptr", "out_ptr", "count_ptr", "tok_ptr", "hid_ptr", "pos_ptr", "hits_ptr",
+             "tries_ptr", "n_log_ptr", "step_ptr", "stat_end_ptr", "ref_ptr", "ref_end_ptr", "mismatch_ptr")
+    sig = {n: "*bf16" if n in ("rows_h_ptr", "hid_ptr") else "*i64" for n in names}
+    sig.update({n: "i32" for n in ("B", "H", "out_stride", "log_stride", "ref_len")})
+    ptx, regs, spills = build(_accept_kernel, sig, dict(K=7, KP=8, BH=1024, REPLAY=True), (), 1)
+    first_bar = ptx.find("bar.sync")
+    print(f"accept\taccept k=7 replay\t{regs}\t{spills}\t{ptx.count('bar.sync')}\t"
+          f"{len(re.findall(r'st[.]global', ptx[:first_bar]))}")
 
 
 def draft_loop_line():

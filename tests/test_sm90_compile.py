@@ -18,7 +18,7 @@ def test_gpu_only_variants_compile_for_sm90():
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
             if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "loop", "stream",
-                            "floor")}
+                            "floor", "accept")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy) but the norm kernels' parameters (the residual norm's post, pre
@@ -75,6 +75,12 @@ def test_gpu_only_variants_compile_for_sm90():
         assert spills == 0 and loads >= words // threads // 4, (name, floor[name])
         held = (ands_before, ands_after) if name == "pdl" else (ands_after, ands_before)
         assert held[0] >= words // threads and held[1] <= 4, (name, floor[name])
+    # the speculative step's accept (one warp): a barrier between the reads of the values it updates in place
+    # and its writes, per batch row and before the step counter; the PTX lays the row loop out rotated, so
+    # the stores before its first barrier are the previous row's tail (pos, hits, tries, the log: 4)
+    accept = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "accept"}
+    regs, spills, bars, stores_before = accept["accept k=7 replay"]
+    assert spills == 0 and bars == 2 and stores_before <= 4, accept
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}

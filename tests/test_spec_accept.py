@@ -123,3 +123,27 @@ def test_bad_buffers_are_refused():
         accept(**args, ref=z(B, 20))
     with pytest.raises(ValueError, match="profile"):
         replay_drafts(z(4, k, dt=torch.float32), z(k + 1, dt=torch.float32), z(1), z(B, 1), z(B, 20), z(B, k), 10)
+
+
+def test_both_kernels_launch_one_warp(monkeypatch):
+    """A program's threads must all read what accept updates in place before any writes it (its barrier);
+    one warp keeps that cheap, and replay's drafts need no more."""
+    from fastgemma.kernels import spec_accept
+
+    seen = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((self.name, grid, kw["num_warps"]))
+
+    monkeypatch.setattr(spec_accept, "_accept_kernel", Spy("accept"))
+    monkeypatch.setattr(spec_accept, "_replay_kernel", Spy("replay"))
+    B, k, H = 2, 3, 8
+    z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt)  # noqa: E731
+    accept(z(B, k + 1), z(B, k), z(B, k + 1, H, dt=torch.float32), z(B, 20), z(B), z(B, 1),
+           z(B, 1, H, dt=torch.float32), z(B, 1), z(B, k), z(B, k), z(B, 20), z(1), z(B, 1))
+    replay_drafts(z(4, k, dt=torch.float32), z(k, dt=torch.float32), z(1), z(B, 1), z(B, 20), z(B, k), 10)
+    assert seen == [("accept", (1,), 1), ("replay", (1,), 1)]

@@ -6,8 +6,12 @@ the last token, its hidden row, the position, the acceptance counts and the per-
 and under replay the emitted tokens checked against the reference. `replay_drafts`: the drafts of
 spec=replay from the reference trace (right with the profile's conditional odds, wrong after the
 first miss). As torch ops these were ~35 and ~12 small kernels (61 us of a k = 7 step on the H200,
-run ID); here each is one program (the batch rows in a loop, so the shared step counter is read
-before it is advanced). int64 throughout, as the engine's buffers.
+run ID); here each is one program of one warp (the batch rows in a loop, so the shared step counter is
+read before it is advanced). Values updated in place are read by every thread before any thread
+writes them (a barrier between). The first build (four warps) stored count, pos and the counts as
+soon as each was computed, so a warp could read a value another warp had already advanced: a race
+the CPU interpreter, which runs a program as one thread, cannot show, and the likely cause of run
+IJ's different acceptance (not confirmed on a GPU). int64 throughout, as the engine's buffers.
 """
 from __future__ import annotations
 
@@ -20,22 +24,31 @@ import triton.language as tl
 def _accept_kernel(t_ptr, d_ptr, rows_h_ptr, out_ptr, count_ptr, tok_ptr, hid_ptr, pos_ptr, hits_ptr, tries_ptr,
                    n_log_ptr, step_ptr, stat_end_ptr, ref_ptr, ref_end_ptr, mismatch_ptr, B, H, out_stride,
                    log_stride, ref_len, K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr, REPLAY: tl.constexpr):
+    # Every value it updates in place (count, pos, hits, tries, mismatch, the step) is read by all of the
+    # program's threads before any of them writes: loads, a barrier, then stores (one warp: the launch's)
     j = tl.arange(0, KP)
     step = tl.load(step_ptr)
     for b in range(B):
         t = tl.load(t_ptr + b * (K + 1) + j, mask=j <= K, other=0)
         d = tl.load(d_ptr + b * K + j, mask=j < K, other=0)
-        # n: the first draft that differs from the target's token before it (K if none)
-        n = tl.min(tl.where((d == t) & (j < K), KP, j), axis=0)
         count = tl.load(count_ptr + b)
         pos = tl.load(pos_ptr + b)
-        tl.store(out_ptr + b * out_stride + count + j, t, mask=j <= K)
         inside = (pos + K < tl.load(stat_end_ptr + b)).to(tl.int64)
+        hp = hits_ptr + b * K + j
+        tp = tries_ptr + b * K + j  # draft j was tried when drafts < j were accepted
+        hits = tl.load(hp, mask=j < K, other=0)
+        tries = tl.load(tp, mask=j < K, other=0)
+        # n: the first draft that differs from the target's token before it (K if none)
+        n = tl.min(tl.where((d == t) & (j < K), KP, j), axis=0)
         if REPLAY:  # emitted t_j at P + 1 + j should be the reference there
             at = pos + 1 + j
             ref = tl.load(ref_ptr + b * ref_len + tl.minimum(at, ref_len - 1), mask=j <= K, other=0)
             bad = (t != ref) & (j <= n) & (at < tl.load(ref_end_ptr + b))
-            tl.store(mismatch_ptr + b, tl.load(mismatch_ptr + b) + tl.sum(bad.to(tl.int64), axis=0))
+            mismatch = tl.load(mismatch_ptr + b) + tl.sum(bad.to(tl.int64), axis=0)
+        tl.debug_barrier()
+        if REPLAY:
+            tl.store(mismatch_ptr + b, mismatch)
+        tl.store(out_ptr + b * out_stride + count + j, t, mask=j <= K)
         tl.store(count_ptr + b, count + n + 1)
         tl.store(tok_ptr + b, tl.sum(tl.where(j == n, t, 0), axis=0))
         for h0 in range(0, H, BH):
@@ -43,11 +56,10 @@ def _accept_kernel(t_ptr, d_ptr, rows_h_ptr, out_ptr, count_ptr, tok_ptr, hid_pt
             v = tl.load(rows_h_ptr + (b * (K + 1) + n) * H + offs, mask=offs < H)
             tl.store(hid_ptr + b * H + offs, v, mask=offs < H)
         tl.store(pos_ptr + b, pos + n + 1)
-        hp = hits_ptr + b * K + j
-        tl.store(hp, tl.load(hp, mask=j < K, other=0) + (j < n).to(tl.int64) * inside, mask=j < K)
-        tp = tries_ptr + b * K + j  # draft j was tried when drafts < j were accepted
-        tl.store(tp, tl.load(tp, mask=j < K, other=0) + (j <= n).to(tl.int64) * inside, mask=j < K)
+        tl.store(hp, hits + (j < n).to(tl.int64) * inside, mask=j < K)
+        tl.store(tp, tries + (j <= n).to(tl.int64) * inside, mask=j < K)
         tl.store(n_log_ptr + b * log_stride + step, n.to(tl.int64))
+    tl.debug_barrier()
     tl.store(step_ptr, step + 1)
 
 
@@ -97,7 +109,7 @@ def accept(targets, drafts, rows_h, out, count, tok, hid, pos, hits, tries, n_lo
     _accept_kernel[(1,)](targets, drafts, rows_h, out, count, tok, hid, pos, hits, tries, n_log, step_i, stat_end,
                          ref, ref_end, mismatch, B, H, out.shape[1], n_log.shape[1], ref.shape[1],
                          K=k, KP=triton.next_power_of_2(k + 1), BH=min(1024, triton.next_power_of_2(H)),
-                         REPLAY=replay)
+                         REPLAY=replay, num_warps=1)
 
 
 def replay_drafts(uniform, profile, step_i, pos, ref, drafts, vocab: int) -> None:
@@ -112,4 +124,4 @@ def replay_drafts(uniform, profile, step_i, pos, ref, drafts, vocab: int) -> Non
     _check("pos", pos, (B, 1))
     _check("ref", ref, (B, ref.shape[1]))
     _replay_kernel[(1,)](uniform, profile, step_i, pos, ref, drafts, B, ref.shape[1], vocab, K=k,
-                         KP=triton.next_power_of_2(k))
+                         KP=triton.next_power_of_2(k), num_warps=1)
