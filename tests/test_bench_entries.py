@@ -380,6 +380,23 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     assert all(c.per_group for k, c in w4a16.CONFIGS.items() if k in w4a16.MMA_M16)
 
 
+def test_spec_bench_compares_the_bookkeeping_kernels_with_the_torch_ops(tmp_path):
+    """--bookkeeping on,off: a replay row with kernels/spec_accept.py (the interpreter here) and one with
+    the torch ops; the same tokens, acceptance and draws."""
+    import json
+
+    from fastgemma.bench import spec
+
+    out = tmp_path / "spec.jsonl"
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "2", "--prompt-len", "12", "--new", "10",
+               "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
+               "--bookkeeping", "on,off", "--no-agreement", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()][2:]  # the stack, the AR row
+    assert [r["bookkeeping"] for r in rows] == ["kernels", "torch"]
+    keys = ("identity_rate", "diverge_at", "tokens_per_step", "accept_mean", "accept_by_pos", "replay_mismatch")
+    assert [rows[0][k] for k in keys] == [rows[1][k] for k in keys] and rows[0]["identity_rate"] == 1.0
+
+
 def test_spec_bench_compares_each_prompt_path_with_its_own_ar_tokens(tmp_path, monkeypatch):
     """--prefill graph,eager: a speculative row's identity and divergence are against the AR tokens of
     its own prompt path. Here the eager path's tokens are made to differ from the graph path's for

@@ -237,6 +237,10 @@ def main(argv=None):
                     help="the prompt's path, comma-separated for one row each (same captured decode graphs): "
                          "eager, graph (padded, one CUDA graph per padded length: graphs=cuda_graph), "
                          "compiled_graph (+ torch.compile dynamic=True: graphs=compiled), compiled")
+    ap.add_argument("--bookkeeping", default="on",
+                    help="the accept bookkeeping and replay's drafts in one kernel each (on: kernels/spec_accept.py) "
+                         "or as torch ops (off: their twins); on,off: a row each (a CPU without TRITON_INTERPRET "
+                         "takes the torch ops either way)")
     ap.add_argument("--out", default="")
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic on torch twins (smoke test)")
     a = ap.parse_args(argv)
@@ -286,6 +290,7 @@ def main(argv=None):
         drafters[name] = d
     drafter = next(iter(drafters.values()))
     fixups = _on_off("--split-fixup", a.split_fixup)
+    bookkeeping = _on_off("--bookkeeping", a.bookkeeping)
     epilogues = _on_off("--verify-epilogues", a.verify_epilogues)
     # the fused k+1-row pass's switches: record key -> its rows (on / off)
     switch_rows = {_switch_key(flag): _on_off(flag, getattr(a, _switch_key(flag))) for flag in VERIFY_SWITCHES}
@@ -348,10 +353,11 @@ def main(argv=None):
 
         plan = ([("mtp", a.mtp_depth)] if a.mtp_depth else []) + [("replay", k) for k in depths]
         fv = fused_verify is not None
-        plan = [(tiles, dname, fix, epi, sw, kind, k) for tiles in a.verify_tiles.split(",")
+        plan = [(tiles, dname, fix, epi, sw, book, kind, k) for tiles in a.verify_tiles.split(",")
                 for dname in drafters for fix in fixups for epi in epilogues
-                for sw in (switch_sets if fv and epi == "on" else [dict.fromkeys(switch_rows)]) for kind, k in plan]
-        for tiles, dname, fix, epi, sw, kind, k in plan:
+                for sw in (switch_sets if fv and epi == "on" else [dict.fromkeys(switch_rows)])
+                for book in bookkeeping for kind, k in plan]
+        for tiles, dname, fix, epi, sw, book, kind, k in plan:
             use_verify_tiles(tiles)
             w4a16.SPLIT_FIXUP = fix == "on"  # read at launch: holds for the graphs captured below
             # read when the verify step is traced
@@ -359,7 +365,7 @@ def main(argv=None):
             cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
             replay = Replay(profiles[0]) if kind == "replay" else None
             gen = SpecGenerator(model, cache, drafters[dname], k, sampler=sampler, replay=replay, graphs=cuda,
-                                compile=a.compile)
+                                compile=a.compile, fused_bookkeeping=None if book == "on" else False)
             t = time.perf_counter()
             gen.prepare()
             prep_s = time.perf_counter() - t
@@ -388,6 +394,7 @@ def main(argv=None):
                 row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None, **sw, prefill=pname,
+                           bookkeeping="kernels" if gen.fused_bookkeeping else "torch",
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ref)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
@@ -423,18 +430,19 @@ def main(argv=None):
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
     print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
     print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | "
-          "attn qkv | prefill | "
+          "attn qkv | prefill | bookkeeping | "
           "profile | k | "
           "tok/s | x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
           "top1 vs AR | top1 conf | accept_by_pos |")
-    print("|" + "---|" * 30)
+    print("|" + "---|" * 31)
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
         print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
               f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('attn_pdl') or ''} | "
               f"{r.get('verify_mma') or ''} | {r.get('verify_attn_qkv') or ''} | {r.get('prefill', '')} | "
+              f"{r.get('bookkeeping', '')} | "
               f"{r['profile'] or ''} | {r['depth'] or ''} | {f(r['tps'], 1)} | "
               f"{f(r.get('speedup'))} | {f(r['tokens_per_step'])} | {f(r.get('expected_tokens_per_step'))} | "
               f"{f(r.get('accept_mean'))} | {f(r.get('draft_ms'), 3)} | {f(r.get('verify_ms'), 3)} | "
