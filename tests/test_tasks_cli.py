@@ -61,6 +61,20 @@ def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path):
     assert all(len(h) == 4 for h in replay["reference_head"])
 
 
+def test_replay_tokens_off_their_trace_are_counted_and_warned(caplog):
+    from types import SimpleNamespace
+
+    from fastgemma.tasks.bench import _replay_details
+
+    gen = SimpleNamespace(replay=SimpleNamespace(references={(1, 2): [5, 6, 7, 8, 9]}))
+    prompts = [SimpleNamespace(ids=[1, 2]), SimpleNamespace(ids=[3])]
+    with caplog.at_level("WARNING", logger="fastgemma"):
+        d = _replay_details(gen, prompts, [SimpleNamespace(replay_mismatch=2), SimpleNamespace(replay_mismatch=1)])
+    assert d == {"mismatch": 3, "reference_head": [[5, 6, 7, 8], []]}
+    assert any("3 emitted tokens left the reference traces" in r.getMessage() for r in caplog.records)
+    assert _replay_details(SimpleNamespace(), prompts, []) is None  # not spec=replay
+
+
 def test_weight_bytes_per_token_counts_the_head_and_one_ple_row(tmp_path):
     import torch
 
