@@ -64,9 +64,11 @@ def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path):
 def test_replay_tokens_off_their_trace_are_counted_and_warned(caplog):
     from types import SimpleNamespace
 
+    from fastgemma.engine.speculative import Replay
     from fastgemma.tasks.bench import _replay_details
 
-    gen = SimpleNamespace(replay=SimpleNamespace(references={(1, 2): [5, 6, 7, 8, 9]}))
+    gen = SimpleNamespace(replay=Replay())
+    gen.replay.references[(1, 2)] = [5, 6, 7, 8, 9]
     prompts = [SimpleNamespace(ids=[1, 2]), SimpleNamespace(ids=[3])]
     with caplog.at_level("WARNING", logger="fastgemma"):
         d = _replay_details(gen, prompts, [SimpleNamespace(replay_mismatch=2), SimpleNamespace(replay_mismatch=1)])

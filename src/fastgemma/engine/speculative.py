@@ -114,6 +114,11 @@ class Replay:
     def describe(self) -> dict:
         return {"profile": self.profile, "replay_seed": self.seed}
 
+    @staticmethod
+    def key(prompt_ids) -> tuple:
+        """A prompt's key in `references`."""
+        return tuple(int(x) for x in torch.as_tensor(prompt_ids).reshape(-1).tolist())
+
 
 def draft_steps(d, emb, cache, attn, tok, hid, pos, k: int):
     """k drafter steps at the fixed position P: tok, pos [B, 1] (the last accepted token and P), hid
@@ -206,8 +211,16 @@ class SpecGenerator(Generator):
         if fused_bookkeeping is None:
             fused_bookkeeping = dev.type == "cuda" or _INTERPRET
         self.fused_bookkeeping = fused_bookkeeping
-        self._accept = self._accept_fused if fused_bookkeeping else self._accept_torch
-        self._set_replay_drafts = self._replay_drafts_fused if fused_bookkeeping else self._replay_drafts_torch
+        self._accept, self._set_replay_drafts = self._accept_torch, self._replay_drafts_torch
+        if fused_bookkeeping:  # the launches bound to this generator's buffers (all updated in place)
+            from ..kernels.spec_accept import accept, replay_drafts
+            replay_bufs = (self.ref, self.ref_end, self.mismatch) if replay is not None else ()
+            self._accept = functools.partial(accept, self.targets, self.drafts, self.rows_h, self.out, self.count,
+                                             self.tok, self.hid, self.pos, self.hits, self.tries, self.n_log,
+                                             self.step_i, self.stat_end, *replay_bufs)
+            if replay is not None:
+                self._set_replay_drafts = functools.partial(replay_drafts, self.uniform, self.profile, self.step_i,
+                                                            self.pos, self.ref, self.drafts, model.config.vocab_size)
 
     # ---- the three phases (graph-capturable: static buffers in, static buffers out) -------------
     def _draft_loop(self, tok, hid, pos):
@@ -223,11 +236,6 @@ class SpecGenerator(Generator):
         want = self.ref.gather(1, idx)                               # [B, k]
         wrong = (want + 1) % self.model.config.vocab_size
         self.drafts.copy_(torch.where(ok, want, wrong))
-
-    def _replay_drafts_fused(self):
-        from ..kernels.spec_accept import replay_drafts
-        replay_drafts(self.uniform, self.profile, self.step_i, self.pos, self.ref, self.drafts,
-                      self.model.config.vocab_size)
 
     def _draft(self):
         drafts = self._draft_fn(self.tok, self.hid, self.pos)
@@ -250,12 +258,6 @@ class SpecGenerator(Generator):
         t, hidden = self._verify_fn(self.tok, self.drafts, self.pos)
         self.targets.copy_(t)
         self.rows_h.copy_(hidden)
-
-    def _accept_fused(self):
-        from ..kernels.spec_accept import accept
-        replay = (self.ref, self.ref_end, self.mismatch) if self.replay is not None else ()
-        accept(self.targets, self.drafts, self.rows_h, self.out, self.count, self.tok, self.hid, self.pos, self.hits,
-               self.tries, self.n_log, self.step_i, self.stat_end, *replay)
 
     def _accept_torch(self):
         k, t, d = self.k, self.targets, self.drafts
@@ -331,7 +333,7 @@ class SpecGenerator(Generator):
         GEMMs at k+1 rows round differently from one row)."""
         if self.replay is None:
             raise GenerationError("prime() is for spec=replay")
-        key = tuple(int(x) for x in torch.as_tensor(prompt_ids).reshape(-1).tolist())
+        key = Replay.key(prompt_ids)
         saved = self.profile.clone()
         self.profile.zero_()
         try:
@@ -375,7 +377,7 @@ class SpecGenerator(Generator):
     def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = True) -> SpecGeneration:
         reference = None
         if self.replay is not None:
-            key = tuple(int(x) for x in torch.as_tensor(prompt_ids).reshape(-1).tolist())
+            key = Replay.key(prompt_ids)
             reference = self.replay.references.get(key)
             if reference is None or len(reference) < max_new_tokens:
                 warnings.warn("spec=replay: no reference trace for this prompt; priming it inside this request "

@@ -53,7 +53,7 @@ def _replay_details(gen, prompts, gens) -> dict | None:
     replay = getattr(gen, "replay", None)
     if replay is None:
         return None
-    heads = [replay.references.get(tuple(int(x) for x in p.ids), [])[:4] for p in prompts]
+    heads = [replay.references.get(replay.key(p.ids), [])[:4] for p in prompts]
     mismatch = sum(g.replay_mismatch for g in gens)
     if mismatch:
         log.warning("spec=replay: %d emitted tokens left the reference traces, so the drafts after them no longer "
