@@ -50,6 +50,7 @@
 #             (--verify-norms on,off: its norm kernels; --verify-pdl on,off: its PDL launches; --attn-pdl,
 #             --verify-qkv: its attention's PDL and q/k/v kernel; --variant: the AR step's and drafter's;
 #             --bookkeeping on,off: the accept bookkeeping's kernels against its torch ops;
+#             --prompt-len 256 4096 16384 32768: rows per length, one cache sized for the longest;
 #             --profile-phases 3 --floor $OUT/floor.jsonl after the floor part: each graph's kernels against their boundaries)
 #   invariance each kernel's rows at one row vs among 8 (E4B shapes, bf16), and a k+1-row pass of the
 #             fuse.batch_invariant step against k+1 one-row steps (bench.invariance; INVARIANCE_ARGS, e.g.

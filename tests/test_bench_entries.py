@@ -397,6 +397,31 @@ def test_spec_bench_compares_the_bookkeeping_kernels_with_the_torch_ops(tmp_path
     assert [rows[0][k] for k in keys] == [rows[1][k] for k in keys] and rows[0]["identity_rate"] == 1.0
 
 
+def test_spec_bench_runs_several_prompt_lengths_in_one_process(tmp_path):
+    """--prompt-len 12 40 (a window of 16, so the longer prompt wraps the ring): an AR row and a replay
+    row for each length from one cache sized for the longest; each replay row is compared with its own
+    length's AR tokens and timed against its own length's AR row."""
+    import json
+
+    from fastgemma.bench import spec
+
+    out = tmp_path / "spec.jsonl"
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "40", "--new", "8",
+               "--depths", "2", "--profiles", "frontier", "--windows", "16", "--mtp-depth", "0", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [(r["spec"], r["prompt_len"]) for r in rows] == [("none", 12), ("none", 40), ("replay", 12),
+                                                            ("replay", 40)]
+    ar = {r["prompt_len"]: r for r in rows[:2]}
+    for r in rows[2:]:
+        assert r["identity_rate"] == 1.0 and r["diverge_at"] == [8]
+        assert r["speedup"] == pytest.approx(r["tps"] / ar[r["prompt_len"]]["tps"])
+    assert rows[2]["top1_agree"] == 1.0 and "top1_agree" not in rows[3]  # teacher-forced on the first length
+    with pytest.raises(SystemExit, match="exceeds"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompt-len", "12", "100000"])
+    with pytest.raises(SystemExit, match=">= 1"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompt-len", "0"])
+
+
 def test_spec_bench_compares_each_prompt_path_with_its_own_ar_tokens(tmp_path, monkeypatch):
     """--prefill graph,eager: a speculative row's identity and divergence are against the AR tokens of
     its own prompt path. Here the eager path's tokens are made to differ from the graph path's for

@@ -5,10 +5,11 @@ weights for all.
 
     python -m fastgemma.bench.spec --prompts 4 --prompt-len 256 --new 512
 
-Rows per window: the AR baseline (GraphStep), `mtp` (the untrained synthetic drafter's own drafts:
+Rows per window and prompt length (`--prompt-len 256 4096 32768`: one cache sized for the longest, so
+the step's graphs are captured once for all lengths): the AR baseline (GraphStep), `mtp` (the untrained synthetic drafter's own drafts:
 the cost floor, ~1 token per step), then `replay` for each depth and profile: the drafter runs k
 steps per verify (its cost counted) and its drafts follow the reference trace with the profile's
-per-position odds. Reference traces are primed once per (window, depth), untimed. Step time is
+per-position odds. Reference traces are primed once per (window, depth, length), untimed. Step time is
 split into draft / verify / accept with CUDA events between the three graphs (a separate pass).
 Speculative rows also carry `identity_rate` and `diverge_at` (per prompt, the first position where
 the tokens leave AR's; the length when equal), against the AR tokens of the same prompt path (with
@@ -181,7 +182,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gemma4_e4b")
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[256],
+                    help="prompt tokens; several: rows for each, one cache sized for the longest (the speculative "
+                         "step at long context in one process)")
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--depths", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--profiles", default="frontier,stock,chat", help=f"names from {sorted(PROFILES)}")
@@ -247,6 +250,8 @@ def main(argv=None):
     dev = a.device
     cuda = dev.startswith("cuda")
     floor = floor_option(a.floor, a.profile_phases > 0, "--profile-phases")
+    if min(a.prompt_len) < 1 or a.new < 1:
+        raise SystemExit(f"--prompt-len and --new must be >= 1, got {a.prompt_len} and {a.new}")
     if cuda and not torch.cuda.is_available():
         raise SystemExit("fastgemma.bench.spec measures CUDA graphs on a GPU; no CUDA device here")
     if a.compile:  # one specialisation per (window, depth) generator
@@ -313,16 +318,21 @@ def main(argv=None):
           f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, {drafter.nbytes_per_step() / 1e6:.1f} MB "
           f"read per draft step (top-{drafter.top_k} centroids)", flush=True)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
-    max_ctx = a.prompt_len + a.new + 16
+    lengths = a.prompt_len
+    prompts = {n: [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for _ in range(a.prompts)]
+               for n in lengths}
+    max_ctx = max(lengths) + a.new + 16
+    if max_ctx > cfg.max_position_embeddings:
+        raise SystemExit(f"--prompt-len {max(lengths)} + --new {a.new} exceeds {cfg.name}'s "
+                         f"{cfg.max_position_embeddings} positions")
     depths = [int(x) for x in a.depths.split(",") if x]
     profiles = [p for p in a.profiles.split(",") if p]
     rows = []
     profiled = False
 
-    def emit(row):
+    def emit(row, plen):
         row.update(gpu=gpu, model=cfg.name, head=a.head, compile=a.compile, prompts=a.prompts,
-                   prompt_len=a.prompt_len, new=a.new, variant=a.variant if a.fuse == "layers" else None)
+                   prompt_len=plen, new=a.new, variant=a.variant if a.fuse == "layers" else None)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -333,20 +343,25 @@ def main(argv=None):
         step = (GraphStep if cuda else StaticStep)(model, cache, sampler, compile=a.compile)
         ar = Generator(model, cache, step, sampler=sampler)
         step.prepare()
-        base = ar_tokens = None
-        ar_by_prefill = {}  # each prompt path's AR tokens: a speculative row's reference (bf16 paths round apart)
+        base = {}  # each length's AR row on the first prompt path: the speculative rows' "x AR"
+        ar_forced = None
+        ar_by_prefill = {}  # (path, length): AR tokens, a speculative row's reference (bf16 paths round apart)
         for pname in prefills:
-            use_prefill(ar, pname, a.prompt_len)
-            ar.generate(prompts[0][:32], 8)
-            outs, wall = timed(ar, prompts, a.new)
-            # identity of a later prompt path's AR tokens against the first path's
-            row = summarize("none", wlabel, 0, None, outs, wall, ar_tokens if base else None)
-            row["prefill"] = pname
-            ar_by_prefill[pname] = [o.tokens for o in outs]
-            if base is None:
-                base, ar_tokens = row, ar_by_prefill[pname]
-                ar_forced = ar.forced(prompts[0], ar_tokens[0]) if a.agreement else None
-            emit(row)
+            use_prefill(ar, pname, max(lengths))
+            for plen in lengths:
+                ps = prompts[plen]
+                ar.generate(ps[0][:32], 8)
+                outs, wall = timed(ar, ps, a.new)
+                # identity of a later prompt path's AR tokens against the first path's
+                first = ar_by_prefill.get((prefills[0], plen))
+                row = summarize("none", wlabel, 0, None, outs, wall, first)
+                row["prefill"] = pname
+                ar_by_prefill[pname, plen] = [o.tokens for o in outs]
+                if first is None:
+                    base[plen] = row
+                    if a.agreement and plen == lengths[0]:
+                        ar_forced = ar.forced(ps[0], ar_by_prefill[pname, plen][0])
+                emit(row, plen)
         del step, ar, cache
         if cuda:
             torch.cuda.empty_cache()
@@ -372,37 +387,42 @@ def main(argv=None):
             prime_s = 0.0
             phases = None
             if a.profile_phases and cuda and gen._graphs is not None and not profiled:
-                gen._reset_state(a.prompt_len)
+                gen._reset_state(lengths[0])
                 phases = profile_phases(gen, a.profile_phases, floor=floor)
                 profiled = True
-            primed = None
-            for prof, pname in [(p, q) for p in (profiles if replay is not None else [None]) for q in prefills]:
+            primed = set()
+            for prof, pname, plen in [(p, q, n) for p in (profiles if replay is not None else [None])
+                                      for q in prefills for n in lengths]:
                 if prof:
                     gen.set_profile(prof)
-                use_prefill(gen, pname, a.prompt_len)
-                if replay is not None and pname != primed:
+                if plen == lengths[0]:
+                    use_prefill(gen, pname, max(lengths))
+                ps = prompts[plen]
+                if replay is not None and (pname, plen) not in primed:
                     # the reference trace through the prefill path timed: in bf16 another path's
                     # first hidden state rounds differently and the trace would leave the engine's
                     t = time.perf_counter()
-                    for p in prompts:
+                    for p in ps:
                         gen.prime(p, a.new)
-                    prime_s, primed = time.perf_counter() - t, pname
-                gen.generate(prompts[0], a.new)  # warm-up
-                outs, wall = timed(gen, prompts, a.new)
-                ref = ar_by_prefill[pname]  # the AR tokens of the same prompt path
+                    prime_s = time.perf_counter() - t
+                    primed.add((pname, plen))
+                gen.generate(ps[0], a.new)  # warm-up
+                outs, wall = timed(gen, ps, a.new)
+                ref = ar_by_prefill[pname, plen]  # the AR tokens of the same prompt path and length
                 row = summarize(kind, wlabel, k, prof, outs, wall, ref)
-                row.update(split_ms(gen, prompts[0], a.new), speedup=row["tps"] / base["tps"],
+                row.update(split_ms(gen, ps[0], a.new), speedup=row["tps"] / base[plen]["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
                            verify_epilogues=epi if fused_verify is not None else None, **sw, prefill=pname,
                            bookkeeping="kernels" if gen.fused_bookkeeping else "torch",
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ref)])
                 if phases:
                     row["phase_kernels"], phases = phases, None
-                if ar_forced is not None and pname == prefills[0]:  # the k+1-row pass vs the AR step on AR's trace
-                    agree = top1_agreement(ar_forced, gen.forced_verify(prompts[0], ar_tokens[0]))
+                if ar_forced is not None and pname == prefills[0] and plen == lengths[0]:
+                    # the k+1-row pass vs the AR step on AR's trace
+                    agree = top1_agreement(ar_forced, gen.forced_verify(ps[0], ref[0]))
                     row.update(top1_agree=agree["top1"], top1_agree_confident=agree["top1_confident"],
                                max_abs_diff=agree["max_abs_diff"])
-                emit(row)
+                emit(row, plen)
             del gen, cache
             if cuda:
                 torch.cuda.empty_cache()
@@ -428,17 +448,17 @@ def main(argv=None):
     fused = f" + fused one-row step ({a.variant})" if a.fuse == "layers" else ""
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
-    print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {a.prompt_len} -> {a.new} new; {gpu}")
-    print("| window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | "
+    print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {' / '.join(map(str, lengths))} -> {a.new} new; {gpu}")
+    print("| prompt | window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | "
           "attn qkv | prefill | bookkeeping | "
           "profile | k | "
           "tok/s | x AR | tok/step | "
           "expected | accept_mean | draft ms | verify ms | accept ms | step ms | TTFT ms | identity | diverge at | "
           "top1 vs AR | top1 conf | accept_by_pos |")
-    print("|" + "---|" * 31)
+    print("|" + "---|" * 32)
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
-        print(f"| {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
+        print(f"| {r['prompt_len']} | {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
               f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('attn_pdl') or ''} | "
               f"{r.get('verify_mma') or ''} | {r.get('verify_attn_qkv') or ''} | {r.get('prefill', '')} | "
