@@ -222,9 +222,15 @@ def _split_kernel(
     if QKV == 0:
         _pdl_wait(PDL)  # q and the cache rows come from the kernels before
         _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
-    pid_split = tl.program_id(0)
+    if POS_TILE:  # positions the fastest axis: a split's tiles of every position run in one wave, so its
+        pid_m = tl.program_id(0)  # K / V blocks come from DRAM once and from L2 for the other positions
+        pid_split = tl.program_id(2)
+        n_tiles = tl.num_programs(0)
+    else:
+        pid_split = tl.program_id(0)
+        pid_m = tl.program_id(2)
+        n_tiles = tl.num_programs(2)
     pid_bh = tl.program_id(1)
-    pid_m = tl.program_id(2)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     b64 = b.to(tl.int64)  # B * S * Hkv * D can pass 2**31 elements
@@ -322,7 +328,7 @@ def _split_kernel(
                      mask=(row_ok & has)[:, None] & d_ok[None, :])
         if FIXUP:  # the tile's last split to arrive merges the partials (no combine launch)
             tl.debug_barrier()  # every thread's partial written before the arrival
-            tile = pid_bh * tl.num_programs(2) + pid_m
+            tile = pid_bh * n_tiles + pid_m
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 if POS_TILE:
@@ -674,7 +680,8 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
         extra = dict(qw_ptr=q, kw_ptr=q, cos_ptr=q, sin_ptr=q, idx_ptr=q_pos, scs_b=0, scs_t=0, sid_b=0, sid_t=0,
                      eps=0.0, norm_off=0.0, QKV=0, V_NORM=False, BLOCK_T=16, EMU=_INTERPRET)
     extra = dict(extra, POS_TILE=bool(per_position))
-    _split_kernel[(num_splits, B * Hkv, row_tiles)](
+    grid = (row_tiles, B * Hkv, num_splits) if per_position else (num_splits, B * Hkv, row_tiles)
+    _split_kernel[grid](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
         S, T, G, Hkv, R, num_splits, int(window), float(scale) * _LOG2E,
         *q_strides, *k_cache.stride(), *v_cache.stride(),
