@@ -192,13 +192,16 @@ def main():
     split_sig.update({n: "i32" for n in ("scs_b", "scs_t", "sid_b", "sid_t")}, eps="fp32", norm_off="fp32")
     units = dict(sq_d=1, sk_d=1, sv_d=1, so_d=1, ssp_s=1)
     # (merged: the largest merges MERGE_MAX_ELEMS allows, 8 splits x 4 rows at D 256, 4 x 4 at 512)
+    # (per position: the verify pass's group tiles under fuse.batch_invariant, 4 positions a tile)
     for name, D, bn, slot, merge in [("attention split sliding", 256, 64, True, False),
                                      ("attention split full", 512, 32, False, False),
                                      ("attention split sliding merged", 256, 64, True, True),
-                                     ("attention split full merged", 512, 32, False, True)]:
+                                     ("attention split full merged", 512, 32, False, True),
+                                     ("attention split sliding per position", 256, 64, True, False),
+                                     ("attention split full per position", 512, 32, False, False)]:
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=16, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
                   FIXUP=merge, BLOCK_S=(8 if D == 256 else 4) if merge else 1, MERGE_M=4 if merge else 1, QKV=0,
-                  V_NORM=False, BLOCK_T=16, EMU=False, POS_TILE=False)
+                  V_NORM=False, BLOCK_T=16, EMU=False, POS_TILE=name.endswith("per position"), POS_Q=4)
         pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
     # the q/k/v mode (decode_attention_qkv): a store layer at 1 and 8 rows (its own K / V rows made
     # and stored), a query-only one; the positions and the first K / V block loaded before the wait
@@ -218,7 +221,7 @@ def main():
         merge = name.endswith("merged")  # E4B's sliding layers at one row: 7 / 6 splits of 4 rows, merged
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
                   FIXUP=merge, BLOCK_S=8 if merge else 1, MERGE_M=4 if merge else 1, QKV=qkv, V_NORM=True,
-                  BLOCK_T=16, EMU=False, POS_TILE=False)
+                  BLOCK_T=16, EMU=False, POS_TILE=False, POS_Q=4)
         with contextlib.redirect_stdout(io.StringIO()) as buf:
             pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), warps, stages)
         print(buf.getvalue().replace("pdl\t", "prefetch\t", 1), end="")

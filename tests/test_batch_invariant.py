@@ -22,14 +22,19 @@ SMALL = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_ty
 
 
 @pytest.mark.parametrize("merge", [False, True])
-@pytest.mark.parametrize("ring,S,window,splits", [(True, 40, 24, None), (False, 256, 0, None), (False, 256, 0, 3)])
-def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, merge):
-    """T = 8 rows of positions last-7..last (their K / V in the cache, as the verify pass writes them
+@pytest.mark.parametrize("ring,S,window,splits,T,first", [
+    (True, 40, 24, None, 8, 63), (False, 256, 0, None, 8, 193), (False, 256, 0, 3, 8, 193), (False, 256, 0, 3, 8, 187),
+    (False, 256, 0, 5, 8, 186), (False, 256, 50, 3, 8, 189), (False, 256, 0, 3, 3, 190), (False, 256, 0, 7, 1, 101)])
+def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, T, first, merge):
+    """T rows at positions first..first+T-1 (their K / V in the cache, as the verify pass writes them
     first): with per_position each row's output is the one-row call's at its position, bit for bit;
-    both equal the twin. Full layer: the split count the one-row launch picks (4 over 256 slots),
-    and a forced 3; merge: the partials merged in the split kernel, in both."""
+    both equal the twin. A tile holds the rows of 4 aligned positions (E4B's 4 heads a KV head), so
+    the rows lie in 2 or 3 tiles. Full layer: the split count the one-row launch picks (4 over 256
+    slots), and forced ones; from 187 the rows' split boundaries change at 192 (3 splits of 64-key
+    blocks); a linear cache with a window; merge: the partials merged in the split kernel, in both."""
     gen = torch.Generator().manual_seed(0)
-    B, T, Hkv, G, D, last = 1, 8, 2, 4, 64, 200 if not ring else 70
+    B, Hkv, G, D = 1, 2, 4, 64
+    last = first + T - 1
     q = torch.randn(B, T, Hkv * G, D, generator=gen)
     k = torch.randn(B, S, Hkv, D, generator=gen) * D ** -0.25
     v = torch.randn(B, S, Hkv, D, generator=gen)

@@ -32,6 +32,7 @@ from .counters import arrival_counters
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args, sm_count
 
 _LOG2E = 1.4426950408889634
+ROWWISE = tl.constexpr(_INTERPRET)  # `_rowwise_mm` for tl.dot under the interpreter
 _MAX_SPLITS = 64
 # merge=True merges a row tile's partials in its last split program only up to this many fp32 values
 # (splits x rows x head dim, all loaded at once: 32 registers a thread at 8 warps): E4B's sliding
@@ -67,11 +68,23 @@ def _k_block(k_base, spos_ptr, b64, ssp_b, ssp_s, n0, end, d, d_ok, qmax, tile_w
 
 
 @triton.jit
+def _rowwise_mm(a, b):
+    """a [M, K] @ b [K, N] in fp32 as a broadcast product summed over K: the interpreter's tl.dot, so
+    that a row's sums do not depend on where it sits in the tile (numpy's matmul blocks rows and can
+    round a row by its index; the tensor cores' rows are independent)."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _scores(qa, qb, ka, kb, kpos, n_ok, qpos, win_lo, m_i, l_i, qk_scale, IEEE: tl.constexpr, HALVES: tl.constexpr):
     """A key block's scores into the online softmax of the tile's rows (log2 domain) -> (m_i, l_i,
     alpha, p); then `_accumulate` with its V. HALVES: from the two RoPE halves (qa . ka + qb . kb),
     else qa . ka."""
-    if IEEE:
+    if ROWWISE:
+        s = _rowwise_mm(qa, tl.trans(ka))
+        if HALVES:
+            s += _rowwise_mm(qb, tl.trans(kb))
+    elif IEEE:
         s = tl.dot(qa, tl.trans(ka), input_precision="ieee")
         if HALVES:
             s += tl.dot(qb, tl.trans(kb), input_precision="ieee")
@@ -92,6 +105,8 @@ def _scores(qa, qb, ka, kb, kpos, n_ok, qpos, win_lo, m_i, l_i, qk_scale, IEEE: 
 
 @triton.jit
 def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
+    if ROWWISE:
+        return acc * alpha[:, None] + _rowwise_mm(p.to(v.dtype), v)
     if IEEE:
         return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -196,6 +211,19 @@ def _own_rows(qa, qb, qkv_ptr, k_base, v_base, qpos_ptr, kw, cos_ptr, sin_ptr, i
 
 
 @triton.jit
+def _group_rows(qpos0_ptr, pid_m, lane, G, T, POS_Q: tl.constexpr):
+    """Group tile pid_m's rows (T rows at consecutive positions from *qpos0_ptr): the group
+    q0 // POS_Q + pid_m of positions -> (its first position as a row t0, < 0 before the step; each
+    lane's row t, head g, whether it is a row of the step, r = t G + g)."""
+    q0 = tl.load(qpos0_ptr).to(tl.int32)
+    t0 = (q0 // POS_Q + pid_m) * POS_Q - q0
+    t = t0 + lane // G
+    g = lane % G
+    row_ok = (lane < POS_Q * G) & (t >= 0) & (t < T)
+    return t0, t, g, row_ok, t * G + g
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, spos_ptr, o_ptr, lse_ptr, out_ptr,
     S, T, G, Hkv, R, num_splits, window, qk_scale,
@@ -209,7 +237,7 @@ def _split_kernel(
     FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr, MERGE_M: tl.constexpr,
     qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, scs_b, scs_t, sid_b, sid_t, eps, norm_off,
     QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr, POS_TILE: tl.constexpr,
-    PARTS: tl.constexpr = False,
+    POS_Q: tl.constexpr = 1, PARTS: tl.constexpr = False,
 ):
     """QKV 0: q as given. 1: q_ptr is the merged projection's rows [B, T, H*D] (strides sq_b, sq_t),
     q = rope(q_norm(.)) made here (as its two RoPE halves, K read the same way). 2: rows [B, T,
@@ -218,34 +246,35 @@ def _split_kernel(
     at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
     V block is prefetched into L2 before the PDL wait. PARTS: o_ptr is bf16 and every row of every
     split is written (an empty split's as zeros), for a GEMV that weighs the splits itself
-    (kernels/attn_fold.py); no merge."""
+    (kernels/attn_fold.py); no merge. POS_Q: positions per group (`_plan`); a slot_pos=None range splits
+    at the bounds of the groups its rows lie in. POS_TILE: row tile pid_m is the group
+    q_pos[b, 0] // POS_Q + pid_m of positions (rows at consecutive positions), so each of its rows
+    splits as its one-row launch does."""
     if QKV == 0:
         _pdl_wait(PDL)  # q and the cache rows come from the kernels before
         _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
     if POS_TILE:  # positions the fastest axis: a split's tiles of every position run in one wave, so its
         pid_m = tl.program_id(0)  # K / V blocks come from DRAM once and from L2 for the other positions
+        pid_bh = tl.program_id(1)
         pid_split = tl.program_id(2)
-        n_tiles = tl.num_programs(0)
     else:
         pid_split = tl.program_id(0)
+        pid_bh = tl.program_id(1)
         pid_m = tl.program_id(2)
-        n_tiles = tl.num_programs(2)
-    pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     b64 = b.to(tl.int64)  # B * S * Hkv * D can pass 2**31 elements
 
-    # rows r = t * G + g of this tile; head = kvh * G + g. POS_TILE: the tile is position pid_m's G
-    # rows alone (the rest masked), the tile a one-row step launches for that position
+    # rows r = t * G + g of this tile; head = kvh * G + g. POS_TILE: the tile is the rows of one
+    # POS_Q-aligned group of positions (lanes past them or past the step's rows masked)
     lane = tl.arange(0, BLOCK_M)
     if POS_TILE:
-        r = pid_m * G + lane
-        row_ok = (lane < G) & (r < R)
+        t0, t, g, row_ok, r = _group_rows(qpos_ptr + b64 * sqp_b, pid_m, lane, G, T, POS_Q)
     else:
         r = pid_m * BLOCK_M + lane
         row_ok = r < R
-    t = r // G
-    g = r % G
+        t = r // G
+        g = r % G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     # padding rows get qpos = -1: they see nothing and end as zeros (positions: no kernel of the step
@@ -270,13 +299,18 @@ def _split_kernel(
     if HAS_SLOT_POS:
         lo = 0
         hi = S
+        span = tl.maximum(hi - lo, 0)
     else:
+        # read up to the last row's position (a row's keys past its own are masked for it and add exact
+        # zeros); the splits' bounds from the end of the last row's POS_Q-aligned group of positions, the
+        # same for every row of a group, so a POS_TILE tile splits as its rows' one-row launches do (a
+        # window over a linear cache takes POS_Q = 1: its first key moves with each position)
         lo = tl.maximum(tile_win_lo + 1, 0)
         hi = tl.minimum(qmax + 1, S)
-    n_live = tl.maximum(hi - lo, 0)
-    # each split takes a whole number of BLOCK_N blocks of the live range; late splits may be empty
+        span = tl.maximum(tl.minimum((qmax // POS_Q + 1) * POS_Q, S) - lo, 0)
+    # each split takes a whole number of BLOCK_N blocks of the span; late splits may be empty
     # (QKV 2: the last split takes the step's own rows instead)
-    chunk = tl.cdiv(tl.cdiv(n_live, num_splits - (QKV == 2)), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(span, num_splits - (QKV == 2)), BLOCK_N) * BLOCK_N
     start = lo + pid_split * chunk
     end = tl.minimum(start + chunk, hi)
 
@@ -314,6 +348,8 @@ def _split_kernel(
                                      BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, False)
 
     has = l_i > 0.0
+    if POS_TILE:  # the rows again (their first position read again rather than held across the loop)
+        t0, t, g, row_ok, r = _group_rows(qpos_ptr + b64 * sqp_b, pid_m, lane, G, T, POS_Q)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLIT:
         # scratch o [B*Hkv, num_splits, R, D] fp32, lse [B*Hkv, num_splits, R] (log2 domain)
@@ -328,17 +364,20 @@ def _split_kernel(
                      mask=(row_ok & has)[:, None] & d_ok[None, :])
         if FIXUP:  # the tile's last split to arrive merges the partials (no combine launch)
             tl.debug_barrier()  # every thread's partial written before the arrival
-            tile = pid_bh * n_tiles + pid_m
+            if POS_TILE:
+                tile = pid_bh * tl.num_programs(0) + pid_m
+            else:
+                tile = pid_bh * tl.num_programs(2) + pid_m
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
-                if POS_TILE:
-                    r0 = pid_m * G
-                    lim = G
+                if POS_TILE:  # position by position, as a one-row launch merges its G rows
+                    for j in tl.static_range(POS_Q):
+                        tj = t0 + j
+                        _merge_tile(o_ptr, lse_ptr, out_ptr, pid_bh, tj * G, tl.where((tj >= 0) & (tj < T), G, 0),
+                                    G, R, kvh, b64, num_splits, so_b, so_t, so_h, so_d, D, BLOCK_D, BLOCK_S, MERGE_M)
                 else:
-                    r0 = pid_m * BLOCK_M
-                    lim = BLOCK_M
-                _merge_tile(o_ptr, lse_ptr, out_ptr, pid_bh, r0, lim, G, R, kvh, b64, num_splits,
-                            so_b, so_t, so_h, so_d, D, BLOCK_D, BLOCK_S, MERGE_M)
+                    _merge_tile(o_ptr, lse_ptr, out_ptr, pid_bh, pid_m * BLOCK_M, BLOCK_M, G, R, kvh, b64,
+                                num_splits, so_b, so_t, so_h, so_d, D, BLOCK_D, BLOCK_S, MERGE_M)
                 tl.store(cnt_ptr + tile, 0)
     else:
         tl.store(out_ptr + b64 * so_b + t[:, None] * so_t + (kvh * G + g)[:, None] * so_h + d[None, :] * so_d,
@@ -609,19 +648,25 @@ def _tiles_arg(text: str) -> dict:
     return dict(tiles=tiles, num_splits=splits)
 
 
-def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, tiles, device):
-    """(block_m, row_tiles, (BLOCK_N, num_warps, num_stages), num_splits) of a launch: the split
-    kernel's tile and its split count (QKV 2: with the own rows' split)."""
+def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, tiles, device,
+          moving_lo: bool = False):
+    """(block_m, row_tiles, (BLOCK_N, num_warps, num_stages), num_splits, pos_q) of a launch: the split
+    kernel's tile, its split count (QKV 2: with the own rows' split) and the positions a group tile
+    holds (the split kernel's POS_Q; moving_lo, a window over a linear cache, whose first key moves
+    with each position: 1)."""
     B, T, H, D = shape
     G = H // Hkv
-    # per_position: the tile of a one-row launch (its R = G), once per position; tl.dot needs M >= 16
+    # per_position: the tile of a one-row launch (tl.dot needs M >= 16), its rows of pos_q positions
+    # (E4B: 4 query heads, 4 positions) a tile; T consecutive positions lie in up to
+    # cdiv(T - 1, pos_q) + 1 aligned groups
     block_m = min(64, max(16, triton.next_power_of_2(G if per_position else G * T)))
-    row_tiles = T if per_position else triton.cdiv(G * T, block_m)
+    pos_q = 1 if moving_lo else max(1, block_m // G)
+    row_tiles = triton.cdiv(T - 1, pos_q) + 1 if per_position else triton.cdiv(G * T, block_m)
     tiles = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv else _tiles(D, block_m))
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, tiles[0], sm_count(device))
     # QKV 2: one split more, for the step's own rows
-    return block_m, row_tiles, tiles, max(1, int(num_splits)) + (qkv == 2)
+    return block_m, row_tiles, tiles, max(1, int(num_splits)) + (qkv == 2), pos_q
 
 
 def qkv_splits(k_cache: torch.Tensor, heads: int, head_dim: int, store: bool, tiles: str = "") -> int:
@@ -653,8 +698,8 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     if per_position and (qkv or G > 64):
         raise ValueError("decode_attention per_position takes q as given (no q/k/v mode) and at most 64 query "
                          f"heads per KV head, got the q/k/v mode {qkv} and {G}")
-    block_m, row_tiles, (block_n, num_warps, num_stages), num_splits = _plan(
-        shape, S, Hkv, qkv, num_splits, per_position, tiles, q.device)
+    block_m, row_tiles, (block_n, num_warps, num_stages), num_splits, pos_q = _plan(
+        shape, S, Hkv, qkv, num_splits, per_position, tiles, q.device, slot_pos is None and window > 0)
     split = num_splits > 1
     if parts and (B != 1 or T != 1 or not split or per_position):
         raise ValueError(f"decode attention's partials are one row's (B = T = 1) over more than one split, got "
@@ -679,7 +724,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     if not extra:  # QKV 0: the other pointers are not read
         extra = dict(qw_ptr=q, kw_ptr=q, cos_ptr=q, sin_ptr=q, idx_ptr=q_pos, scs_b=0, scs_t=0, sid_b=0, sid_t=0,
                      eps=0.0, norm_off=0.0, QKV=0, V_NORM=False, BLOCK_T=16, EMU=_INTERPRET)
-    extra = dict(extra, POS_TILE=bool(per_position))
+    extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q)
     grid = (row_tiles, B * Hkv, num_splits) if per_position else (num_splits, B * Hkv, row_tiles)
     _split_kernel[grid](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
