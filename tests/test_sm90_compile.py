@@ -28,13 +28,18 @@ def test_gpu_only_variants_compile_for_sm90():
     params = {"residual norm": 5, "qkv finish sliding": 2, "qkv finish full": 2}
     assert set(pdl) == {"residual norm", "int4 per-group geglu split-4", "int4 per-group split-2", "skinny ple gate",
                         "qkv finish sliding", "qkv finish full", "attention split sliding", "attention split full",
-                        "attention split sliding merged", "attention split full merged", "attention combine"}
+                        "attention split sliding merged", "attention split full merged", "attention combine",
+                        "attention split sliding per position", "attention split full per position"}
     for name, (regs, spills, waits, triggers, loads, mma_before, regs_plain, spills_plain) in pdl.items():
         assert (waits, triggers, loads) == (1, 1, params.get(name, 0)), (name, pdl[name])
         assert regs <= regs_plain + (8 if name in params else 0), (name, pdl[name])
         # the attention's split kernel (K and V tiles of 64 x 256 or 32 x 512 at 2 stages) runs at 255
-        # registers and spills some hundred bytes with or without PDL; the others spill nothing
-        assert spills <= spills_plain <= 512 if "split" in name else spills == 0, (name, pdl[name])
+        # registers and spills some hundred bytes with or without PDL; the others spill nothing. The
+        # full layer's group tiles of 4 positions (the batch-invariant verify pass) spill 672 bytes
+        # (320 with one position a tile) and still ran faster at every context (run IP: 2.070 -> 2.049
+        # ms at 256 tokens, 3.214 -> 2.639 at 32,768)
+        budget = 768 if name == "attention split full per position" else 512
+        assert spills <= spills_plain <= budget if "split" in name else spills == 0, (name, pdl[name])
         gemm = "int4" in name or "skinny" in name
         assert mma_before > 0 if gemm else mma_before == 0, (name, pdl[name])
     # the attention's q/k/v mode: one wait and one trigger, the positions read and the first K / V

@@ -516,11 +516,12 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
     last split program to arrive merges the partials (arrival counters of kernels/counters.py)
     instead of a second launch, where a tile's partials are at most MERGE_MAX_ELEMS values (else
     the combine launch stays); the counters need one eager call of the shape before a CUDA graph
-    captures it. per_position: each row tile holds one position's G query heads and the split count
-    is the one-row launch's, so each row is summed exactly as a one-row call at its position sums it
-    (its keys cut into the same splits and blocks, the same tile shape), bit for bit whatever rows
-    sit beside it: a verify pass's rows equal the AR steps' (fuse.batch_invariant); T times the
-    programs."""
+    captures it. per_position (rows at consecutive positions): each row tile holds the G query heads
+    of the positions in one aligned group (BLOCK_M // G of them: E4B 4, so 8 rows take 2-3 tiles;
+    one, for a window over a linear cache) and the split count is the one-row launch's, so each row
+    is summed exactly as a one-row call at its position sums it (its keys cut into the same splits
+    and blocks, the same tile shape, a row's extra keys masked: exact zeros), bit for bit whatever
+    rows sit beside it: a verify pass's rows equal the AR steps' (fuse.batch_invariant)."""
     B, T, H, D = q.shape
     _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, f"q {tuple(q.shape)}")
     return _attention(q, q.stride(), (B, T, H, D), k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits,
@@ -687,7 +688,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
                extra: dict, per_position: bool = False, tiles: tuple[int, int, int] | None = None,
                parts: bool = False):
     """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`;
-    per_position: a row tile per position, split as a one-row launch is (`decode_attention`). parts
+    per_position: a row tile per group of positions, split as a one-row launch is (`decode_attention`). parts
     (one row, split): no combine; -> the splits' o [Hkv, splits, G, D] in q's dtype (an empty split's
     zeros) and their lse [Hkv, splits, G] (log2), for kernels/attn_fold.py."""
     B, T, H, D = shape

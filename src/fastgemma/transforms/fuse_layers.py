@@ -464,7 +464,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     its tiles per layer kind from `attn_tiles`).
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
     tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
-    tiles per position with the one-row split count, the embedding's PLE path in kernels): the
+    tiles per group of positions with the one-row split count, the embedding's PLE path in kernels): the
     verify pass's rows equal the AR steps' bit for bit."""
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
