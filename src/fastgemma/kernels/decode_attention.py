@@ -10,7 +10,9 @@ a KV head times the T rows form one tile of G*T rows (E4B decode: 4 rows, verify
 K/V block is read once for all of them. Each program walks its share of the live key range:
 slot_pos=None: [max(0, min qpos - window + 1) or 0, max qpos], read from q_pos on the device, so
 cost follows the context, not S; ring buffer: [0, S). The grid depends on shapes only
-(CUDA-graph safe). With num_splits > 1 partials (o normalised, log2-sum-exp) go to fp32 scratch
+(CUDA-graph safe). per_position (the batch-invariant verify pass): a row tile per aligned group of
+positions, the grid (row tile, b * Hkv + kv_head, split), so a split's tiles run in one wave and
+read its K / V once from DRAM. With num_splits > 1 partials (o normalised, log2-sum-exp) go to fp32 scratch
 and `_combine_kernel` merges them (merge=True: the tile's last split program does, `_merge_tile`);
 with num_splits == 1 the split kernel writes the output.
 
