@@ -41,7 +41,7 @@ from ..kernels import w4a16
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 from .floor import floor_option
-from .stack import VARIANT_OPTS, fused_table_arg, mma_table_arg
+from .stack import VARIANT_OPTS, fused_table_arg, mma_table_arg, random_prompts
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base"):
@@ -317,14 +317,8 @@ def main(argv=None):
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s | drafter "
           f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params, {drafter.nbytes_per_step() / 1e6:.1f} MB "
           f"read per draft step (top-{drafter.top_k} centroids)", flush=True)
-    g = torch.Generator().manual_seed(0)
     lengths = a.prompt_len
-    prompts = {n: [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for _ in range(a.prompts)]
-               for n in lengths}
-    max_ctx = max(lengths) + a.new + 16
-    if max_ctx > cfg.max_position_embeddings:
-        raise SystemExit(f"--prompt-len {max(lengths)} + --new {a.new} exceeds {cfg.name}'s "
-                         f"{cfg.max_position_embeddings} positions")
+    prompts, max_ctx = random_prompts(cfg, lengths, a.prompts, a.new)
     depths = [int(x) for x in a.depths.split(",") if x]
     profiles = [p for p in a.profiles.split(",") if p]
     rows = []

@@ -194,6 +194,19 @@ def head_us(model, sampler, dev: str, rep_ms: int = 50) -> float:
     return (time.perf_counter() - t) / 3 * 1e6
 
 
+def random_prompts(cfg, lengths: list[int], count: int, new: int) -> tuple[dict, int]:
+    """`count` random prompts of each length (seed 0, drawn length by length) and the context a cache
+    needs for the longest plus `new` tokens; a SystemExit past the model's positions."""
+    g = torch.Generator().manual_seed(0)
+    prompts = {n: [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for _ in range(count)]
+               for n in lengths}
+    max_ctx = max(lengths) + new + 16
+    if max_ctx > cfg.max_position_embeddings:
+        raise SystemExit(f"--prompt-len {max(lengths)} + --new {new} exceeds {cfg.name}'s "
+                         f"{cfg.max_position_embeddings} positions")
+    return prompts, max_ctx
+
+
 def main(argv=None):
     from ..transforms.sampler import FusedArgmax
 
@@ -290,13 +303,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     bw = copy_bandwidth(dev) if cuda else float("nan")
-    g = torch.Generator().manual_seed(0)
-    prompts = {n: [torch.randint(10, cfg.vocab_size, (n,), generator=g).tolist() for _ in range(a.prompts)]
-               for n in lengths}
-    max_ctx = max(lengths) + a.new + 16
-    if max_ctx > cfg.max_position_embeddings:
-        raise SystemExit(f"--prompt-len {max(lengths)} + --new {a.new} exceeds {cfg.name}'s "
-                         f"{cfg.max_position_embeddings} positions")
+    prompts, max_ctx = random_prompts(cfg, lengths, a.prompts, a.new)
     sampler = FusedArgmax("triton" if cuda else "torch")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
