@@ -255,8 +255,8 @@ def _split_kernel(
     if QKV == 0:
         _pdl_wait(PDL)  # q and the cache rows come from the kernels before
         _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
-    if POS_TILE:  # positions the fastest axis: a split's tiles of every position run in one wave, so its
-        pid_m = tl.program_id(0)  # K / V blocks come from DRAM once and from L2 for the other positions
+    if POS_TILE:  # row tiles the fastest axis: a split's tiles run in one wave, its K / V read once from DRAM
+        pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_split = tl.program_id(2)
     else:
@@ -350,8 +350,6 @@ def _split_kernel(
                                      BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, False)
 
     has = l_i > 0.0
-    if POS_TILE:  # the rows again (their first position read again rather than held across the loop)
-        t0, t, g, row_ok, r = _group_rows(qpos_ptr + b64 * sqp_b, pid_m, lane, G, T, POS_Q)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLIT:
         # scratch o [B*Hkv, num_splits, R, D] fp32, lse [B*Hkv, num_splits, R] (log2 domain)
