@@ -301,7 +301,7 @@ def _split_kernel(
     if HAS_SLOT_POS:
         lo = 0
         hi = S
-        span = tl.maximum(hi - lo, 0)
+        span = tl.maximum(hi - lo, 0)  # (= S; written so, the sm_90a build keeps the registers it was timed with)
     else:
         # read up to the last row's position (a row's keys past its own are masked for it and add exact
         # zeros); the splits' bounds from the end of the last row's POS_Q-aligned group of positions, the

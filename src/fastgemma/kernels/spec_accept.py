@@ -10,8 +10,9 @@ run ID); here each is one program of one warp (the batch rows in a loop, so the 
 read before it is advanced). Values updated in place are read by every thread before any thread
 writes them (a barrier between). The first build (four warps) stored count, pos and the counts as
 soon as each was computed, so a warp could read a value another warp had already advanced: a race
-the CPU interpreter, which runs a program as one thread, cannot show, and the likely cause of run
-IJ's different acceptance (not confirmed on a GPU). int64 throughout, as the engine's buffers.
+the CPU interpreter, which runs a program as one thread, cannot show, and the cause of run IJ's
+different acceptance (the fixed kernel draws run IF's again: run IM). int64 throughout, as the engine's
+buffers.
 """
 from __future__ import annotations
 
