@@ -27,7 +27,8 @@ SMALL = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_ty
     (False, 256, 0, 5, 8, 186), (False, 256, 50, 3, 8, 189), (False, 256, 0, 3, 3, 190), (False, 256, 0, 7, 1, 101)])
 def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, T, first, merge):
     """T rows at positions first..first+T-1 (their K / V in the cache, as the verify pass writes them
-    first): with per_position each row's output is the one-row call's at its position, bit for bit;
+    first): with per_position each row's output is the one-row per_position call's at its position (the
+    AR step's under the switch), bit for bit;
     both equal the twin. A tile holds the rows of 4 aligned positions (E4B's 4 heads a KV head), so
     the rows lie in 2 or 3 tiles. Full layer: the split count the one-row launch picks (4 over 256
     slots), and forced ones; from 187 the rows' split boundaries change at 192 (3 splits of 64-key
@@ -47,7 +48,7 @@ def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, T, firs
     rows = da.decode_attention(q, k, v, q_pos, slot_pos, window, num_splits=splits, per_position=True, merge=merge)
     for t in range(T):
         one = da.decode_attention(q[:, t:t + 1], k, v, q_pos[:, t:t + 1], slot_pos, window, num_splits=splits,
-                                  merge=merge)
+                                  per_position=True, merge=merge)
         assert torch.equal(rows[:, t:t + 1], one), t
     ref = da.decode_attention_ref(q, k, v, q_pos, slot_pos, window)
     assert (rows - ref).abs().max().item() < 1e-5

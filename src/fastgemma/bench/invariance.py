@@ -104,8 +104,9 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
         q_pos = torch.arange(last - M + 1, last + 1, device=dev)[None]
         for per in (True, False):
             wide = decode_attention(q, k, v, q_pos, slot_pos, window, per_position=per)
-            ones = torch.cat([decode_attention(q[:, i:i + 1], k, v, q_pos[:, i:i + 1], slot_pos, window)
-                              for i in range(M)], 1)
+            # (per-position: against one-row per-position launches, the AR step's under the switch)
+            ones = torch.cat([decode_attention(q[:, i:i + 1], k, v, q_pos[:, i:i + 1], slot_pos, window,
+                                               per_position=per) for i in range(M)], 1)
             out.append(dict(check=f"attention {name} D={D}", config="per-position" if per else "default",
                             **_diff(wide, ones)))
     w = rnd(12288, 2560, scale=0.02)
