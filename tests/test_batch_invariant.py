@@ -52,9 +52,47 @@ def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, T, firs
         assert torch.equal(rows[:, t:t + 1], one), t
     ref = da.decode_attention_ref(q, k, v, q_pos, slot_pos, window)
     assert (rows - ref).abs().max().item() < 1e-5
-    with pytest.raises(ValueError, match="per_position takes q as given"):
+    with pytest.raises(ValueError, match="per_position takes q as given or a query-only layer"):
         da._attention(q, q.stride(), (B, T, Hkv * G, D), k, v, q_pos, slot_pos, window, 1.0, None, False, False,
-                      {"QKV": 1}, True)
+                      {"QKV": 2}, True)
+
+
+@pytest.mark.parametrize("ring,S,window,splits,first", [(True, 40, 24, None, 63), (False, 256, 0, 3, 187),
+                                                     (False, 256, 0, None, 193)])
+def test_query_only_qkv_mode_per_position(ring, S, window, splits, first):
+    """A query-only layer's q/k/v mode (q norm + RoPE in the split kernel) with per-position tiles: each
+    of 8 rows equals its one-row per-position launch bit for bit (split bounds changing inside the
+    rows from 187), and the twin; a store layer's q/k/v mode is refused per position."""
+    gen = torch.Generator().manual_seed(1)
+    B, Hkv, G, D, T = 1, 2, 4, 64, 8
+    H = Hkv * G
+    last = first + T - 1
+    qkv = torch.randn(B, T, H * D, generator=gen)
+    q_w = torch.randn(D, generator=gen) * 0.1
+    ang = torch.randn(B, T, 1, D // 2, generator=gen)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    k = torch.randn(B, S, Hkv, D, generator=gen) * D ** -0.25
+    v = torch.randn(B, S, Hkv, D, generator=gen)
+    q_pos = torch.arange(first, last + 1)[None]
+    slot_pos = None
+    if ring:
+        slot_pos = torch.full((B, S), -1, dtype=torch.int32)
+        for p in range(last + 1):
+            slot_pos[0, p % S] = p
+    kw = dict(heads=H, eps=1e-6, offset=1.0, num_splits=splits)
+    rows = da.decode_attention_qkv(qkv, q_w, None, cos, sin, k, v, None, q_pos, slot_pos, window, per_position=True,
+                                   **kw)
+    for t in range(T):
+        one = da.decode_attention_qkv(qkv[:, t:t + 1], q_w, None, cos[:, t:t + 1], sin[:, t:t + 1], k, v, None,
+                                      q_pos[:, t:t + 1], slot_pos, window, per_position=True, **kw)
+        assert torch.equal(rows[:, t:t + 1], one), t
+    ref = da.decode_attention_qkv_ref(qkv, q_w, None, cos, sin, k, v, None, q_pos, slot_pos, window, heads=H,
+                                      eps=1e-6, offset=1.0)
+    assert (rows - ref).abs().max().item() < 1e-4
+    qkv_store = torch.randn(B, T, (H + 2 * Hkv) * D, generator=gen)
+    with pytest.raises(ValueError, match="per_position takes q as given or a query-only layer"):
+        da.decode_attention_qkv(qkv_store, q_w, q_w, cos, sin, k.clone(), v.clone(), q_pos, q_pos, None, 0,
+                                per_position=True, **kw)
 
 
 def test_every_e4b_int4_shape_has_a_one_row_config():
@@ -74,26 +112,28 @@ def test_every_e4b_int4_shape_has_a_one_row_config():
     assert mma_config(10752, 2560, 1) is None  # the default path keeps W_plm off the tensor-core kernel
 
 
-def _invariant_model(seed=4):
+def _invariant_model(seed=4, attn_qkv=False):
     from fastgemma.transforms.fuse_layers import FuseLayers
     from fastgemma.weights.synthetic import synthetic_model
 
     model = synthetic_model(SMALL, "cpu", torch.float32, seed=seed)
     model.step_attention = da.decode_attention_op
-    t = FuseLayers(backend="triton", qkv_kernel=True, batch_invariant=True)
+    t = FuseLayers(backend="triton", qkv_kernel=True, batch_invariant=True, attn_qkv=attn_qkv)
     t.apply(model)
     t.validate(model)
     return model, t
 
 
-def test_verify_rows_equal_the_one_row_steps(wide_tiles):
+@pytest.mark.parametrize("attn_qkv", [False, True])
+def test_verify_rows_equal_the_one_row_steps(wide_tiles, attn_qkv):
     """fp32, dense body, the Triton kernels in the interpreter: the hidden state of every row of a
     5-row step equals, bit for bit, the one-row step's at that position after the same tokens
     (context past the window: the ring wraps), and the head's logits of those rows too; the step
-    still computes the ordinary step's function."""
+    still computes the ordinary step's function. attn_qkv: the KV-shared layers' q norm + RoPE in the
+    attention's split kernel (per-position tiles) in both steps."""
     from fastgemma.transforms.sampler import FusedArgmax
 
-    model, t = _invariant_model()
+    model, t = _invariant_model(attn_qkv=attn_qkv)
     assert t.describe()["batch_invariant"] and model.batch_invariant
     prompt, toks = torch.tensor([list(range(5, 27))]), torch.tensor([[40, 41, 42, 43, 44]])
     caches = [KVCache(SMALL, 1, 64, dtype=torch.float32) for _ in range(3)]

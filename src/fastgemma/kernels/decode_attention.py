@@ -531,7 +531,7 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
 def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window: int, *,
                          heads: int, eps: float, offset: float = 0.0, v_norm: bool = True, scale: float = 1.0,
                          num_splits: int | None = None, pdl: bool = False, merge: bool = False,
-                         tiles: tuple[int, int, int] | None = None, parts: bool = False):
+                         tiles: tuple[int, int, int] | None = None, parts: bool = False, per_position: bool = False):
     """kernels/qkv_finish.py and `decode_attention` in one split kernel: qkv [B, T, (H + 2 Hkv) D], the
     merged projection's rows of a store layer (k_w given: its K / V rows are normed, rotated, written
     into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
@@ -542,7 +542,9 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
     not bit for bit). tiles: (BLOCK_N, num_warps, num_stages) instead of `_qkv_tiles`' (bench.attention
     times candidates; `check_tiles` refuses what the kernel cannot take). parts (one row): the splits'
-    o and lse instead of the output, no combine (`_attention`)."""
+    o and lse instead of the output, no combine (`_attention`). per_position (a query-only layer): the
+    row tiles of `decode_attention`'s per_position, so each row's output is its one-row per_position
+    launch's bit for bit (the q norm and RoPE are a row's own: fuse.batch_invariant's KV-shared layers)."""
     from .qkv_finish import _check as _check_qkv
 
     store = k_w is not None
@@ -562,7 +564,7 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     if tiles is not None:
         check_tiles(tiles)
     return _attention(qkv, (qkv.stride(0), qkv.stride(1), 0, 0), (B, T, heads, D), k_cache, v_cache, q_pos,
-                      slot_pos, window, scale, num_splits, pdl, merge, extra, tiles=tiles, parts=parts)
+                      slot_pos, window, scale, num_splits, pdl, merge, extra, per_position, tiles=tiles, parts=parts)
 
 
 def check_tiles(tiles) -> tuple[int, int, int]:
@@ -696,9 +698,9 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     G = H // Hkv
     R = G * T
     qkv = extra.get("QKV", 0)
-    if per_position and (qkv or G > 64):
-        raise ValueError("decode_attention per_position takes q as given (no q/k/v mode) and at most 64 query "
-                         f"heads per KV head, got the q/k/v mode {qkv} and {G}")
+    if per_position and (qkv == 2 or G > 64):
+        raise ValueError("decode_attention per_position takes q as given or a query-only layer's rows (no store "
+                         f"layer's q/k/v mode) and at most 64 query heads per KV head, got the q/k/v mode {qkv} and {G}")
     block_m, row_tiles, (block_n, num_warps, num_stages), num_splits, pos_q = _plan(
         shape, S, Hkv, qkv, num_splits, per_position, tiles, q.device, slot_pos is None and window > 0)
     split = num_splits > 1
@@ -808,16 +810,19 @@ def decode_attention_qkv_ref(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_p
 def decode_attention_qkv_op(qkv: torch.Tensor, q_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, q_pos: torch.Tensor,
                             slot_pos: torch.Tensor | None, window: int, heads: int, eps: float, offset: float,
-                            scale: float, pdl: bool, merge: bool, tiles: str = "") -> torch.Tensor:
+                            scale: float, pdl: bool, merge: bool, tiles: str = "",
+                            per_position: bool = False) -> torch.Tensor:
     """A query-only layer (KV-shared, the drafter): q made from the merged projection, the caches read.
-    tiles: 'NxWsS[pP]' instead of the kernel's own tiles (and split count) ('')."""
+    tiles: 'NxWsS[pP]' instead of the kernel's own tiles (and split count) (''); per_position: row tiles
+    per group of positions (`decode_attention_qkv`)."""
     return decode_attention_qkv(qkv, q_w, None, cos, sin, k_cache, v_cache, None, q_pos, slot_pos, window,
                                 heads=heads, eps=eps, offset=offset, scale=scale, pdl=pdl, merge=merge,
-                                **_tiles_arg(tiles))
+                                per_position=per_position, **_tiles_arg(tiles))
 
 
 @decode_attention_qkv_op.register_fake
-def _(qkv, q_w, cos, sin, k_cache, v_cache, q_pos, slot_pos, window, heads, eps, offset, scale, pdl, merge, tiles=""):
+def _(qkv, q_w, cos, sin, k_cache, v_cache, q_pos, slot_pos, window, heads, eps, offset, scale, pdl, merge, tiles="",
+      per_position=False):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], heads, q_w.shape[0])
 
 

@@ -214,18 +214,23 @@ def _finish_q(at, q, cos, sin, kernel: bool, pdl: bool = False):
 
 
 def _qkv_attend(layer, qkv, store_attend, cache, kernel: bool, pdl: bool = False, attn_qkv: bool = False,
-                attn_tiles: dict | None = None, parts: bool = False):
+                attn_tiles: dict | None = None, parts: bool = False, query_qkv: bool = False):
     """The attention output [B, T, H*D] from the merged projection's qkv [B, T, N]. kernel: q/k/v
     norms, RoPE and the cache writes in one launch (kernels/qkv_finish.py), then the attention
     alone; attn_qkv: all of it in the attention's split kernel (`_attend_qkv`, with `attn_tiles`;
-    parts: its split partials (o_part, lse) instead, no combine); else `split_qkv` and the static
-    step's own writes (the twin)."""
+    parts: its split partials (o_part, lse) instead, no combine); query_qkv (fuse.attn_qkv under
+    fuse.batch_invariant): a KV-shared layer's q norm + RoPE in the split kernel, its per-position row
+    tiles (a store layer keeps `kernel`'s launch); else `split_qkv` and the static step's own writes
+    (the twin)."""
     at, s = layer.self_attn, layer.spec
     cos, sin = store_attend.rope[s.sliding]
     if attn_qkv:
         return _attend_qkv(at, s, qkv, cos, sin, cache, store_attend.pos, store_attend.slots[s.sliding],
                            store_attend.options, store_attend.scale, attn_tiles, parts)
     if not s.stores_kv:  # a KV-shared layer: q only
+        if query_qkv:
+            return _attend_qkv(at, s, qkv, cos, sin, cache, store_attend.pos, None,
+                               dict(store_attend.options, per_position=True), store_attend.scale, attn_tiles)
         return store_attend.attend(layer, _finish_q(at, qkv, cos, sin, kernel, pdl))
     if not kernel:
         return store_attend(layer, *split_qkv(at, qkv, cos, sin))
@@ -317,7 +322,7 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
-                 norm_fold: bool = False, attn_fold: bool = False):
+                 norm_fold: bool = False, attn_fold: bool = False, query_qkv: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -328,7 +333,9 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     from `attn_tiles`, else the kernel's own); batch_invariant: every
     row computed as `fused_verify` computes it with the same switch (the embedding's PLE path, each
     linear, the attention's tiles and splits, the last norm), so a verify pass's rows equal the AR
-    steps' bit for bit; triton_ops=False: the twins of the kernels that adds (the torch backend);
+    steps' bit for bit (query_qkv: the KV-shared layers' q norm + RoPE in the attention's split
+    kernel, per-position tiles, `_qkv_attend`); triton_ops=False: the twins of the kernels that adds
+    (the torch backend);
     norm_fold (with int4_mma, Triton, not batch_invariant): the residual update + norm between o and
     gate|up, and between the PLE projection (down without PLE) and the next layer's q|k|v or q, folded
     into those tensor-core GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it;
@@ -359,7 +366,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
         attn_parts = (folds_o and attn_fold and attn_qkv and fold.takes_parts(
             lin["o"], _attn_splits(layer, cache, attn_tiles), at.num_heads, at.head_dim))
         attn = _qkv_attend(layer, qkv.reshape(1, 1, -1), store_attend, cache, qkv_kernel, pdl, attn_qkv, attn_tiles,
-                           attn_parts)
+                           attn_parts, query_qkv)
         post_a, pre_f = layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight
         if folds_o:
             o, rows, parts = fold.produce(attn, lin["o"], h, post_a, pre_f)
@@ -446,7 +453,8 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
                  qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
-                 attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None):
+                 attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None,
+                 query_qkv: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -465,7 +473,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
     tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
     tiles per group of positions with the one-row split count, the embedding's PLE path in kernels): the
-    verify pass's rows equal the AR steps' bit for bit."""
+    verify pass's rows equal the AR steps' bit for bit. query_qkv: as `fused_decode`'s."""
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
 
@@ -491,7 +499,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
             h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
         qkv = gemm(lin["in"], xin.reshape(*lead, -1))
         attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
-                           attn_tiles)
+                           attn_tiles, query_qkv=triton_ops and query_qkv)
         o = gemm(lin["o"], attn).reshape(h.shape)
         h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
         act = gemm(lin["gate_up"], xff, "geglu")
@@ -642,10 +650,12 @@ class FuseLayers:
                     attn_tiles=self.attn_tiles)
         # the tensor-core int4 kernel is Triton's (its copy of the weights is made once quant ran: here
         # when it ran before, else in validate)
-        # batch_invariant: attn_qkv serves the drafter alone (it sums a step's own rows in a split of their
-        # own, and which rows those are depends on where the step began)
+        # batch_invariant: attn_qkv serves the drafter and the KV-shared layers' queries (`query_qkv`): a store
+        # layer's q/k/v mode sums a step's own rows in a split of their own, and which rows those are depends
+        # on where the step began
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant,
-                    attn_qkv=step["attn_qkv"] and not self.batch_invariant)
+                    attn_qkv=step["attn_qkv"] and not self.batch_invariant,
+                    query_qkv=step["attn_qkv"] and self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
                                                triton_ops=self.backend == "triton", norm_fold=self.norm_fold,
                                                attn_fold=self.attn_fold, **body)
