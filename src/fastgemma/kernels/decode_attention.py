@@ -700,7 +700,8 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     qkv = extra.get("QKV", 0)
     if per_position and (qkv == 2 or G > 64):
         raise ValueError("decode_attention per_position takes q as given or a query-only layer's rows (no store "
-                         f"layer's q/k/v mode) and at most 64 query heads per KV head, got the q/k/v mode {qkv} and {G}")
+                         "layer's q/k/v mode) and at most 64 query heads per KV head, got the q/k/v mode "
+                         f"{qkv} and {G}")
     block_m, row_tiles, (block_n, num_warps, num_stages), num_splits, pos_q = _plan(
         shape, S, Hkv, qkv, num_splits, per_position, tiles, q.device, slot_pos is None and window > 0)
     split = num_splits > 1
