@@ -6,10 +6,10 @@ weights for all.
     python -m fastgemma.bench.spec --prompts 4 --prompt-len 256 --new 512
 
 Rows per window and prompt length (`--prompt-len 256 4096 32768`: one cache sized for the longest, so
-the step's graphs are captured once for all lengths): the AR baseline (GraphStep), `mtp` (the untrained synthetic drafter's own drafts:
-the cost floor, ~1 token per step), then `replay` for each depth and profile: the drafter runs k
-steps per verify (its cost counted) and its drafts follow the reference trace with the profile's
-per-position odds. Reference traces are primed once per (window, depth, length), untimed. Step time is
+the step's graphs are captured once for all lengths): the AR baseline (GraphStep), `mtp` (the untrained
+synthetic drafter's own drafts: the cost floor, ~1 token per step), then `replay` for each depth and
+profile: the drafter runs k steps per verify (its cost counted) and its drafts follow the reference
+trace with the profile's per-position odds. Reference traces are primed once per (window, depth, length), untimed. Step time is
 split into draft / verify / accept with CUDA events between the three graphs (a separate pass).
 Speculative rows also carry `identity_rate` and `diverge_at` (per prompt, the first position where
 the tokens leave AR's; the length when equal), against the AR tokens of the same prompt path (with
@@ -442,7 +442,8 @@ def main(argv=None):
     fused = f" + fused one-row step ({a.variant})" if a.fuse == "layers" else ""
     stack_txt = (f"merged{fused} + int4 g128 body + {a.head} head + fused argmax + Triton attention + CUDA graphs"
                  f"{' + compile' if a.compile else ''}" if cuda else "cpu smoke test: torch twins, no graphs")
-    print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {' / '.join(map(str, lengths))} -> {a.new} new; {gpu}")
+    print(f"\n{cfg.name} synthetic, {stack_txt}; {a.prompts} prompts x {' / '.join(map(str, lengths))} -> {a.new} "
+          f"new; {gpu}")
     print("| prompt | window | spec | tiles | drafter | split fixup | epilogues | norms | pdl | qkv | attn pdl | mma | "
           "attn qkv | prefill | bookkeeping | "
           "profile | k | "
@@ -452,7 +453,8 @@ def main(argv=None):
     print("|" + "---|" * 32)
     for r in rows:
         abp = " ".join(f"{x:.2f}" for x in (r.get("accept_by_pos") or []) if x is not None)
-        print(f"| {r['prompt_len']} | {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | {r.get('drafter_step', '')} | "
+        print(f"| {r['prompt_len']} | {r['window']} | {r['spec']} | {r.get('verify_tiles', '')} | "
+              f"{r.get('drafter_step', '')} | "
               f"{r.get('split_fixup', '')} | {r.get('verify_epilogues') or ''} | {r.get('verify_norms') or ''} | "
               f"{r.get('verify_pdl') or ''} | {r.get('verify_qkv') or ''} | {r.get('attn_pdl') or ''} | "
               f"{r.get('verify_mma') or ''} | {r.get('verify_attn_qkv') or ''} | {r.get('prefill', '')} | "

@@ -93,9 +93,8 @@ def accept(targets, drafts, rows_h, out, count, tok, hid, pos, hits, tries, n_lo
     _check("targets", targets, (B, k + 1))
     _check("rows_h", rows_h, (B, k + 1, H), hid.dtype)
     for name, t, shape in (("drafts", drafts, (B, k)), ("count", count, (B,)), ("tok", tok, (B, 1)),
-                           ("pos", pos, (B, 1)),
-                           ("stat_end", stat_end, (B, 1)), ("hits", hits, (B, k)), ("tries", tries, (B, k)),
-                           ("step_i", step_i, (1,)), ("out", out, (B, out.shape[1])),
+                           ("pos", pos, (B, 1)), ("stat_end", stat_end, (B, 1)), ("hits", hits, (B, k)),
+                           ("tries", tries, (B, k)), ("step_i", step_i, (1,)), ("out", out, (B, out.shape[1])),
                            ("n_log", n_log, (B, n_log.shape[1]))):
         _check(name, t, shape)
     _check("hid", hid, (B, 1, H), rows_h.dtype)
