@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from fastgemma.kernels.mma_w4a16 import (
-    ONES_ASM, TILE_ASM, MmaConfig, MmaWeight, mma_config, mma_w4a16, mma_w4a16_ref, pack_mma, pack_mma_sz, unpack_mma,
+    MMA_CONFIGS, ONES_ASM, TILE_ASM, MmaConfig, MmaWeight, mma_config, mma_w4a16, mma_w4a16_ref, pack_mma, pack_mma_sz,
+    pair_order, table_pairs, unpack_mma,
 )
 from fastgemma.kernels.w4a16 import dequantize_int4, pack_int4, quantize_int4
 
@@ -43,6 +44,12 @@ def test_pack_round_trip_and_the_fragment_order():
     assert frag.shape == (3, 3, 8, 2) and frag[2, 1, 5, 1] == sz[1, 2 * 16 + 8 + 5]
     with pytest.raises(ValueError, match="N % 16 == 0 and K % 64 == 0"):
         pack_mma(q[:40])
+    # the paired GeGLU layout: tile i holds gate rows 8i..8i+7, then the up rows of the same outputs
+    assert pair_order(32).tolist() == [*range(8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    paired = unpack_mma(pack_mma(q, pairs=True))
+    assert torch.equal(paired[16:24], q[8:16]) and torch.equal(paired[24:32], q[32:40])
+    assert torch.equal(pack_mma_sz(sz, pairs=True)[1, 2, 3], pack_mma_sz(sz[:, pair_order(48)])[1, 2, 3])
+    assert pack_mma_sz(sz, pairs=True)[1, 2, 3, 1] == sz[2, 24 + 8 + 3]  # tile 1, its row 11: the up row 24 + 11 - 8
 
 
 def _x_words(x_row):
@@ -99,11 +106,14 @@ def _exact(x, q, s, z, G, epilogue):
     (32, 1024, 128, 1, "none", MmaConfig(1, 2, splits=4)),  # K over 4 programs per tile, one group per warp
     (64, 512, 128, 8, "none", MmaConfig(2, 2, splits=2)),  # 2 tiles per program, K over 2 programs
     (64, 512, 64, 3, "geglu", MmaConfig(2, 1, splits=2)),  # GeGLU after the partials are added
+    (64, 512, 64, 8, "geglu", MmaConfig(1, 2, 3, pairs=True)),  # the paired layout: 8 outputs per program
+    (96, 256, 64, 2, "geglu", MmaConfig(2, 2, iters=2, pairs=True)),  # 6 paired tiles, 3 programs of 2
+    (64, 512, 64, 3, "geglu", MmaConfig(1, 1, splits=2, pairs=True)),  # paired, after the partials are added
 ])
 def test_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     q, s, z = _weights(N, K, G, seed=N + K + M)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
-    got = mma_w4a16(x, MmaWeight.from_codes(q, s, z, G), epilogue, cfg).double()
+    got = mma_w4a16(x, MmaWeight.from_codes(q, s, z, G, pairs=cfg.pairs), epilogue, cfg).double()
     want = _exact(x, q, s, z, G, epilogue)
     assert got.shape == want.shape
     # bf16 output rounding (and, for GeGLU, the gate / up / gelu roundings the eager layer makes)
@@ -158,17 +168,22 @@ def test_bad_input():
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
     assert mma_config(2560, 10240, 1).persist == 1  # down at one row: the persistent kernel (run DO)
     assert mma_config(20480, 2560, 1, "geglu") == mma_config(20480, 2560, 8, "geglu")  # same sums at 1 and 8 rows
-    assert mma_config(20480, 2560, 8, "geglu").tiles == 2
+    assert mma_config(20480, 2560, 8, "geglu").tiles == 2 and table_pairs(20480, 2560)
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match="mixes the paired GeGLU layout"):
+        mp.setitem(MMA_CONFIGS, (20480, 2560, True), MmaConfig(2, 4, 5, persist=9, fresh=True))
+        table_pairs(20480, 2560)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
-def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles):
+@pytest.mark.parametrize("pairs", [False, True])
+def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles, pairs):
     """bf16 tiny model, int4 g64: fuse=layers' one-row step and its 5-row verify pass with int4_mma
     (the table pointed at the tiny shapes: every int4 GEMV / GEMM; the one-row step's prologues then
     run in kernels/residual_norm.py) give the hidden states of the same steps without it, to bf16
     rounding (the verify pass's other tl.dot GEMMs run as their twins: Triton 3.6's interpreter
     multiplies bf16 dot operands' bit patterns, triton-lang/triton#11584); the int4 modules hold the
-    fragment-order copy and the byte count leaves it out."""
+    fragment-order copy and the byte count leaves it out. pairs: gate|up in the paired layout (one tile a
+    program), packed so by FuseLayers from the table."""
     import fastgemma.kernels.mma_w4a16 as mma_mod
     import fastgemma.kernels.w4a16 as w4a16_mod
     from fastgemma.engine.cache import KVCache
@@ -194,14 +209,17 @@ def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles):
     lin = _layer_linears(0, model.layers[0])
     for name, m in lin.items():
         for multi in (False, True):
-            if isinstance(m, Int4Linear):  # gate|up (GeGLU) takes its gate and up tiles together
-                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, multi),  # down: K split
-                                    MmaConfig(2 if name == "gate_up" else 1, 1, splits=2 if name == "down" else 1))
+            if isinstance(m, Int4Linear):  # gate|up (GeGLU) takes its gate and up tiles together, or paired tiles
+                cfg = (MmaConfig(1 if pairs else 2, 1, pairs=pairs) if name == "gate_up" else
+                       MmaConfig(1, 1, splits=2 if name == "down" else 1))  # down: K split
+                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, multi), cfg)
     t = FuseLayers(backend="triton", int4_mma=True)
     plain_decode, plain_verify = model.fused_decode, model.fused_verify
     t.apply(model)
     t.validate(model)
     assert t.describe()["int4_mma"] and all(m.mma for m in lin.values() if isinstance(m, Int4Linear))
+    assert [m.mma_pairs for m in lin.values() if isinstance(m, Int4Linear)] == [pairs and n == "gate_up" for n, m in
+                                                                             lin.items() if isinstance(m, Int4Linear)]
     assert weight_bytes_per_step(model) == before
     calls = []
     real = mma_mod.mma_w4a16
@@ -387,27 +405,49 @@ def test_table_from_text():
     (80, 512, 128, 8, "none", MmaConfig(1, 2, 1, persist=1)),  # 5 tiles, depth 1
     (160, 256, 64, 2, "none", MmaConfig(2, 1, 4, persist=9, fresh=True)),  # one tile per program
     (64, 512, 128, 4, "geglu", MmaConfig(2, 2, 2, persist=9, fresh=True, hw=4)),  # a lane row per thread
+    (96, 512, 64, 3, "geglu", MmaConfig(1, 2, 2, persist=1, fresh=True, pairs=True)),  # 6 paired tiles, 2 programs
 ])
 def test_persistent_kernel_matches_exact_sums(N, K, G, M, epilogue, cfg):
     """The persistent kernel (`persist`, interpreter: 2 multiprocessors) with its loads crossing tile
     boundaries and the last step of a program masked, with and without fresh chains."""
     q, s, z = _weights(N, K, G, seed=N + K + M)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
-    got = mma_w4a16(x, MmaWeight.from_codes(q, s, z, G), epilogue, cfg).double()
+    got = mma_w4a16(x, MmaWeight.from_codes(q, s, z, G, pairs=cfg.pairs), epilogue, cfg).double()
     want = _exact(x, q, s, z, G, epilogue)
     tol = (2 ** -7 if epilogue == "none" else 2 ** -5) * want.abs().max().item()
     assert got.shape == want.shape and (got - want).abs().max().item() <= tol
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
+@pytest.mark.parametrize("M", [1, 8])
+def test_the_paired_layout_rounds_as_the_tile_pair(M):
+    """A GeGLU output sums the same words in the same order in either layout (an mma's rows and columns are
+    independent), so one tile of the paired layout per program gives the gate / up tile pair's bits."""
+    N, K, G = 128, 512, 128
+    q, s, z = _weights(N, K, G, seed=M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M + 1)).bfloat16()
+    natural = MmaWeight.from_codes(q, s, z, G)
+    paired = MmaWeight.from_codes(q, s, z, G, pairs=True)
+    want = mma_w4a16(x, natural, "geglu", MmaConfig(2, 2, 2, persist=9, fresh=True))
+    for cfg in (MmaConfig(1, 2, 2, persist=9, fresh=True, pairs=True), MmaConfig(2, 2, 2, persist=1, fresh=True,
+                                                                                pairs=True)):
+        assert torch.equal(mma_w4a16(x, paired, "geglu", cfg), want), cfg
 
 
 def test_persistent_config_text_and_refusals():
     from fastgemma.kernels.mma_w4a16 import config_args, config_problem, format_config, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
-    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0)  # mma_w4a16_op's order
+    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0, False)  # mma_w4a16_op's order
+    assert parse_config("1x4d5p9fg") == MmaConfig(1, 4, 5, persist=9, fresh=True, pairs=True)
+    assert "pairs" in config_problem(MmaConfig(1, 4, pairs=True), 64, 1024, 128, "none")
+    assert "tiles=2" in config_problem(MmaConfig(1, 4), 64, 1024, 128, "geglu")
+    assert config_problem(MmaConfig(1, 4, pairs=True), 64, 1024, 128, "geglu") is None
+    assert "row tiles" in config_problem(MmaConfig(4, 4, pairs=True), 48, 1024, 128, "geglu")
     assert parse_config("2x4d2p9r128") == MmaConfig(2, 4, 2, persist=9, regs=128)
     assert parse_config("2x4d2p9r128").launch == {"num_warps": 4, "maxnreg": 128}
     assert parse_config("2x4n8").launch == {"num_warps": 8}
-    for text in ("2x4d5p9f", "1x1s8", "2x8d3p1", "2x4i2", "2x4d2p9fn8r128", "1x4"):
+    for text in ("2x4d5p9f", "1x1s8", "2x8d3p1", "2x4i2", "2x4d2p9fn8r128", "1x4", "1x4d5p9fg"):
         assert format_config(parse_config(text)) == text
     assert "regs" in config_problem(MmaConfig(2, 4, regs=16), 64, 1024, 128, "none")
     assert "regs" in config_problem(MmaConfig(2, 4, regs=256), 64, 1024, 128, "none")

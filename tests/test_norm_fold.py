@@ -50,6 +50,8 @@ def _exact(x, q0, s0, z0, a, post, pre, scale, q1, s1, z1, G, eps, off, epilogue
     (128, 256, 192, 64, MmaConfig(2, 1), MmaConfig(2, 1, 2, persist=9, fresh=True), "geglu", False),
     # group 128, 2 warps splitting K in both; 5 consumer pairs on 2 programs, one step masked
     (256, 512, 160, 128, MmaConfig(2, 2, 2, persist=9, fresh=True), MmaConfig(2, 2, 1, persist=1), "geglu", True),
+    # the consumer's GeGLU on the paired layout, one tile per program
+    (128, 256, 192, 64, MmaConfig(2, 1), MmaConfig(1, 1, 2, persist=9, fresh=True, pairs=True), "geglu", True),
 ])
 def test_producer_and_consumer_match_exact_sums(N0, K0, N1, G, cfg0, cfg1, epilogue, scale):
     from fastgemma.kernels.mma_fold import mma_fold, mma_fold_ref, mma_rows, mma_rows_ref, rows_tiles
@@ -60,8 +62,8 @@ def test_producer_and_consumer_match_exact_sums(N0, K0, N1, G, cfg0, cfg1, epilo
     x, a, post, pre, sc = _inputs(N0, K0, N1, scale)
     eps, off = 1e-6, 1.0 if scale else 0.0
     y, rows, parts = mma_rows(x, MmaWeight.from_codes(q0, s0, z0, G), a, post, pre, offset=off, config=cfg0)
-    out, h = mma_fold(rows, parts, MmaWeight.from_codes(q1, s1, z1, G), a, y, post, sc, eps=eps, offset=off,
-                      epilogue=epilogue, config=cfg1)
+    out, h = mma_fold(rows, parts, MmaWeight.from_codes(q1, s1, z1, G, pairs=cfg1.pairs), a, y, post, sc, eps=eps,
+                      offset=off, epilogue=epilogue, config=cfg1)
     y64, h64, want = _exact(x, q0, s0, z0, a, post, pre, sc, q1, s1, z1, G, eps, off, epilogue)
     assert parts.shape == (rows_tiles(N0, cfg0), 4) and rows.shape == (2, N0)
     # the producer: its y as the plain kernel's, its rows and partials as the twin's from that y

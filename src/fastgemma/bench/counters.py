@@ -105,7 +105,8 @@ def launch(launches: list[tuple], packed: bool = True) -> None:
         qw = pack_int4(q)
         if cfg:
             epi = "geglu" if mode == "geglu" else "none"
-            mma_w4a16(vec(m, K), MmaWeight.from_codes(q, s, z, 128), epi, parse_config(cfg[0]))
+            c = parse_config(cfg[0])
+            mma_w4a16(vec(m, K), MmaWeight.from_codes(q, s, z, 128, pairs=c.pairs), epi, c)
         elif m == 1:  # the fused GEMV as fuse=layers launches it for this shape
             fused_w4a16(vec(1, K), qw, s, z, 128, eps=1e-6, **case_inputs(mode, K, lambda n: vec(1, n)))
         else:

@@ -39,15 +39,17 @@ def _randn(dev):
     return lambda *shape, scale=1.0: torch.randn(*shape, generator=g, device=dev, dtype=torch.bfloat16) * scale
 
 
-def _int4(N: int, K: int, rnd, dev):
-    """An Int4Linear (g128) of random weights with its tensor-core copy."""
+def _int4(N: int, K: int, rnd, dev, geglu: bool = False):
+    """An Int4Linear (g128) of random weights with its tensor-core copy (a GeGLU weight in the layout the
+    table's entries take)."""
+    from ..kernels.mma_w4a16 import table_pairs
     from ..transforms.quant import Int4Linear
 
     lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(rnd(N, K, scale=K ** -0.5))
     mod = Int4Linear.from_linear(lin, 128).to(dev)
-    mod.enable_mma()
+    mod.enable_mma(pairs=geglu and table_pairs(N, K))
     return mod
 
 
@@ -80,8 +82,8 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     out = []
     shapes = sorted({(N, K) for N, K, many in mma_w4a16.MMA_CONFIGS if not many} | set(mma_w4a16.INVARIANT_CONFIGS))
     for N, K in shapes:
-        mod = _int4(N, K, rnd, dev)
         epi = "geglu" if N == 20480 else "none"
+        mod = _int4(N, K, rnd, dev, epi == "geglu")
         x = rnd(M, K)
         for inv in (True, False):
             if not inv and mma_w4a16.mma_config(N, K, M, epi) is None:  # no M-row entry: not the engine's path
@@ -136,8 +138,8 @@ def kernel_times(M: int, dev: str) -> list[dict]:
     rnd = _randn(dev)
     out = []
     for name, (N, K, mode) in E4B_CASES.items():
-        mod = _int4(N, K, rnd, dev)
         epi = "geglu" if mode == "geglu" else "none"
+        mod = _int4(N, K, rnd, dev, epi == "geglu")
         n = copies_past_l2(mod.mma_words.numel() * mod.mma_words.element_size(), dev)
         mma_bufs = [(mod.mma_words.clone(), mod.mma_sz.clone()) for _ in range(n)]
         std_bufs = [(mod.qweight.clone(), mod.scales.clone(), mod.zeros.clone(), mod.sz) for _ in range(n)]

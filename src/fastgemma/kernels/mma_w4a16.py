@@ -90,11 +90,24 @@ def check_mma_shape(N: int, K: int, group_size: int) -> None:
                          f"group_size={group_size}")
 
 
-def pack_mma(q: torch.Tensor) -> torch.Tensor:
-    """Codes q [N, K] (0..15) -> int32 words [N/16, K/64, 32, 4] in the mma fragment order."""
+def pair_order(N: int, device=None) -> torch.Tensor:
+    """The rows of a GeGLU weight [gate (N/2 rows); up (N/2 rows)] in the paired layout: tile i holds gate
+    rows 8i .. 8i + 7 as its rows 0-7 and the up rows of the same outputs as its rows 8-15, so one mma's
+    accumulator holds an output's gate and up in one lane (MmaConfig.pairs)."""
+    if N % 16:
+        raise ValueError(f"the paired GeGLU layout needs N % 16 == 0, got N={N}")
+    i = torch.arange(N // 2, device=device).reshape(-1, 1, 8)
+    return torch.cat([i, i + N // 2], dim=1).reshape(-1)
+
+
+def pack_mma(q: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """Codes q [N, K] (0..15) -> int32 words [N/16, K/64, 32, 4] in the mma fragment order (pairs: the
+    rows in `pair_order` first)."""
     N, K = q.shape
     if N % 16 or K % 64:
         raise ValueError(f"pack_mma needs N % 16 == 0 and K % 64 == 0, got {tuple(q.shape)}")
+    if pairs:
+        q = q[pair_order(N, q.device)]
     # row = tile*16 + h*8 + g; k = block*64 + tq*16 + j*4 + kh*2 + p; lane = g*4 + tq; nibble p*4 + kh*2 + h
     v = q.to(torch.int32).reshape(N // 16, 2, 8, K // 64, 4, 4, 2, 2)  # tile, h, g, block, tq, j, kh, p
     v = v.permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(N // 16, K // 64, 32, 4, 8)  # tile, block, lane, j, m
@@ -109,10 +122,12 @@ def unpack_mma(words: torch.Tensor) -> torch.Tensor:
     return v.reshape(NT * 16, KB * 64).to(torch.uint8)
 
 
-def pack_mma_sz(sz: torch.Tensor) -> torch.Tensor:
+def pack_mma_sz(sz: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """Packed scale / zero words [K/G, N] (w4a16.pack_scale_zero) -> [N/16, K/G, 8, 2]: a lane g*4 + tq
-    reads the words of its two rows g and g + 8 with one 8-byte load."""
+    reads the words of its two rows g and g + 8 with one 8-byte load (pairs: as `pack_mma`'s)."""
     NG, N = sz.shape
+    if pairs:
+        sz = sz[:, pair_order(N, sz.device)]
     return sz.reshape(NG, N // 16, 2, 8).permute(1, 0, 3, 2).contiguous()
 
 
@@ -127,12 +142,13 @@ class MmaWeight:
     group_size: int
 
     @classmethod
-    def from_codes(cls, q, scales, zeros, group_size: int) -> "MmaWeight":
+    def from_codes(cls, q, scales, zeros, group_size: int, pairs: bool = False) -> "MmaWeight":
+        """pairs: a GeGLU weight in the paired layout (`pair_order`), for configs with `pairs`."""
         N, K = q.shape
         check_mma_shape(N, K, group_size)
         if scales.dtype != torch.bfloat16:
             raise ValueError(f"mma_w4a16 reads bf16 scales / zeros, got {scales.dtype}")
-        return cls(pack_mma(q), pack_mma_sz(pack_scale_zero(scales, zeros)), N, K, group_size)
+        return cls(pack_mma(q, pairs), pack_mma_sz(pack_scale_zero(scales, zeros), pairs), N, K, group_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,9 +301,18 @@ def _tile_y(words, w_ptrs, sz_ptrs, x_ptrs, NG: tl.constexpr, DEPTH: tl.constexp
 
 @triton.jit
 def _tile_store(y, it, ok, out_ptr, M, stride_om, T: tl.constexpr, EPI: tl.constexpr):
-    """Program tile `it`'s outputs (GeGLU: gelu_tanh(gate) * up, rounded as the eager layer rounds)."""
+    """Program tile `it`'s outputs (GeGLU: gelu_tanh(gate) * up, rounded as the eager layer rounds; EPI 2:
+    each tile's rows 0-7 the gate and 8-15 the up of 8 outputs, a lane's elements 0, 1 and 2, 3)."""
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    if EPI == 1:
+    if EPI == 2:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (T * 32, 2, 2)), (0, 2, 1)))  # [T*32, 2] each
+        rt = tl.arange(0, T * 32)[:, None]
+        c2 = tl.arange(0, 2)[None, :]
+        m = (rt % 32 % 4) * 2 + c2
+        rows = (it * T + rt // 32) * 8 + rt % 32 // 4
+        out = _rnd(_gelu_tanh(_rnd(gate, DT)), DT) * _rnd(up, DT)
+        tl.store(out_ptr + m * stride_om + rows, out.to(DT), mask=(m < M) & ok)
+    elif EPI == 1:
         gate, up = tl.split(tl.permute(tl.reshape(y, (2, 32, 4)), (1, 2, 0)))  # [32, 4] each
         l2 = tl.arange(0, 32)[:, None]
         c2 = tl.arange(0, 4)[None, :]
@@ -511,7 +536,10 @@ class MmaConfig:
     of a one-tile program ahead of its mmas whatever the depth, so gate|up's `2x4d5p9f` takes 210
     registers, 2 programs per multiprocessor, and its 640 programs run in ~2.4 waves; above the cap
     ptxas spills to local memory. Timed slower on every E4B shape, so the table sets none (run GR:
-    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128)."""
+    gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128).
+    pairs (GeGLU only): the weight is in the paired layout (`pair_order`: a 16-row tile holds 8 outputs' gate
+    and up rows), so a program of `tiles` tiles makes 8 x tiles outputs, any tiles count; without it a
+    GeGLU program is a gate tile and its up tile (tiles 2)."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -521,6 +549,7 @@ class MmaConfig:
     fresh: bool = False
     hw: int = 0
     regs: int = 0
+    pairs: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -552,7 +581,9 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     # q full (the 3 KV-shared full layers): the norm fold's consumer, 4.3 us on the step's critical path where
     # the fused int4 GEMV with its norm prologue took 8.1 (run GE: AR step 1.761 -> 1.750 ms with the fold)
     (4096, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),
-    (20480, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up + GeGLU, after residual + norm: 12.23
+    # gate|up + GeGLU, after residual + norm: 12.23; its two tiles in the paired layout (adjacent words): 11.51
+    # against 11.82 for the gate / up tile pair (run IW)
+    (20480, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True, pairs=True),
     (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
     (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
     (2048, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q: 3.73
@@ -560,7 +591,7 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     (2560, 4096, True): MmaConfig(2, 8),  # o full: 4.42 / 6.87
     (2560, 256, True): MmaConfig(1, 1),  # PLE projection: 1.29 / 2.47
     (2560, 10240, True): MmaConfig(1, 1, splits=8),  # down: 7.56 / 11.03
-    (20480, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # gate|up (GeGLU): 12.65 (2x2s5 14.37)
+    (20480, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True, pairs=True),  # gate|up (GeGLU): 12.43 (run IW)
 }
 
 
@@ -576,21 +607,21 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
 }
 
 
-_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?"
+_CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?(g)?"
 
 
 def parse_config(text: str) -> MmaConfig:
-    """'TxW[dD][iI][sS][pR][f][nH][rG]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs per
-    multiprocessor, f fresh chains, H hardware warps, G registers per thread at most; e.g. '1x4s4', '2x4d2',
-    '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128') -> MmaConfig."""
+    """'TxW[dD][iI][sS][pR][f][nH][rG][g]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs
+    per multiprocessor, f fresh chains, H hardware warps, G registers per thread at most, g the paired GeGLU
+    layout; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128', '1x4d5p9fg') -> MmaConfig."""
     import re
 
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][g], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
     return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
-                     int(m.group(9) or 0))
+                     int(m.group(9) or 0), m.group(10) == "g")
 
 
 def format_config(cfg: MmaConfig) -> str:
@@ -598,7 +629,7 @@ def format_config(cfg: MmaConfig) -> str:
     return (f"{cfg.tiles}x{cfg.warps}" + (f"d{cfg.depth}" if cfg.depth != MmaConfig.depth else "")
             + (f"i{cfg.iters}" if cfg.iters != 1 else "") + (f"s{cfg.splits}" if cfg.splits != 1 else "")
             + (f"p{cfg.persist}" if cfg.persist else "") + ("f" if cfg.fresh else "")
-            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else ""))
+            + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else "") + ("g" if cfg.pairs else ""))
 
 
 def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
@@ -624,7 +655,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
             continue
         m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH] with CASE one of "
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][g] with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
@@ -633,7 +664,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
 
 def mma_config(N: int, K: int, M: int, epilogue: str = "none", invariant: bool = False) -> MmaConfig | None:
     """The table's config for M rows of x [M, K] @ W [N, K]^T, or None (this kernel is not the faster
-    one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair). invariant
+    one there, M > MAX_ROWS, or a GeGLU launch without the gate / up tile pair or the paired layout). invariant
     (fuse.batch_invariant): the one-row entry (or INVARIANT_CONFIGS') at every M."""
     if not 1 <= M <= MAX_ROWS:
         cfg = None
@@ -641,7 +672,20 @@ def mma_config(N: int, K: int, M: int, epilogue: str = "none", invariant: bool =
         cfg = INVARIANT_CONFIGS.get((N, K)) or MMA_CONFIGS.get((N, K, False))
     else:
         cfg = MMA_CONFIGS.get((N, K, M > 1))
-    return None if cfg is None or (epilogue == "geglu" and cfg.tiles != 2) else cfg
+    if cfg is None or (cfg.pairs if epilogue != "geglu" else not (cfg.pairs or cfg.tiles == 2)):
+        return None  # a GeGLU launch needs a gate / up tile pair or the paired layout, others not the latter
+    return cfg
+
+
+def table_pairs(N: int, K: int) -> bool:
+    """Whether the table's entries for W [N, K] (MMA_CONFIGS at either row count, INVARIANT_CONFIGS) take
+    the paired GeGLU layout; one copy of the words serves them all, so they must agree."""
+    cfgs = [c for c in (MMA_CONFIGS.get((N, K, False)), MMA_CONFIGS.get((N, K, True)), INVARIANT_CONFIGS.get((N, K)))
+            if c is not None]
+    if len({c.pairs for c in cfgs}) > 1:
+        raise ValueError(f"the tensor-core kernel's table mixes the paired GeGLU layout with the natural one for "
+                         f"{N} x {K}: {', '.join(format_config(c) for c in cfgs)}")
+    return bool(cfgs) and cfgs[0].pairs
 
 
 def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") -> MmaConfig:
@@ -670,14 +714,27 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
     if K % (cfg.warps * cfg.splits * G):
         splits = f" x {cfg.splits} splits" if cfg.splits > 1 else ""
         return f"K={K} does not split into {cfg.warps} warps{splits} of whole groups of {G}"
-    if epilogue == "geglu" and (cfg.tiles != 2 or (N // 2) % 16):
-        return f"geglu needs tiles=2 and N/2 a multiple of 16, got {cfg}, N={N}"
-    if epilogue != "geglu" and (N // 16) % cfg.tiles:
+    if cfg.pairs and epilogue != "geglu":
+        return f"pairs (the paired GeGLU layout) goes with the geglu epilogue, got {epilogue!r}"
+    if epilogue == "geglu" and not cfg.pairs and (cfg.tiles != 2 or (N // 2) % 16):
+        return f"geglu needs tiles=2 and N/2 a multiple of 16 (or pairs), got {cfg}, N={N}"
+    if (epilogue != "geglu" or cfg.pairs) and (N // 16) % cfg.tiles:
         return f"{N // 16} row tiles do not split into programs of {cfg.tiles}"
     if cfg.iters < 1 or (cfg.iters > 1 and cfg.depth < K // cfg.warps // G):
         return (f"iters must be >= 1, and > 1 only with every group in flight (depth >= {K // cfg.warps // G}), "
                 f"got {cfg}")
     return None
+
+
+def kernel_epilogue(epilogue: str, cfg: MmaConfig) -> int:
+    """The kernels' EPI for `epilogue` under cfg: 0 none, 1 GeGLU on a gate tile and its up tile, 2 GeGLU
+    on paired tiles (cfg.pairs)."""
+    return 2 if cfg.pairs and epilogue == "geglu" else EPILOGUES[epilogue]
+
+
+def program_tiles(N: int, cfg: MmaConfig, epi: int) -> int:
+    """The launch's program tiles: a gate / up tile pair each (EPI 1), else `tiles` 16-row tiles each."""
+    return (N // 2) // 16 if epi == 1 else N // 16 // cfg.tiles
 
 
 def _check_x(x: torch.Tensor, K: int) -> None:
@@ -689,7 +746,8 @@ def _check_x(x: torch.Tensor, K: int) -> None:
 
 def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config: MmaConfig | None = None,
               pdl: bool = False) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 8) @ W^T -> [M, N] (geglu: [M, N/2]) bf16."""
+    """x [M, K] bf16 (M <= 8) @ W^T -> [M, N] (geglu: [M, N/2]) bf16; with cfg.pairs the weight's words
+    are in the paired layout (`MmaWeight.from_codes(..., pairs=True)`), the output in the natural order."""
     N, K, G = weight.N, weight.K, weight.group_size
     _check_x(x, K)
     if epilogue not in EPILOGUES:
@@ -697,13 +755,13 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("mma_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use mma_w4a16_ref")
     cfg = config or mma_config(N, K, x.shape[0], epilogue) or default_mma_config(N, K, G, epilogue)
-    epi = EPILOGUES[epilogue]
     problem = config_problem(cfg, N, K, G, epilogue)
     if problem:
         raise ValueError(f"mma_w4a16: {problem}")
+    epi = kernel_epilogue(epilogue, cfg)
     M, S = x.shape[0], cfg.splits
     out = torch.empty(M, N // 2 if epi else N, device=x.device, dtype=x.dtype)
-    n_tiles = (N // 2) // 16 if epi else N // 16 // cfg.tiles  # program tiles
+    n_tiles = program_tiles(N, cfg, epi)
     if S > 1:  # partials [tiles, S, T*32, 4] fp32 and one arrival counter per program tile
         ws = torch.empty(n_tiles * S * cfg.tiles * 128, device=x.device, dtype=torch.float32)
         cnt = arrival_counters(x.device, n_tiles, "mma_w4a16 split-K")
@@ -749,19 +807,20 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 regs: int, pdl: bool) -> torch.Tensor:
+                 regs: int, pairs: bool, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size)
-    return mma_w4a16(x, weight, epilogue, MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs),
-                     pdl)
+    return mma_w4a16(x, weight, epilogue,
+                     MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs), pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. regs arguments)."""
-    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. pairs arguments)."""
+    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs, cfg.pairs
 
 
 @mma_w4a16_op.register_fake
-def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pdl):
+def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs,
+      pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 
@@ -772,18 +831,19 @@ def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits,
 def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
     """Tiles x warps where each warp's K slice is whole groups of at most 2,560 k; depth 2, 4, 8, all;
     with every group in flight, also 2 and 4 program tiles per program; and K split over 2, 4 or 8
-    programs (every group in flight) where each warp keeps at least 2 groups."""
-    tiles = (2,) if epilogue == "geglu" else (1, 2, 4)
+    programs (every group in flight) where each warp keeps at least 2 groups. GeGLU: the gate / up tile
+    pair, and 1 or 2 tiles of the paired layout."""
+    kinds = [(2, False), (1, True), (2, True)] if epilogue == "geglu" else [(t, False) for t in (1, 2, 4)]
     out = []
-    for t in tiles:
+    for t, pairs in kinds:
         for w in (1, 2, 4, 8):
             if K % (w * group_size) or K // w > 2560:
                 continue
-            out.append(MmaConfig(t, w))
-            out += [MmaConfig(t, w, d) for d in (2, 4, 8) if K // (w * group_size) > d]
-            out += [MmaConfig(t, w, iters=i) for i in (2, 4)]
+            out.append(MmaConfig(t, w, pairs=pairs))
+            out += [MmaConfig(t, w, d, pairs=pairs) for d in (2, 4, 8) if K // (w * group_size) > d]
+            out += [MmaConfig(t, w, iters=i, pairs=pairs) for i in (2, 4)]
         for s in (2, 4, 8):
-            out += [MmaConfig(t, w, splits=s) for w in (1, 2, 4, 8)
+            out += [MmaConfig(t, w, splits=s, pairs=pairs) for w in (1, 2, 4, 8)
                     if K % (2 * w * s * group_size) == 0 and K // (w * s) <= 2560]
     return out
 
@@ -819,13 +879,16 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         n_copies = copies_past_l2(nbytes, dev)
         std = [(qw.clone(), sc.clone(), zr.clone()) for _ in range(n_copies)]
         mma = [(MmaWeight(mw.words.clone(), mw.sz.clone(), N, K, group_size),) for _ in range(n_copies)]
+        paired = ([(MmaWeight.from_codes(q, sc, zr, group_size, pairs=True),) for _ in range(n_copies)]
+                  if epi == "geglu" else None)
         vec = lambda n: torch.randn(1, n, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
             runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
                      + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
-                     + (f", {c.hw} hw warps" if c.hw else "") + (f", <= {c.regs} registers" if c.regs else ""), mma,
+                     + (f", {c.hw} hw warps" if c.hw else "") + (f", <= {c.regs} registers" if c.regs else "")
+                     + (", paired" if c.pairs else ""), paired if c.pairs else mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl), format_config(c))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
@@ -858,7 +921,7 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
                                  max_rel_err=err, ok=ok))
                 check = "-" if timed_only else f"{'ok' if ok else 'WRONG'} {err:.1e}"
                 print(f"{name:>16} {N:>6} {K:>6} {M:>2} | {label:<48} | {us:8.2f} | {gbs:6.0f} | {check}")
-        del std, mma
+        del std, mma, paired
     return rows
 
 

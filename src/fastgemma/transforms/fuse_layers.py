@@ -85,7 +85,12 @@ def _mma_cfg(mod, M: int, epilogue: str, dtype, invariant: bool = False):
     if invariant and M > MAX_ROWS:
         raise ValueError(f"fuse.batch_invariant runs the int4 GEMMs on the tensor-core kernel, at most {MAX_ROWS} rows "
                          f"(speculative depth <= {MAX_ROWS - 1}); got {M} rows")
-    return mma_config(mod.out_features, mod.in_features, M, epilogue, invariant)
+    cfg = mma_config(mod.out_features, mod.in_features, M, epilogue, invariant)
+    if cfg is not None and cfg.pairs != mod.mma_pairs:
+        raise ValueError(f"the tensor-core kernel's config {cfg} for the int4 {mod.out_features} x {mod.in_features} "
+                         f"wants the {'paired' if cfg.pairs else 'natural'} GeGLU layout; the linear holds the other "
+                         "(its copy is made by FuseLayers from the table at build time: set the table first)")
+    return cfg
 
 
 def _no_invariant_config(mod, epilogue: str) -> ValueError:
@@ -706,19 +711,21 @@ class FuseLayers:
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
         more rows): the others would never read it."""
-        from ..kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS
+        from ..kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS, table_pairs
         from .quant import Int4Linear
 
         if not (self.int4_mma and self.backend == "triton"):
             return
-        mods = [mod for i, layer in enumerate(model.layers) for mod in _layer_linears(i, layer).values()]
+        mods = [(role, mod) for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
         if self.batch_invariant and model.config.ple_dim:  # the embedding's PLE projection (`_embed`)
-            mods.append(model.per_layer_model_projection)
-        for mod in mods:
+            mods.append(("ple_model", model.per_layer_model_projection))
+        for role, mod in mods:
             shape = (mod.out_features, mod.in_features) if isinstance(mod, Int4Linear) else None
-            if shape and not mod.mma and (any((*shape, m) in MMA_CONFIGS for m in (False, True))
-                                          or (self.batch_invariant and shape in INVARIANT_CONFIGS)):
-                mod.enable_mma()
+            if shape and (any((*shape, m) in MMA_CONFIGS for m in (False, True))
+                          or (self.batch_invariant and shape in INVARIANT_CONFIGS)):
+                pairs = role == "gate_up" and table_pairs(*shape)
+                if not mod.mma or mod.mma_pairs != pairs:
+                    mod.enable_mma(pairs)
 
     def describe(self) -> dict:
         from ..kernels.decode_attention import qkv_tiles_text

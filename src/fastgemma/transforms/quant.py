@@ -66,6 +66,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("mma_words", None, persistent=False)
         self.register_buffer("mma_sz", None, persistent=False)
         self.mma = False
+        self.mma_pairs = False  # the copy in the paired GeGLU layout (mma_w4a16.pair_order; enable_mma(pairs=True))
         self.config: W4A16Config | None = None  # tile override; None -> the kernel's dispatch table
         self._matmul = _BACKENDS[backend]
 
@@ -82,11 +83,12 @@ class Int4Linear(nn.Module):
         return (self.group_size in MMA_GROUPS and self.out_features % 16 == 0 and self.bias is None
                 and self.scales.dtype == torch.bfloat16 and self.sz is not None)
 
-    def enable_mma(self) -> bool:
+    def enable_mma(self, pairs: bool = False) -> bool:
         """Also hold the weights in kernels/mma_w4a16.py's fragment order (a second copy: N * K / 2 +
-        N * K / G * 4 bytes of memory) for its 1..8-row launches. -> False (nothing held) where its
+        N * K / G * 4 bytes of memory) for its 1..8-row launches; pairs: a GeGLU weight [gate; up] in the
+        paired layout (`mma_w4a16.pair_order`, for configs with `pairs`). -> False (nothing held) where its
         format does not apply (group size, N % 16, bias, scales / zeros not both bf16)."""
-        self.mma = self.mma_supported()
+        self.mma, self.mma_pairs = self.mma_supported(), pairs
         self._pack_mma()
         return self.mma
 
@@ -97,7 +99,8 @@ class Int4Linear(nn.Module):
             self.mma, self.mma_words, self.mma_sz = False, None, None
             return
         # bf16 scales: `sz` holds their packed words already (_pack_sz runs first)
-        self.mma_words, self.mma_sz = pack_mma(unpack_int4(self.qweight)), pack_mma_sz(self.sz)
+        self.mma_words = pack_mma(unpack_int4(self.qweight), self.mma_pairs)
+        self.mma_sz = pack_mma_sz(self.sz, self.mma_pairs)
 
     def set_scales(self, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """Replace scales and zeros ([K/G, N] each) and rebuild `sz`."""
