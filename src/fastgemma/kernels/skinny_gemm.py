@@ -99,8 +99,9 @@ class SkinnyConfig:
 # rows with the gelu_mul epilogue (run AJ, 2026-11-30): this config / the default tiles (16, 128,
 # 10, 1 warp) / cuBLAS + torch's gelu * input
 CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    # the PLE gate: 4.13 / 4.48 / 9.10; its 2 steps' weights loaded before the wait (run IY)
-    (256, 2560): SkinnyConfig(16, 128, 10, 2, preload=2),
+    # the PLE gate: 4.13 / 4.48 / 9.10; one program a 16-row tile, its 20 steps' weights loaded before the wait,
+    # no split-K fixup (run IZ)
+    (256, 2560): SkinnyConfig(16, 128, 1, 8, preload=20),
 }
 
 
