@@ -138,7 +138,7 @@ def main():
               "stride_am": "i32"}
     for name, epi, split in [("skinny ple gate gelu_mul", 2, 10), ("skinny geglu", 1, 2)]:
         ce = dict(HALF=128 if epi == 1 else 0, K_SPLIT=2560 // split, SPLIT=split, FIXUP=True, BLOCK_M=16, BLOCK_N=16,
-                  BLOCK_K=128, EPI=epi, EVEN_N=True, DOT_PRECISION="tf32", PRELOAD_STEPS=0)
+                  BLOCK_K=128, EPI=epi, EVEN_N=True, DOT_PRECISION="tf32")
         ptx, regs, spills = build(_dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
         mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
         print(f"skinny\t{name}\t{regs}\t{spills}\t{mma}\t{len(re.findall(r'atom.global.gpu.acq_rel.add', ptx))}")
@@ -169,10 +169,8 @@ def main():
         pdl_line(name, _group_mma_kernel, dict(dot_sig, s_ptr="*i32", z_ptr="*i32"), ce,
                  (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13), 2)
     ce = dict(HALF=0, K_SPLIT=256, SPLIT=10, FIXUP=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, EPI=2, EVEN_N=True,
-              DOT_PRECISION="tf32", PRELOAD_STEPS=0)
+              DOT_PRECISION="tf32")
     pdl_line("skinny ple gate", _dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
-    pdl_line("skinny ple gate preloaded", _dense_mma_kernel, sk_sig, dict(ce, PRELOAD_STEPS=2),
-             (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
     pdl_line("residual norm", _residual_norm_kernel, rn_sig,
              dict(K=2560, BLOCK=4096, HAS_Y=True, HAS_SCALE=True, HAS_PRE=True), tuple(range(11)), 8)
     # the q/k/v kernel of a sliding store layer (D 256) and a full one (D 512, 2 warps)

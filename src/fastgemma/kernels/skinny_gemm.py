@@ -34,8 +34,7 @@ def _w_tile(w_ptrs, n_ok, EVEN_N: tl.constexpr):
 def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, stride_xm, stride_wn, stride_om,
                       stride_am, HALF: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI: tl.constexpr,
-                      EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
-                      PRELOAD_STEPS: tl.constexpr = 0):
+                      EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -51,31 +50,14 @@ def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, str
     up = HALF * stride_wn
     acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)  # EPI 1 only
-    STEPS: tl.constexpr = K_SPLIT // BLOCK_K
-    if STEPS <= PRELOAD_STEPS:  # every weight tile in registers before the wait (parameters: no kernel writes
-        # them), so only x is read after it; the same dots in the same order as the loop below
-        ws = ()
-        for i in tl.static_range(STEPS):
-            ws = ws + (_w_tile(w_ptrs + i * BLOCK_K, n_ok, EVEN_N),)
-            if EPI == 1:
-                ws = ws + (_w_tile(w_ptrs + up + i * BLOCK_K, n_ok, EVEN_N),)
-        _pdl_wait(PDL)
-        for i in tl.static_range(STEPS):
-            x = tl.trans(tl.load(x_ptrs + i * BLOCK_K, mask=m_ok[:, None], other=0.0))
-            if EPI == 1:
-                acc = tl.dot(ws[2 * i], x, acc, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(ws[2 * i + 1], x, acc_u, input_precision=DOT_PRECISION)
-            else:
-                acc = tl.dot(ws[i], x, acc, input_precision=DOT_PRECISION)
-    else:
-        _pdl_wait(PDL)
-        for _ in range(0, K_SPLIT, BLOCK_K):
-            x = tl.trans(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0))
-            acc = tl.dot(_w_tile(w_ptrs, n_ok, EVEN_N), x, acc, input_precision=DOT_PRECISION)
-            if EPI == 1:
-                acc_u = tl.dot(_w_tile(w_ptrs + up, n_ok, EVEN_N), x, acc_u, input_precision=DOT_PRECISION)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+    _pdl_wait(PDL)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        x = tl.trans(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0))
+        acc = tl.dot(_w_tile(w_ptrs, n_ok, EVEN_N), x, acc, input_precision=DOT_PRECISION)
+        if EPI == 1:
+            acc_u = tl.dot(_w_tile(w_ptrs + up, n_ok, EVEN_N), x, acc_u, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     _pdl_trigger(PDL)
     _split_store(acc, offs_n, offs_m, n_ok, m_ok, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP,
                  aux_ptr, stride_am, HALF, EPI, acc_u)
@@ -84,24 +66,19 @@ def _dense_mma_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, aux_ptr, M, N, str
 @dataclass(frozen=True)
 class SkinnyConfig:
     """block_n rows of W x block_k columns per step; split_k programs along K (a divisor of
-    K / block_k); 16 rows of x per program. preload: a program whose K share is at most this many steps
-    loads all its weight tiles before its PDL wait (they stream in while the kernel before runs; only x
-    is read after the wait) and unrolls its steps; the same dots in the same order, the same bits."""
+    K / block_k); 16 rows of x per program."""
     block_n: int = 16
     block_k: int = 128
     split_k: int = 4
     num_warps: int = 1
     num_stages: int = 3
-    preload: int = 0
 
 
 # (N, K) -> tiles on the H200 (bench_shapes(sweep=True), graph-timed, weights out of L2), us at 8
 # rows with the gelu_mul epilogue (run AJ, 2026-11-30): this config / the default tiles (16, 128,
 # 10, 1 warp) / cuBLAS + torch's gelu * input
 CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    # the PLE gate: 4.13 / 4.48 / 9.10; one program a 16-row tile, its 20 steps' weights loaded before the wait,
-    # no split-K fixup (run IZ)
-    (256, 2560): SkinnyConfig(16, 128, 1, 8, preload=20),
+    (256, 2560): SkinnyConfig(16, 128, 10, 2),  # the PLE gate: 4.13 / 4.48 / 9.10
 }
 
 
@@ -164,8 +141,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None 
                             K_SPLIT=K // split, SPLIT=split, FIXUP=split > 1,
                             BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=epi, EVEN_N=even,
                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                            PRELOAD_STEPS=cfg.preload, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                            **pdl_args(pdl, x.device))
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(pdl, x.device))
     return out
 
 
