@@ -165,6 +165,8 @@ def test_bad_input():
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, config=MmaConfig(1, 1, iters=2, splits=2))
         with pytest.raises(ValueError, match="geglu needs tiles=2"):
             mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2))
+        with pytest.raises(ValueError, match="reads the paired layout, the weight holds the natural one"):
+            mma_w4a16(torch.zeros(1, 256, dtype=torch.bfloat16), w, "geglu", MmaConfig(1, 2, pairs=True))
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
     assert mma_config(2560, 10240, 1).persist == 1  # down at one row: the persistent kernel (run DO)
     assert mma_config(20480, 2560, 1, "geglu") == mma_config(20480, 2560, 8, "geglu")  # same sums at 1 and 8 rows

@@ -17,7 +17,8 @@ import triton
 from .attn_fold import parts_problem
 from .gemv import _INTERPRET, pdl_args
 from .mma_w4a16 import (EPILOGUES, MmaConfig, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, config_problem,
-                        kernel_epilogue, mma_config, mma_w4a16_ref, persistent_programs, program_tiles)
+                        kernel_epilogue, layout_problem, mma_config, mma_w4a16_ref, persistent_programs,
+                        program_tiles)
 from .norm_fold import N_PARTS, parts_block
 from .w4a16 import dequantize_int4
 
@@ -118,7 +119,7 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
         raise ValueError(f"mma_fold epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     _cuda_or_interpret(rows, "mma_fold")
     cfg = config or mma_config(N, K, 1, epilogue)
-    problem = consumer_problem(cfg, N, K, G, epilogue)
+    problem = consumer_problem(cfg, N, K, G, epilogue) or layout_problem(weight, cfg)
     if problem:
         raise ValueError(f"mma_fold: {problem}")
     epi = kernel_epilogue(epilogue, cfg)
@@ -210,7 +211,7 @@ def mma_fold_op(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz
                 scale: torch.Tensor | None, eps: float, offset: float, tiles: int, warps: int, depth: int, iters: int,
                 splits: int, persist: int, fresh: bool, hw: int, regs: int, pairs: bool,
                 pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = MmaWeight(words, sz, N, rows.shape[1], group_size)
+    weight = MmaWeight(words, sz, N, rows.shape[1], group_size, pairs)
     return mma_fold(rows, parts, weight, res, y, post, scale, eps=eps, offset=offset, epilogue=epilogue,
                     config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs), pdl=pdl)
 

@@ -134,12 +134,13 @@ def pack_mma_sz(sz: torch.Tensor, pairs: bool = False) -> torch.Tensor:
 @dataclass
 class MmaWeight:
     """One int4 linear in the fragment order: words [N/16, K/64, 32, 4] and scale / zero words
-    [N/16, K/G, 8, 2] (bf16 pairs, `pack_mma_sz`)."""
+    [N/16, K/G, 8, 2] (bf16 pairs, `pack_mma_sz`); pairs: its rows in the paired GeGLU layout."""
     words: torch.Tensor
     sz: torch.Tensor
     N: int
     K: int
     group_size: int
+    pairs: bool = False
 
     @classmethod
     def from_codes(cls, q, scales, zeros, group_size: int, pairs: bool = False) -> "MmaWeight":
@@ -148,7 +149,7 @@ class MmaWeight:
         check_mma_shape(N, K, group_size)
         if scales.dtype != torch.bfloat16:
             raise ValueError(f"mma_w4a16 reads bf16 scales / zeros, got {scales.dtype}")
-        return cls(pack_mma(q, pairs), pack_mma_sz(pack_scale_zero(scales, zeros), pairs), N, K, group_size)
+        return cls(pack_mma(q, pairs), pack_mma_sz(pack_scale_zero(scales, zeros), pairs), N, K, group_size, pairs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -726,6 +727,14 @@ def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str
     return None
 
 
+def layout_problem(weight: MmaWeight, cfg: MmaConfig) -> str | None:
+    """Why cfg cannot read weight's words (the paired GeGLU layout on one side only), or None."""
+    if weight.pairs != cfg.pairs:
+        return (f"the config {format_config(cfg)} reads the {'paired' if cfg.pairs else 'natural'} layout, the "
+                f"weight holds the {'paired' if weight.pairs else 'natural'} one (MmaWeight.from_codes(pairs=))")
+    return None
+
+
 def kernel_epilogue(epilogue: str, cfg: MmaConfig) -> int:
     """The kernels' EPI for `epilogue` under cfg: 0 none, 1 GeGLU on a gate tile and its up tile, 2 GeGLU
     on paired tiles (cfg.pairs)."""
@@ -755,7 +764,7 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("mma_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use mma_w4a16_ref")
     cfg = config or mma_config(N, K, x.shape[0], epilogue) or default_mma_config(N, K, G, epilogue)
-    problem = config_problem(cfg, N, K, G, epilogue)
+    problem = config_problem(cfg, N, K, G, epilogue) or layout_problem(weight, cfg)
     if problem:
         raise ValueError(f"mma_w4a16: {problem}")
     epi = kernel_epilogue(epilogue, cfg)
@@ -808,7 +817,7 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
                  regs: int, pairs: bool, pdl: bool) -> torch.Tensor:
-    weight = MmaWeight(words, sz, N, x.shape[1], group_size)
+    weight = MmaWeight(words, sz, N, x.shape[1], group_size, pairs)
     return mma_w4a16(x, weight, epilogue,
                      MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs), pdl)
 
@@ -879,8 +888,9 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         n_copies = copies_past_l2(nbytes, dev)
         std = [(qw.clone(), sc.clone(), zr.clone()) for _ in range(n_copies)]
         mma = [(MmaWeight(mw.words.clone(), mw.sz.clone(), N, K, group_size),) for _ in range(n_copies)]
+        tried = mma_candidates(K, group_size, epi) if configs is None else configs
         paired = ([(MmaWeight.from_codes(q, sc, zr, group_size, pairs=True),) for _ in range(n_copies)]
-                  if epi == "geglu" else None)
+                  if epi == "geglu" and any(c.pairs for c in tried) else None)
         vec = lambda n: torch.randn(1, n, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
