@@ -9,8 +9,9 @@ Rows per window and prompt length (`--prompt-len 256 4096 32768`: one cache size
 the step's graphs are captured once for all lengths): the AR baseline (GraphStep), `mtp` (the untrained
 synthetic drafter's own drafts: the cost floor, ~1 token per step), then `replay` for each depth and
 profile: the drafter runs k steps per verify (its cost counted) and its drafts follow the reference
-trace with the profile's per-position odds. Reference traces are primed once per (window, depth, length), untimed. Step time is
-split into draft / verify / accept with CUDA events between the three graphs (a separate pass).
+trace with the profile's per-position odds. Reference traces are primed once per (window, depth,
+length), untimed. Step time is split into draft / verify / accept with CUDA events between the three
+graphs (a separate pass).
 Speculative rows also carry `identity_rate` and `diverge_at` (per prompt, the first position where
 the tokens leave AR's; the length when equal), against the AR tokens of the same prompt path (with
 several --prefill paths, a later path's AR row reports its identity against the first path's), and
