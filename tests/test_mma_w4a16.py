@@ -440,7 +440,7 @@ def test_persistent_config_text_and_refusals():
     from fastgemma.kernels.mma_w4a16 import config_args, config_problem, format_config, parse_config
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
-    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0, False)  # mma_w4a16_op's order
+    assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0, False, False)  # mma_w4a16_op's order
     assert parse_config("1x4d5p9fg") == MmaConfig(1, 4, 5, persist=9, fresh=True, pairs=True)
     assert "pairs" in config_problem(MmaConfig(1, 4, pairs=True), 64, 1024, 128, "none")
     assert "tiles=2" in config_problem(MmaConfig(1, 4), 64, 1024, 128, "geglu")

@@ -1,12 +1,15 @@
-"""Probe: gate|up (E4B, int4 g128, paired GeGLU layout) in CUDA C++ (sweeps/probes/w4_geglu.cu: one warp a
-tile over all of K, its words streamed through a per-warp cp.async ring) against the shipped Triton entry,
-alone, weights rotated out of L2, PDL launches in CUDA graphs (kernels/bench_util's timer), every output
-checked against the twin. GPU only: builds with torch.utils.cpp_extension (nvcc, sm_90a).
+"""Probe: gate|up (E4B, int4 g128, paired GeGLU layout) in CUDA C++ against the shipped Triton entry, alone,
+weights rotated out of L2, PDL launches in CUDA graphs (kernels/bench_util's timer), every output checked
+against the twin (the timing-only modes excepted). The kernels: the engine's (src/fastgemma/kernels/cuda/
+w4_geglu.cu, mode 'unrolled') and the diagnostic variants of sweeps/probes/w4_geglu.cu. GPU only: builds the
+requested variants with torch.utils.cpp_extension (nvcc, sm_90a; ~50 s).
 
-    python sweeps/probes/w4_geglu_probe.py [--variants 10x8,10x4,5x8] [--ms 1,8]
+    python sweeps/probes/w4_geglu_probe.py [--variants 5x8:unrolled,5x8:ring,5x8:dry] [--ms 1,8]
 """
 import argparse
+import hashlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -21,28 +24,25 @@ from fastgemma.kernels.w4a16 import pack_int4, quantize_int4
 # (warps a CTA, ring stages a warp, mode): smem (x and its sums staged in shared memory), xg (x from global
 # a group ahead, sums by a ones-mma), dry (the ring alone: words streamed, no mma)
 # ks1 / ks2: w4_geglu_ks_kernel (the group loop unrolled; ks2: two warps a tile, each half of K)
-VARIANTS = [(5, 8, "ks1"), (5, 10, "ks1"), (5, 11, "ks1"), (10, 12, "ks1"), (10, 8, "ks1"), (5, 8, "dry")]
-MODES = {"ks1": (1, 1, 0), "ks2": (2, 1, 0), "smem": (0, 0, 0), "xg": (1, 0, 0), "dry": (0, 1, 0), "nofill": (0, 0, 1), "nomem": (0, 0, 2), "split": (0, 0, 3)}
+# WxS:MODE: W warps a CTA (one tile each), S ring stages a warp. unrolled: the package's kernel
+# (kernels/cuda/w4_geglu.cu, as the engine launches it); the rest the rolled diagnostic kernel's modes
+# (sweeps/probes/w4_geglu.cu: ring, xg, dry, nofill, nomem, split)
+DEFAULT = "5x8:unrolled,5x8:ring,5x8:dry"
+DIAG = {"ring": (0, 0, 0), "xg": (1, 0, 0), "dry": (0, 1, 0), "nofill": (0, 0, 1), "nomem": (0, 0, 2), "split": (0, 0, 3)}
 
-LAUNCHER = r"""
+LAUNCH = r"""
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime.h>
 
-template <int NW, int S, int K, bool XG, bool DRY, int DIAG>
-static void launch(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& sz, torch::Tensor& out,
-                   bool pdl) {
-  auto kernel = w4_geglu_kernel<NW, S, K, XG, DRY, DIAG>;
-  constexpr int smem = w4_geglu_smem<NW, S, K, XG || DRY>();
-  static bool attr = false;
-  if (!attr) {
-    TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess);
-    attr = true;
-  }
+template <typename F>
+static void launch(F kernel, int smem, int nw, const torch::Tensor& x, const torch::Tensor& words,
+                   const torch::Tensor& sz, torch::Tensor& out, bool pdl) {
+  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess);
   int n_tiles = words.size(0);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((n_tiles + NW - 1) / NW);
-  cfg.blockDim = dim3(NW * 32);
+  cfg.gridDim = dim3((n_tiles + nw - 1) / nw);
+  cfg.blockDim = dim3(nw * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = at::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute a[1];
@@ -54,56 +54,35 @@ static void launch(const torch::Tensor& x, const torch::Tensor& words, const tor
   TORCH_CHECK(cudaLaunchKernelEx(&cfg, kernel, (const u32*)x.data_ptr(), (const uint4*)words.data_ptr(),
                                  (const uint2*)sz.data_ptr(), (u16*)out.data_ptr(), M, sxm, som, n_tiles)
               == cudaSuccess, "launch failed");
-}
-
-template <int NW, int S, int K, int KS>
-static void launch_ks(const torch::Tensor& x, const torch::Tensor& words, const torch::Tensor& sz, torch::Tensor& out,
-                      bool pdl) {
-  auto kernel = w4_geglu_ks_kernel<NW, S, K, KS>;
-  constexpr int smem = w4_geglu_ks_smem<NW, S, K, KS>();
-  static bool attr = false;
-  if (!attr) {
-    TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess);
-    attr = true;
-  }
-  int n_tiles = words.size(0);
-  constexpr int TW = NW / KS;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((n_tiles + TW - 1) / TW);
-  cfg.blockDim = dim3(NW * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute a[1];
-  a[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  a[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = a;
-  cfg.numAttrs = 1;
-  int M = x.size(0), sxm = x.stride(0), som = out.stride(0);
-  TORCH_CHECK(cudaLaunchKernelEx(&cfg, kernel, (const u32*)x.data_ptr(), (const uint4*)words.data_ptr(),
-                                 (const uint2*)sz.data_ptr(), (u16*)out.data_ptr(), M, sxm, som, n_tiles)
-              == cudaSuccess, "launch failed");
-}
-
-void w4_geglu(torch::Tensor x, torch::Tensor words, torch::Tensor sz, torch::Tensor out, int64_t nw, int64_t s,
-              int64_t xg, int64_t dry, int64_t diag, bool pdl) {
-  TORCH_CHECK(x.size(1) == 2560, "K 2560 only");
-  if (nw == 5 && s == 8 && xg == 0 && dry == 1) launch<5, 8, 2560, false, true, 0>(x, words, sz, out, pdl);
-  else if (nw == 5 && s == 8 && xg == 1 && dry == 1) launch_ks<5, 8, 2560, 1>(x, words, sz, out, pdl);
-  else if (nw == 5 && s == 10 && xg == 1 && dry == 1) launch_ks<5, 10, 2560, 1>(x, words, sz, out, pdl);
-  else if (nw == 5 && s == 11 && xg == 1 && dry == 1) launch_ks<5, 11, 2560, 1>(x, words, sz, out, pdl);
-  else if (nw == 10 && s == 12 && xg == 1 && dry == 1) launch_ks<10, 12, 2560, 1>(x, words, sz, out, pdl);
-  else if (nw == 10 && s == 8 && xg == 1 && dry == 1) launch_ks<10, 8, 2560, 1>(x, words, sz, out, pdl);
-  else TORCH_CHECK(false, "no such variant");
 }
 """
 
 
-def build():
-    src = (Path(__file__).with_name("w4_geglu.cu")).read_text() + LAUNCHER
+def dispatch(variants: list[tuple[int, int, str]], K: int) -> str:
+    """The launcher: variant i of `variants` as case i."""
+    lines = ["void w4_geglu(torch::Tensor x, torch::Tensor words, torch::Tensor sz, torch::Tensor out, int64_t i, "
+             "bool pdl) {", "  switch (i) {"]
+    for i, (nw, s, mode) in enumerate(variants):
+        if mode == "unrolled":
+            k, smem = f"w4_geglu_kernel<{nw}, {s}, {K}>", f"w4_geglu_smem<{nw}, {s}, {K}>()"
+        else:
+            xg, dry, diag = DIAG[mode]
+            b = lambda v: "true" if v else "false"  # noqa: E731
+            k = f"w4_geglu_diag_kernel<{nw}, {s}, {K}, {b(xg)}, {b(dry)}, {diag}>"
+            smem = f"w4_geglu_diag_smem<{nw}, {s}, {K}, {b(xg or dry)}>()"
+        lines.append(f"    case {i}: launch({k}, {smem}, {nw}, x, words, sz, out, pdl); break;")
+    lines += ['    default: TORCH_CHECK(false, "no such variant");', "  }", "}"]
+    return "\n".join(lines)
+
+
+def build(variants: list[tuple[int, int, str]], K: int):
+    root = Path(__file__).resolve().parents[2]
+    src = "".join([(root / "src/fastgemma/kernels/cuda/w4_geglu.cu").read_text(),
+                   Path(__file__).with_name("w4_geglu.cu").read_text(), LAUNCH, dispatch(variants, K)])
+    name = "w4_geglu_probe_" + hashlib.sha1(src.encode()).hexdigest()[:12]
     t0 = time.time()
-    mod = load_inline("w4_geglu_probe", cpp_sources="void w4_geglu(torch::Tensor x, torch::Tensor words, "
-                      "torch::Tensor sz, torch::Tensor out, int64_t nw, int64_t s, int64_t xg, int64_t dry, int64_t diag, bool pdl);",
-                      cuda_sources=src, functions=["w4_geglu"], verbose=False,
+    mod = load_inline(name, cpp_sources="void w4_geglu(torch::Tensor x, torch::Tensor words, torch::Tensor sz, "
+                      "torch::Tensor out, int64_t i, bool pdl);", cuda_sources=src, functions=["w4_geglu"],
                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"],
                       build_directory=os.environ.get("PROBE_BUILD") or None)
     print(f"built in {time.time() - t0:.1f} s")
@@ -112,12 +91,16 @@ def build():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default=",".join(f"{a}x{b}{m}" for a, b, m in VARIANTS))
+    ap.add_argument("--variants", default=DEFAULT, help="WxS:MODE joined by ',' (module docstring)")
     ap.add_argument("--ms", default="1,8")
     a = ap.parse_args()
-    import re
-    variants = [(int(m[1]), int(m[2]), m[3]) for m in (re.fullmatch(r"(\d+)x(\d+)(\w+)", v) for v in a.variants.split(","))]
-    mod = build()
+    variants = []
+    for v in a.variants.split(","):
+        m = re.fullmatch(r"(\d+)x(\d+):(\w+)", v.strip())
+        if not m or (m[3] != "unrolled" and m[3] not in DIAG):
+            raise SystemExit(f"--variants {v!r}: WxS:MODE, MODE one of unrolled, {', '.join(DIAG)}")
+        variants.append((int(m[1]), int(m[2]), m[3]))
+    mod = build(variants, 2560)
     dev = torch.device("cuda")
     timer = timer_or_graphs(None, "w4_geglu_probe")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -137,10 +120,10 @@ def main():
         ref = mma_w4a16_ref(x, qw, sc, zr, G, "geglu")
         tri = mma_w4a16(x, mw, "geglu", cfg, True)
         runs = [("triton 2x4d5p9fg (shipped)", lambda m_: mma_w4a16(x, m_, "geglu", cfg, True))]
-        for nw, s, mode in variants:
-            def cu(m_, nw=nw, s=s, mode=mode):
+        for i, (nw, s, mode) in enumerate(variants):
+            def cu(m_, i=i):
                 out = torch.empty(M, N // 2, device=dev, dtype=torch.bfloat16)
-                mod.w4_geglu(x, m_.words, m_.sz, out, nw, s, *MODES[mode], True)
+                mod.w4_geglu(x, m_.words, m_.sz, out, i, True)
                 return out
             runs.append((f"cuda {nw} warps, ring {s} groups, {mode}", cu))
         runs.append(("read floor (words, 8 KB a program)", lambda m_: read_floor(m_.words, 8192, 8, True)))

@@ -225,10 +225,22 @@ def main(argv=None):
     ap.add_argument("--no-step", dest="step", action="store_false", help="the kernels only")
     ap.add_argument("--compile", action="store_true", help="the step compiled too (slow)")
     ap.add_argument("--time", action="store_true", help="also time each kernel at 1 and --rows rows, both configs")
+    ap.add_argument("--mma-table", default="",
+                    help="the tensor-core int4 kernel's table for this run, as bench.spec --mma-table takes it "
+                         "(e.g. '+gate|up@1=cuda5x8': the CUDA gate|up checked in its place)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fastgemma.bench.invariance checks the GPU's kernels; no CUDA device here")
+    if a.mma_table:
+        from ..kernels.mma_w4a16 import set_table
+        from .stack import mma_table_arg
+
+        set_table(mma_table_arg(a.mma_table))
+    from ..kernels.mma_w4a16 import settle_cuda_entries
+
+    for line in settle_cuda_entries("cuda"):  # as FuseLayers does: the Triton entry where CUDA's cannot run
+        print(f"the CUDA gate|up entry {line}", flush=True)
     rows = kernel_checks(a.rows, "cuda")
     for r in rows:
         print(json.dumps(r), flush=True)

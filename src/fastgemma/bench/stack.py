@@ -90,12 +90,12 @@ def parse_variant(v: str) -> dict:
 
 
 def mma_table_arg(text: str) -> dict:
-    """An --mma-table value -> the tensor-core kernel's table (`mma_w4a16.parse_table`), or exit with
-    the form it expects."""
-    from ..kernels.mma_w4a16 import parse_table
+    """An --mma-table value -> the tensor-core kernel's table (`mma_w4a16.parse_table`; '+ENTRIES': the
+    shipped table with those entries replaced or added), or exit with the form it expects."""
+    from ..kernels.mma_w4a16 import MMA_CONFIGS, parse_table
 
     try:
-        return parse_table(text)
+        return {**MMA_CONFIGS, **parse_table(text[1:])} if text.startswith("+") else parse_table(text)
     except ValueError as e:
         raise SystemExit(str(e)) from e
 
@@ -273,7 +273,7 @@ def main(argv=None):
     shipped = dict(mma_w4a16.MMA_CONFIGS)
     # text -> table; '' is the shipped one
     tables = {"" if t == "default" else t: shipped if t == "default" else
-              {**shipped, **mma_table_arg(t[1:])} if t.startswith("+") else mma_table_arg(t)
+              mma_table_arg(t)
               for t in a.mma_table or ["default"]}
     from ..kernels import fused_gemv
 

@@ -17,8 +17,8 @@ import triton
 from .attn_fold import parts_problem
 from .gemv import _INTERPRET, pdl_args
 from .mma_w4a16 import (EPILOGUES, MmaConfig, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, config_problem,
-                        kernel_epilogue, layout_problem, mma_config, mma_w4a16_ref, persistent_programs,
-                        program_tiles)
+                        format_config, kernel_epilogue, layout_problem, mma_config, mma_w4a16_ref,
+                        persistent_programs, program_tiles)
 from .norm_fold import N_PARTS, parts_block
 from .w4a16 import dequantize_int4
 
@@ -51,6 +51,8 @@ def producer_problem(cfg: MmaConfig | None, N: int, K: int, G: int) -> str | Non
 
 def consumer_problem(cfg: MmaConfig | None, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_fold` cannot run cfg for W [N, K] with `epilogue`, or None."""
+    if cfg is not None and cfg.cuda:
+        return f"the norm fold's consumer is the Triton kernel; {format_config(cfg)} is the CUDA gate|up's config"
     if cfg is None or not cfg.persist:
         return f"the consumer runs the persistent kernel (a config with persist > 0), got {cfg}"
     return config_problem(cfg, N, K, G, epilogue)
@@ -189,18 +191,18 @@ def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, p
 @torch.library.custom_op("fastgemma::mma_rows", mutates_args=())
 def mma_rows_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, res: torch.Tensor,
                 post: torch.Tensor, pre: torch.Tensor, offset: float, tiles: int, warps: int, depth: int, iters: int,
-                splits: int, persist: int, fresh: bool, hw: int, regs: int, pairs: bool, pdl: bool,
+                splits: int, persist: int, fresh: bool, hw: int, regs: int, pairs: bool, cuda: bool, pdl: bool,
                 lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lse given: x is an attention's split partials (`mma_rows`)."""
     weight = MmaWeight(words, sz, N, words.shape[1] * 64, group_size)  # words [N/16, K/64, 32, 4]
     return mma_rows(x, weight, res, post, pre, offset=offset,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs), pdl=pdl,
-                    lse=lse)
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs, cuda),
+                    pdl=pdl, lse=lse)
 
 
 @mma_rows_op.register_fake
 def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, iters, splits, persist, fresh, hw,
-      regs, pairs, pdl, lse=None):
+      regs, pairs, cuda, pdl, lse=None):
     return (x.new_empty((1, N)), x.new_empty((2, N)),
             x.new_empty((rows_tiles(N, MmaConfig(tiles)), N_PARTS), dtype=torch.float32))
 
@@ -209,14 +211,15 @@ def _(x, words, sz, N, group_size, res, post, pre, offset, tiles, warps, depth, 
 def mma_fold_op(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int,
                 group_size: int, epilogue: str, res: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
                 scale: torch.Tensor | None, eps: float, offset: float, tiles: int, warps: int, depth: int, iters: int,
-                splits: int, persist: int, fresh: bool, hw: int, regs: int, pairs: bool,
+                splits: int, persist: int, fresh: bool, hw: int, regs: int, pairs: bool, cuda: bool,
                 pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     weight = MmaWeight(words, sz, N, rows.shape[1], group_size, pairs)
     return mma_fold(rows, parts, weight, res, y, post, scale, eps=eps, offset=offset, epilogue=epilogue,
-                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs), pdl=pdl)
+                    config=MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs, cuda),
+                    pdl=pdl)
 
 
 @mma_fold_op.register_fake
 def _(rows, parts, words, sz, N, group_size, epilogue, res, y, post, scale, eps, offset, tiles, warps, depth, iters,
-      splits, persist, fresh, hw, regs, pairs, pdl):
+      splits, persist, fresh, hw, regs, pairs, cuda, pdl):
     return rows.new_empty((1, N // 2 if epilogue == "geglu" else N)), rows.new_empty((1, rows.shape[1]))

@@ -540,7 +540,11 @@ class MmaConfig:
     gate|up at one row 11.72 us uncapped, 14.57 at 168, 23.31 at 128; `2x4d2p9` 15.90, 14.38 at 128).
     pairs (GeGLU only): the weight is in the paired layout (`pair_order`: a 16-row tile holds 8 outputs' gate
     and up rows), so a program of `tiles` tiles makes 8 x tiles outputs, any tiles count; without it a
-    GeGLU program is a gate tile and its up tile (tiles 2)."""
+    GeGLU program is a gate tile and its up tile (tiles 2).
+    cuda (GeGLU on the paired layout only; config text 'cudaWxS'): the launch is kernels/cuda_geglu.py's CUDA C++
+    kernel instead, `warps` warps a CTA (one 16-row tile each, over all of K), `depth` its ring stages (groups of
+    words in flight a warp); the other fields unused. Built with nvcc on first use; `mma_config` falls back to
+    CUDA_FALLBACK where that cannot run."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -551,6 +555,7 @@ class MmaConfig:
     hw: int = 0
     regs: int = 0
     pairs: bool = False
+    cuda: bool = False
 
     @property
     def num_warps(self) -> int:
@@ -605,21 +610,32 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
     (10752, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
     (4096, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
     (2560, 10240): MmaConfig(1, 1, splits=8),
+    # gate|up on the CUDA kernel (kernels/cuda_geglu.py; the Triton entry where nvcc or sm_90 is missing): alone
+    # 9.36 / 9.58 us at 1 / 8 rows against 11.58 / 12.44, the k=7 step 2.497 -> 2.352 ms (run JI). The one-row
+    # entry stays Triton: the default AR step folds the norm before gate|up into it, and the CUDA kernel has no
+    # fold (1.713 -> 1.758 ms with it, run JJ)
+    (20480, 2560): MmaConfig(1, 5, 8, pairs=True, cuda=True),
 }
 
 
 _CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?(g)?"
+_CUDA_RE = r"cuda(\d+)x(\d+)"
 
 
 def parse_config(text: str) -> MmaConfig:
     """'TxW[dD][iI][sS][pR][f][nH][rG][g]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs
     per multiprocessor, f fresh chains, H hardware warps, G registers per thread at most, g the paired GeGLU
-    layout; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128', '1x4d5p9fg') -> MmaConfig."""
+    layout; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128', '1x4d5p9fg'), or 'cudaWxS' (the CUDA
+    gate|up: W warps a CTA, S ring stages; e.g. 'cuda5x8') -> MmaConfig."""
     import re
 
+    c = re.fullmatch(_CUDA_RE, text.strip())
+    if c:
+        return MmaConfig(1, int(c.group(1)), int(c.group(2)), pairs=True, cuda=True)
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][g], e.g. '1x4s4', '2x4d2' or '2x4d3p1'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS, e.g. '1x4s4', '2x4d2', "
+                         "'2x4d3p1' or 'cuda5x8'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
     return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
                      int(m.group(9) or 0), m.group(10) == "g")
@@ -627,6 +643,8 @@ def parse_config(text: str) -> MmaConfig:
 
 def format_config(cfg: MmaConfig) -> str:
     """`parse_config`'s text for cfg (defaults left out): parse_config(format_config(c)) == c."""
+    if cfg.cuda:
+        return f"cuda{cfg.warps}x{cfg.depth}"
     return (f"{cfg.tiles}x{cfg.warps}" + (f"d{cfg.depth}" if cfg.depth != MmaConfig.depth else "")
             + (f"i{cfg.iters}" if cfg.iters != 1 else "") + (f"s{cfg.splits}" if cfg.splits != 1 else "")
             + (f"p{cfg.persist}" if cfg.persist else "") + ("f" if cfg.fresh else "")
@@ -654,9 +672,10 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
     for item in [x.strip() for x in spec.split(",") if x.strip()]:
         if item == "none":
             continue
-        m = re.fullmatch(r"(.+)@(\d+)=(" + _CONFIG_RE + ")", item.replace("_", " "))
+        m = re.fullmatch(r"(.+)@(\d+)=(" + _CUDA_RE + "|" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][g] with CASE one of "
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][g] (or cudaWxS) "
+                             f"with CASE one of "
                              f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
@@ -676,6 +695,30 @@ def mma_config(N: int, K: int, M: int, epilogue: str = "none", invariant: bool =
     if cfg is None or (cfg.pairs if epilogue != "geglu" else not (cfg.pairs or cfg.tiles == 2)):
         return None  # a GeGLU launch needs a gate / up tile pair or the paired layout, others not the latter
     return cfg
+
+
+# a table's CUDA gate|up entry where the CUDA kernel cannot run (no nvcc, not sm_90): the Triton entry on the same
+# paired words (run IW)
+CUDA_FALLBACK = MmaConfig(2, 4, 5, persist=9, fresh=True, pairs=True)
+
+
+def settle_cuda_entries(device) -> list[str]:
+    """At build time (FuseLayers): where `device` cannot run the CUDA gate|up (kernels/cuda_geglu.device_problem),
+    the table's entries that ask for it become CUDA_FALLBACK, the Triton entry on the same paired words, so the
+    traced step reads a plain table. -> one line per entry replaced, saying why (empty: nothing to do)."""
+    entries = [(MMA_CONFIGS, k) for k, c in MMA_CONFIGS.items() if c.cuda]
+    entries += [(INVARIANT_CONFIGS, k) for k, c in INVARIANT_CONFIGS.items() if c.cuda]
+    if not entries:
+        return []
+    from .cuda_geglu import device_problem
+
+    why = device_problem(torch.device(device))
+    if why is None:
+        return []
+    for table, key in entries:
+        table[key] = CUDA_FALLBACK
+    return [f"{key[0]} x {key[1]}{' (' + ('rows > 1' if key[2] else '1 row') + ')' if len(key) == 3 else ''}: "
+            f"{format_config(CUDA_FALLBACK)} instead ({why})" for _, key in entries]
 
 
 def table_pairs(N: int, K: int) -> bool:
@@ -700,6 +743,12 @@ def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") 
 
 def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_w4a16` cannot launch cfg for W [N, K] in groups of G with `epilogue`, or None."""
+    if cfg.cuda:
+        from .cuda_geglu import shape_problem
+
+        if epilogue != "geglu":
+            return f"the CUDA kernel ({format_config(cfg)}) is gate|up's, with the geglu epilogue, got {epilogue!r}"
+        return shape_problem(N, K, G, cfg.warps, cfg.depth, cfg.pairs)
     if cfg.persist < 0 or (cfg.persist and (cfg.iters > 1 or cfg.splits > 1)):
         return f"persist must be >= 0, and > 0 only with iters 1 and splits 1, got {cfg}"
     if cfg.fresh and not cfg.persist:
@@ -767,6 +816,10 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     problem = config_problem(cfg, N, K, G, epilogue) or layout_problem(weight, cfg)
     if problem:
         raise ValueError(f"mma_w4a16: {problem}")
+    if cfg.cuda:
+        from .cuda_geglu import cuda_geglu
+
+        return cuda_geglu(x, weight.words, weight.sz, N, cfg.warps, cfg.depth, pdl)
     epi = kernel_epilogue(epilogue, cfg)
     M, S = x.shape[0], cfg.splits
     out = torch.empty(M, N // 2 if epi else N, device=x.device, dtype=x.dtype)
@@ -816,20 +869,21 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 regs: int, pairs: bool, pdl: bool) -> torch.Tensor:
+                 regs: int, pairs: bool, cuda: bool, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size, pairs)
     return mma_w4a16(x, weight, epilogue,
-                     MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs), pdl)
+                     MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs, cuda), pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
-    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. pairs arguments)."""
-    return cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs, cfg.pairs
+    """cfg's fields in `mma_w4a16_op`'s order (its tiles .. cuda arguments)."""
+    return (cfg.tiles, cfg.warps, cfg.depth, cfg.iters, cfg.splits, cfg.persist, cfg.fresh, cfg.hw, cfg.regs, cfg.pairs,
+            cfg.cuda)
 
 
 @mma_w4a16_op.register_fake
 def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs,
-      pdl):
+      cuda, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 
 

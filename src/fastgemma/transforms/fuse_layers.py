@@ -711,11 +711,13 @@ class FuseLayers:
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
         more rows): the others would never read it."""
-        from ..kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS, table_pairs
+        from ..kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS, settle_cuda_entries, table_pairs
         from .quant import Int4Linear
 
         if not (self.int4_mma and self.backend == "triton"):
             return
+        for line in settle_cuda_entries(next(model.parameters()).device):
+            log.warning("the tensor-core table's CUDA gate|up entry %s", line)
         mods = [(role, mod) for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
         if self.batch_invariant and model.config.ple_dim:  # the embedding's PLE projection (`_embed`)
             mods.append(("ple_model", model.per_layer_model_projection))

@@ -1,0 +1,203 @@
+// gate|up + GeGLU on the tensor cores from int4 codes in kernels/mma_w4a16.py's fragment order, paired layout
+// (`pair_order`: a 16-row tile holds 8 outputs' gate rows and their up rows), against up to 8 bf16 rows.
+//
+// One warp a 16-row tile over all of K: no sums across warps, no barrier in the main loop. Each warp streams its
+// tile's words and scale / zero words group by group (128 k: 32 + 8 bytes a lane) through its own ring of S
+// shared-memory stages with cp.async; a lane reads back only what it copied, so the ring needs no barrier. x (8
+// rows, a row past M a copy of row M - 1) and its sums per group are staged once a CTA after the PDL wait; the
+// first S groups of words are requested before it. The group loop is unrolled (constant stage indices).
+// Arithmetic per 64-k block as mma_w4a16's TILE_ASM (4 LOP3 + 3 shifts and one mma per 8 weights a lane); per
+// group out += s P + (z - 128 s) sum x, the sums of x by plain fp32 adds (16 threads a group, in shuffle order), so
+// outputs are not bit-equal to the Triton kernel's, but a row's result does not depend on the rows beside it.
+// Built by kernels/cuda_geglu.py with nvcc (sm_90a), one library per (FG_NW, FG_S, FG_K).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// four k steps of one 16x64 block: words w (one per step), B registers xa (steps 0, 1) / xb (steps 2, 3)
+__device__ __forceinline__ void tile_block(float* c, uint4 w, uint4 xa, uint4 xb) {
+  asm volatile(
+    "{\n.reg .b32 a0, a1, a2, a3, t;\n"
+    "lop3.b32 a0, %4, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %4, 4;\nlop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %4, 8;\nlop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %4, 12;\nlop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {a0, a1, a2, a3}, {%8, %9}, {%0, %1, %2, %3};\n"
+    "lop3.b32 a0, %5, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %5, 4;\nlop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %5, 8;\nlop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %5, 12;\nlop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {a0, a1, a2, a3}, {%10, %11}, {%0, %1, %2, %3};\n"
+    "lop3.b32 a0, %6, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %6, 4;\nlop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %6, 8;\nlop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %6, 12;\nlop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {a0, a1, a2, a3}, {%12, %13}, {%0, %1, %2, %3};\n"
+    "lop3.b32 a0, %7, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %7, 4;\nlop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %7, 8;\nlop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "shr.b32 t, %7, 12;\nlop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;\n"
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {a0, a1, a2, a3}, {%14, %15}, {%0, %1, %2, %3};\n"
+    "}\n"
+    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+    : "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w), "r"(xa.x), "r"(xa.y), "r"(xa.z), "r"(xa.w),
+      "r"(xb.x), "r"(xb.y), "r"(xb.z), "r"(xb.w));
+}
+
+__device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+__device__ __forceinline__ u16 to_bf(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+__device__ __forceinline__ float rnd(float f) { return __uint_as_float(((u32)to_bf(f)) << 16); }
+__device__ __forceinline__ float gelu_tanh(float x) {
+  float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + __expf(fminf(-2.0f * z, 80.0f)));
+}
+
+
+// x: [M, K] bf16 (row stride stride_xm elements, rows 16-byte aligned); words [tiles, K/64, 32] uint4; sz
+// [tiles, K/128, 8] uint2 (rows g, g + 8: bf16 scale low, zero high); out [M, tiles * 8] bf16 (row stride
+// stride_om). NW warps a CTA, one tile each; S ring stages a warp.
+template <int NW, int S, int K>
+__global__ void __launch_bounds__(NW * 32, 1)
+w4_geglu_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
+                u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
+  constexpr int KB = K / 64, NG = K / 128, XW = K / 2 + 4;  // x rows padded by 16 bytes: rows on other banks
+  constexpr int NT = NW * 32, CPR = K / 8, J = CPR / NT;     // uint4 of x a row; a thread's columns a row
+  static_assert(K % 128 == 0 && CPR % NT == 0 && NT % 16 == 0, "x in whole 16-thread groups of columns");
+  extern __shared__ uint4 smem[];
+  uint4* wring = smem;                                   // [NW][S][2][32]
+  uint2* szring = (uint2*)(wring + NW * S * 2 * 32);     // [NW][S][32]
+  u32* xs = (u32*)(szring + NW * S * 32);                // [8][XW]
+  float* xsum = (float*)(xs + 8 * XW);                   // [NG][8]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int t = blockIdx.x * NW + warp;
+  const bool live = t < n_tiles;
+  uint4* wr = wring + warp * S * 64;
+  uint2* sr = szring + warp * S * 32;
+  const uint4* wt = words + (u64)t * KB * 32 + lane;
+  const uint2* st = sz + (u64)t * NG * 8 + g;
+#pragma unroll
+  for (int s = 0; s < S; ++s) {  // weights: no kernel before writes them
+    if (live && s < NG) {
+      cp16(wr + s * 64 + lane, wt + (2 * s) * 32);
+      cp16(wr + s * 64 + 32 + lane, wt + (2 * s + 1) * 32);
+      cp8(sr + s * 32 + lane, st + s * 8);
+    }
+    cp_commit();
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  {  // x: every load of a thread before its first store; its sums per group and row from the same registers
+    uint4 v[8][J];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const int rs = r < M ? r : M - 1;
+#pragma unroll
+      for (int j = 0; j < J; ++j) v[r][j] = *(const uint4*)(x + (u64)rs * (stride_xm / 2) + (threadIdx.x + j * NT) * 4);
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int c = threadIdx.x + j * NT;
+        *(uint4*)(xs + r * XW + c * 4) = v[r][j];
+        float a = ((bf_lo(v[r][j].x) + bf_hi(v[r][j].x)) + (bf_lo(v[r][j].y) + bf_hi(v[r][j].y)))
+                + ((bf_lo(v[r][j].z) + bf_hi(v[r][j].z)) + (bf_lo(v[r][j].w) + bf_hi(v[r][j].w)));
+        a += __shfl_xor_sync(0xffffffffu, a, 8);
+        a += __shfl_xor_sync(0xffffffffu, a, 4);
+        a += __shfl_xor_sync(0xffffffffu, a, 2);
+        a += __shfl_xor_sync(0xffffffffu, a, 1);
+        if ((lane & 15) == 0) xsum[(c >> 4) * 8 + r] = a;
+      }
+    }
+  }
+  __syncthreads();
+  if (!live) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const u32* xrow = xs + g * XW + tq * 8;
+#pragma unroll
+  for (int gi = 0; gi < NG; ++gi) {
+    cp_wait<S - 1>();  // group gi has landed (a group is committed every step, empty past the last)
+    const int s = gi % S;
+    uint4 w0 = wr[s * 64 + lane], w1 = wr[s * 64 + 32 + lane];
+    uint2 zv = sr[s * 32 + lane];
+    float p[4] = {0.f, 0.f, 0.f, 0.f};
+    const u32* xb = xrow + gi * 64;
+    tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
+    tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
+    if (gi + S < NG) {  // the stage just read (its values are in registers, used by the mmas above)
+      cp16(wr + s * 64 + lane, wt + (2 * (gi + S)) * 32);
+      cp16(wr + s * 64 + 32 + lane, wt + (2 * (gi + S) + 1) * 32);
+      cp8(sr + s * 32 + lane, st + (gi + S) * 8);
+    }
+    cp_commit();
+    const float2 xsv = *(const float2*)(xsum + gi * 8 + tq * 2);
+    const float s0 = bf_lo(zv.x), z0 = bf_hi(zv.x), s1 = bf_lo(zv.y), z1 = bf_hi(zv.y);
+    acc[0] += s0 * p[0] + (z0 - 128.f * s0) * xsv.x;
+    acc[1] += s0 * p[1] + (z0 - 128.f * s0) * xsv.y;
+    acc[2] += s1 * p[2] + (z1 - 128.f * s1) * xsv.x;
+    acc[3] += s1 * p[3] + (z1 - 128.f * s1) * xsv.y;
+  }
+  const int row = t * 8 + g;  // output row; the lane's gate is element c2, its up element 2 + c2, of B column tq*2 + c2
+#pragma unroll
+  for (int c2 = 0; c2 < 2; ++c2) {
+    const int m = tq * 2 + c2;
+    if (m < M) out[(u64)m * stride_om + row] = to_bf(rnd(gelu_tanh(rnd(acc[c2]))) * rnd(acc[2 + c2]));
+  }
+}
+
+template <int NW, int S, int K>
+__host__ __device__ constexpr int w4_geglu_smem() {
+  return NW * S * 2 * 32 * 16 + NW * S * 32 * 8 + 8 * (K / 2 + 4) * 4 + (K / 128) * 8 * 4;
+}
+
+#ifdef FG_NW
+#include <cuda_runtime.h>
+// 0 on success, else the CUDA error code (cudaGetErrorString names it)
+extern "C" int fg_w4_geglu(const void* x, const void* words, const void* sz, void* out, int M, int stride_xm,
+                           int stride_om, int n_tiles, void* stream, int pdl) {
+  auto kernel = w4_geglu_kernel<FG_NW, FG_S, FG_K>;
+  constexpr int smem = w4_geglu_smem<FG_NW, FG_S, FG_K>();
+  static bool ready[64] = {};  // the shared-memory limit is raised once a device
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return (int)e;
+  if (dev >= 64 || !ready[dev]) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    if (dev < 64) ready[dev] = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((n_tiles + FG_NW - 1) / FG_NW);
+  cfg.blockDim = dim3(FG_NW * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute a[1];
+  a[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = a;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, (const u32*)x, (const uint4*)words, (const uint2*)sz, (u16*)out, M,
+                                 stride_xm, stride_om, n_tiles);
+}
+
+extern "C" int fg_w4_geglu_smem() { return w4_geglu_smem<FG_NW, FG_S, FG_K>(); }
+extern "C" const char* fg_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
+#endif

@@ -1,0 +1,134 @@
+"""The CUDA gate|up (kernels/cuda_geglu.py, `MmaConfig.cuda`): its config text, refusals, build command and
+errors, and the table's fallback to the Triton entry where it cannot run. The kernel itself needs nvcc and
+an sm_90 GPU: bench_mma (`MMA_TRY=cuda5x8`) checks it against the twin and bench.invariance
+(`--mma-table +gate|up@1=cuda5x8`) its rows against one-row launches (docs/results.md, runs JC-JJ)."""
+import os
+import stat
+
+import pytest
+import torch
+
+from fastgemma.kernels import cuda_geglu
+from fastgemma.kernels.mma_fold import consumer_problem
+from fastgemma.kernels.mma_w4a16 import (CUDA_FALLBACK, INVARIANT_CONFIGS, MMA_CONFIGS, MmaConfig, MmaWeight,
+                                         config_problem, format_config, mma_config, mma_w4a16 as run_mma,
+                                         parse_config, parse_table, set_table, settle_cuda_entries)
+from fastgemma.kernels.w4a16 import quantize_int4
+
+GATE_UP = (20480, 2560)
+
+
+def test_config_text_round_trips_and_reads_the_paired_layout():
+    cfg = parse_config("cuda5x8")
+    assert cfg == MmaConfig(1, 5, 8, pairs=True, cuda=True)
+    assert format_config(cfg) == "cuda5x8"
+    assert parse_config(format_config(MmaConfig(1, 10, 12, pairs=True, cuda=True))).warps == 10
+    table = parse_table("gate|up@1=cuda5x8,gate|up@8=cuda10x8,down@8=1x1s8")
+    assert table[(*GATE_UP, False)] == cfg and table[(*GATE_UP, True)].warps == 10
+    assert table[(2560, 10240, True)] == MmaConfig(1, 1, splits=8)
+    with pytest.raises(ValueError, match="cudaWxS"):
+        parse_config("cuda5")
+
+
+def test_refusals_say_what_the_kernel_takes():
+    cfg = parse_config("cuda5x8")
+    N, K = GATE_UP
+    assert config_problem(cfg, N, K, 128, "geglu") is None
+    assert "geglu" in config_problem(cfg, N, K, 128, "none")
+    assert "groups of 128" in config_problem(cfg, N, K, 64, "geglu")
+    assert "paired" in config_problem(MmaConfig(1, 5, 8, cuda=True), N, K, 128, "geglu")
+    assert "32 x warps" in config_problem(cfg, N, 1152, 128, "geglu")  # 144 columns of x over 160 threads
+    assert "shared memory" in config_problem(parse_config("cuda10x16"), N, K, 128, "geglu")
+    assert "warps and stages" in config_problem(parse_config("cuda5x0"), N, K, 128, "geglu")
+    # the norm fold's consumer is the Triton kernel: a CUDA entry leaves that pair unfolded
+    assert "Triton" in consumer_problem(cfg, N, K, 128, "geglu")
+
+
+def test_smem_bytes_match_the_kernel_layout():
+    # rings: 2 uint4 + 1 uint2 a lane a stage; x: 8 rows of K / 2 + 4 words; sums: K / 128 x 8 floats
+    assert cuda_geglu.smem_bytes(5, 8, 2560) == 5 * 8 * (1024 + 256) + 8 * 1284 * 4 + 20 * 8 * 4
+    src = cuda_geglu.SOURCE.read_text()
+    assert "NW * S * 2 * 32 * 16 + NW * S * 32 * 8 + 8 * (K / 2 + 4) * 4 + (K / 128) * 8 * 4" in src
+
+
+def test_table_falls_back_to_the_triton_entry_where_cuda_cannot_run(monkeypatch):
+    saved, saved_inv = dict(MMA_CONFIGS), dict(INVARIANT_CONFIGS)
+    try:
+        set_table({**saved, **parse_table("gate|up@1=cuda5x8,gate|up@8=cuda5x8")})
+        monkeypatch.setattr(cuda_geglu, "device_problem", lambda device: None)
+        assert settle_cuda_entries("cuda") == []  # a device that runs it: the entries stay
+        assert mma_config(*GATE_UP, 8, "geglu").cuda and mma_config(*GATE_UP, 1, "geglu", invariant=True).cuda
+        monkeypatch.setattr(cuda_geglu, "device_problem", lambda device: "no nvcc here")
+        lines = settle_cuda_entries("cuda")
+        assert len(lines) == 2 and all("no nvcc here" in x and "2x4d5p9fg" in x for x in lines)
+        assert mma_config(*GATE_UP, 1, "geglu") == CUDA_FALLBACK
+        assert mma_config(*GATE_UP, 8, "geglu", invariant=True) == CUDA_FALLBACK
+        assert CUDA_FALLBACK.pairs  # the same words serve both
+    finally:
+        set_table(saved)
+        INVARIANT_CONFIGS.clear()
+        INVARIANT_CONFIGS.update(saved_inv)
+
+
+def test_fuse_layers_settles_the_table_at_build_time():
+    """FuseLayers reads the device before any step is traced: a CUDA entry on a device that cannot run it (here
+    the CPU) becomes the Triton entry, so the traced step looks up a plain table."""
+    from fastgemma.transforms.fuse_layers import FuseLayers
+
+    saved = dict(MMA_CONFIGS)
+    try:
+        set_table({**saved, **parse_table("gate|up@1=cuda5x8")})
+        model = torch.nn.Linear(2, 2)  # a module on the CPU with no decoder layers: only its device is read
+        model.layers = []
+        FuseLayers(backend="triton", int4_mma=True)._enable_mma(model)
+        assert MMA_CONFIGS[(*GATE_UP, False)] == CUDA_FALLBACK
+    finally:
+        set_table(saved)
+
+
+def test_build_command_targets_sm90a_with_the_variant_macros(tmp_path):
+    cmd = cuda_geglu.build_command("nvcc", 5, 8, 2560, cuda_geglu.SOURCE, tmp_path / "x.so")
+    assert cmd[0] == "nvcc" and "-gencode=arch=compute_90a,code=sm_90a" in cmd and "-shared" in cmd
+    assert {"-DFG_NW=5", "-DFG_S=8", "-DFG_K=2560"} <= set(cmd)
+    assert cuda_geglu.SOURCE.is_file() and "extern \"C\" int fg_w4_geglu" in cuda_geglu.SOURCE.read_text()
+
+
+def test_no_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cuda_geglu, "nvcc", lambda: None)
+    cuda_geglu.library.cache_clear()
+    with pytest.raises(RuntimeError, match="nvcc"):
+        cuda_geglu.library(5, 8, 2560)
+
+
+def test_a_failing_build_reports_nvcc_output(monkeypatch, tmp_path):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'w4_geglu.cu(1): error: planted' >&2\nexit 2\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    monkeypatch.setattr(cuda_geglu, "nvcc", lambda: str(fake))
+    monkeypatch.setenv("FASTGEMMA_CUDA_CACHE", str(tmp_path / "cache"))
+    cuda_geglu.library.cache_clear()
+    with pytest.raises(RuntimeError, match="planted"):
+        cuda_geglu.library(5, 8, 2560)
+    assert not any(p.suffix == ".so" for p in (tmp_path / "cache").iterdir())  # nothing half-built is cached
+    cuda_geglu.library.cache_clear()
+
+
+def test_nvcc_found_from_cuda_home(monkeypatch, tmp_path):
+    (tmp_path / "bin").mkdir()
+    exe = tmp_path / "bin" / "nvcc"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert cuda_geglu.nvcc() == os.path.join(str(tmp_path), "bin", "nvcc")
+
+
+def test_launch_off_a_cuda_device_is_refused():
+    N, K, G = 64, 1280, 128
+    q, sc, zr = quantize_int4(torch.randn(N, K) * 0.02, G)
+    sc, zr = sc.to(torch.bfloat16), zr.to(torch.bfloat16)
+    w = MmaWeight.from_codes(q, sc, zr, G, pairs=True)
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    with pytest.raises((RuntimeError, ValueError), match="CUDA"):
+        run_mma(x, w, "geglu", parse_config("cuda5x8"))
