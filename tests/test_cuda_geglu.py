@@ -28,6 +28,9 @@ def test_config_text_round_trips_and_reads_the_paired_layout():
     assert table[(2560, 10240, True)] == MmaConfig(1, 1, splits=8)
     with pytest.raises(ValueError, match="cudaWxS"):
         parse_config("cuda5")
+    # the shipped INVARIANT_CONFIGS entry reads the paired words the one-row and 8-row Triton entries read
+    from fastgemma.kernels.mma_w4a16 import table_pairs
+    assert table_pairs(*GATE_UP)
 
 
 def test_refusals_say_what_the_kernel_takes():
@@ -53,6 +56,7 @@ def test_smem_bytes_match_the_kernel_layout():
 
 def test_table_falls_back_to_the_triton_entry_where_cuda_cannot_run(monkeypatch):
     saved, saved_inv = dict(MMA_CONFIGS), dict(INVARIANT_CONFIGS)
+    INVARIANT_CONFIGS[GATE_UP] = parse_config("cuda5x8")  # as shipped (another test's build may have settled it)
     try:
         set_table({**saved, **parse_table("gate|up@1=cuda5x8,gate|up@8=cuda5x8")})
         monkeypatch.setattr(cuda_geglu, "device_problem", lambda device: None)
@@ -60,7 +64,9 @@ def test_table_falls_back_to_the_triton_entry_where_cuda_cannot_run(monkeypatch)
         assert mma_config(*GATE_UP, 8, "geglu").cuda and mma_config(*GATE_UP, 1, "geglu", invariant=True).cuda
         monkeypatch.setattr(cuda_geglu, "device_problem", lambda device: "no nvcc here")
         lines = settle_cuda_entries("cuda")
-        assert len(lines) == 2 and all("no nvcc here" in x and "2x4d5p9fg" in x for x in lines)
+        # the two table entries given here and the shipped INVARIANT_CONFIGS one
+        assert len(lines) == 3 and all("no nvcc here" in x and "2x4d5p9fg" in x for x in lines)
+        assert INVARIANT_CONFIGS[GATE_UP] == CUDA_FALLBACK
         assert mma_config(*GATE_UP, 1, "geglu") == CUDA_FALLBACK
         assert mma_config(*GATE_UP, 8, "geglu", invariant=True) == CUDA_FALLBACK
         assert CUDA_FALLBACK.pairs  # the same words serve both

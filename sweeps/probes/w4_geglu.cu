@@ -48,11 +48,7 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
   // the first S groups' words before the wait: weights, which no kernel before writes
 #pragma unroll
   for (int s = 0; s < S; ++s) {
-    if (live && s < NG) {
-      cp16(wr + s * 64 + lane, wt + (2 * s) * 32);
-      cp16(wr + s * 64 + 32 + lane, wt + (2 * s + 1) * 32);
-      cp8(sr + s * 32 + lane, st + s * 8);
-    }
+    if (live && s < NG) issue_group(wr, sr, s, wt, st, s, lane);
     cp_commit();
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -86,16 +82,10 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
         ones_block(q, xc[0], xc[1]);
         tile_block(p, w1, xc[2], xc[3]);
         ones_block(q, xc[2], xc[3]);
-        float s0 = bf_lo(zv.x), z0 = bf_hi(zv.x), s1 = bf_lo(zv.y), z1 = bf_hi(zv.y);
-        acc[0] += s0 * p[0] + (z0 - 128.f * s0) * q[0];
-        acc[1] += s0 * p[1] + (z0 - 128.f * s0) * q[1];
-        acc[2] += s1 * p[2] + (z1 - 128.f * s1) * q[2];
-        acc[3] += s1 * p[3] + (z1 - 128.f * s1) * q[3];
+        scale_group(acc, p, zv, make_float2(q[0], q[1]));
       }
       if (gi + S < NG) {
-        cp16(wr + s * 64 + lane, wt + (2 * (gi + S)) * 32);
-        cp16(wr + s * 64 + 32 + lane, wt + (2 * (gi + S) + 1) * 32);
-        cp8(sr + s * 32 + lane, st + (gi + S) * 8);
+        issue_group(wr, sr, s, wt, st, gi + S, lane);
       }
       cp_commit();
     }
@@ -104,41 +94,10 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
       if (tq == 0) out[row] = (u16)fold;
       return;
     }
-#pragma unroll
-    for (int c2 = 0; c2 < 2; ++c2) {
-      int m = tq * 2 + c2;
-      if (m < M) out[(u64)m * stride_om + row] = to_bf(rnd(gelu_tanh(rnd(acc[c2]))) * rnd(acc[2 + c2]));
-    }
+    store_geglu(out, acc, t, g, tq, M, stride_om);
     return;
   }
-  // x into shared memory (rows 0..7, a row past M a copy of row M - 1), every load of a thread issued before
-  // its first store; its sums per group of 128 and row from the same registers (16 threads a group, shuffles)
-  if constexpr (DIAG != 1) {
-    constexpr int NT = NW * 32, CPR = K / 8, J = CPR / NT;  // uint4 a row; a thread's columns per row
-    static_assert(CPR % NT == 0 && NT % 16 == 0, "a row of x in whole 16-thread groups");
-    uint4 v[8][J];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const int rs = r < M ? r : M - 1;
-#pragma unroll
-      for (int j = 0; j < J; ++j) v[r][j] = *(const uint4*)(x + (u64)rs * (stride_xm / 2) + (threadIdx.x + j * NT) * 4);
-    }
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int c = threadIdx.x + j * NT;
-        *(uint4*)(xs + r * XW + c * 4) = v[r][j];
-        float a = ((bf_lo(v[r][j].x) + bf_hi(v[r][j].x)) + (bf_lo(v[r][j].y) + bf_hi(v[r][j].y)))
-                + ((bf_lo(v[r][j].z) + bf_hi(v[r][j].z)) + (bf_lo(v[r][j].w) + bf_hi(v[r][j].w)));
-        a += __shfl_xor_sync(0xffffffffu, a, 8);
-        a += __shfl_xor_sync(0xffffffffu, a, 4);
-        a += __shfl_xor_sync(0xffffffffu, a, 2);
-        a += __shfl_xor_sync(0xffffffffu, a, 1);
-        if ((lane & 15) == 0) xsum[(c >> 4) * 8 + r] = a;
-      }
-    }
-  }
+  if constexpr (DIAG != 1) stage_x<NW, K>(x, xs, xsum, M, stride_xm, lane);
   __syncthreads();
   if (!live) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -162,25 +121,11 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
       tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
       tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
     }
-    if (DIAG != 2 && gi + S < NG) {
-      cp16(wr + s * 64 + lane, wt + (2 * (gi + S)) * 32);
-      cp16(wr + s * 64 + 32 + lane, wt + (2 * (gi + S) + 1) * 32);
-      cp8(sr + s * 32 + lane, st + (gi + S) * 8);
-    }
+    if (DIAG != 2 && gi + S < NG) issue_group(wr, sr, s, wt, st, gi + S, lane);
     cp_commit();
-    float2 xsv = *(const float2*)(xsum + gi * 8 + tq * 2);
-    float s0 = bf_lo(zv.x), z0 = bf_hi(zv.x), s1 = bf_lo(zv.y), z1 = bf_hi(zv.y);
-    acc[0] += s0 * p[0] + (z0 - 128.f * s0) * xsv.x;
-    acc[1] += s0 * p[1] + (z0 - 128.f * s0) * xsv.y;
-    acc[2] += s1 * p[2] + (z1 - 128.f * s1) * xsv.x;
-    acc[3] += s1 * p[3] + (z1 - 128.f * s1) * xsv.y;
+    scale_group(acc, p, zv, *(const float2*)(xsum + gi * 8 + tq * 2));
   }
-  const int row = t * 8 + g;
-#pragma unroll
-  for (int c2 = 0; c2 < 2; ++c2) {
-    int m = tq * 2 + c2;
-    if (m < M) out[(u64)m * stride_om + row] = to_bf(rnd(gelu_tanh(rnd(acc[c2]))) * rnd(acc[2 + c2]));
-  }
+  store_geglu(out, acc, t, g, tq, M, stride_om);
 }
 
 template <int NW, int S, int K, bool XG>

@@ -71,6 +71,67 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 }
 
 
+// group gi of a warp's tile into ring stage s: its two word blocks (wt: the tile's lane word, block b at wt + b * 32)
+// and its scale / zero words (st: the tile's row-g words, group gi at st + gi * 8)
+__device__ __forceinline__ void issue_group(uint4* wr, uint2* sr, int s, const uint4* wt, const uint2* st, int gi,
+                                            int lane) {
+  cp16(wr + s * 64 + lane, wt + (2 * gi) * 32);
+  cp16(wr + s * 64 + 32 + lane, wt + (2 * gi + 1) * 32);
+  cp8(sr + s * 32 + lane, st + gi * 8);
+}
+
+// x [M, K] (row stride stride_xm elements) into xs [8][K / 2 + 4] u32 (a row past M a copy of row M - 1), and its
+// sums per group of 128 and row into xsum [K / 128][8]: every load of a thread before its first store, the sums
+// from the same registers (16 threads a group, in shuffle order). The caller syncs before reading them.
+template <int NW, int K>
+__device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int M, int stride_xm, int lane) {
+  constexpr int XW = K / 2 + 4, NT = NW * 32, CPR = K / 8, J = CPR / NT;  // uint4 of x a row; a thread's a row
+  static_assert(K % 128 == 0 && CPR % NT == 0 && NT % 16 == 0, "x in whole 16-thread groups of columns");
+  uint4 v[8][J];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const int rs = r < M ? r : M - 1;
+#pragma unroll
+    for (int j = 0; j < J; ++j) v[r][j] = *(const uint4*)(x + (u64)rs * (stride_xm / 2) + (threadIdx.x + j * NT) * 4);
+  }
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int c = threadIdx.x + j * NT;
+      *(uint4*)(xs + r * XW + c * 4) = v[r][j];
+      float a = ((bf_lo(v[r][j].x) + bf_hi(v[r][j].x)) + (bf_lo(v[r][j].y) + bf_hi(v[r][j].y)))
+              + ((bf_lo(v[r][j].z) + bf_hi(v[r][j].z)) + (bf_lo(v[r][j].w) + bf_hi(v[r][j].w)));
+      a += __shfl_xor_sync(0xffffffffu, a, 8);
+      a += __shfl_xor_sync(0xffffffffu, a, 4);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      if ((lane & 15) == 0) xsum[(c >> 4) * 8 + r] = a;
+    }
+  }
+}
+
+// acc += s P + (z - 128 s) sum x for one group: p its mma sums, zv the scale / zero words of rows g and g + 8, xsv
+// the sums of x of the lane's two B columns
+__device__ __forceinline__ void scale_group(float* acc, const float* p, uint2 zv, float2 xsv) {
+  const float s0 = bf_lo(zv.x), z0 = bf_hi(zv.x), s1 = bf_lo(zv.y), z1 = bf_hi(zv.y);
+  acc[0] += s0 * p[0] + (z0 - 128.f * s0) * xsv.x;
+  acc[1] += s0 * p[1] + (z0 - 128.f * s0) * xsv.y;
+  acc[2] += s1 * p[2] + (z1 - 128.f * s1) * xsv.x;
+  acc[3] += s1 * p[3] + (z1 - 128.f * s1) * xsv.y;
+}
+
+// output row t * 8 + g of B columns tq * 2 + c2 < M: gelu_tanh(gate) * up, rounded as the eager layer rounds (the
+// lane's gate is element c2, its up element 2 + c2)
+__device__ __forceinline__ void store_geglu(u16* out, const float* acc, int t, int g, int tq, int M, int stride_om) {
+  const int row = t * 8 + g;
+#pragma unroll
+  for (int c2 = 0; c2 < 2; ++c2) {
+    const int m = tq * 2 + c2;
+    if (m < M) out[(u64)m * stride_om + row] = to_bf(rnd(gelu_tanh(rnd(acc[c2]))) * rnd(acc[2 + c2]));
+  }
+}
+
 // x: [M, K] bf16 (row stride stride_xm elements, rows 16-byte aligned); words [tiles, K/64, 32] uint4; sz
 // [tiles, K/128, 8] uint2 (rows g, g + 8: bf16 scale low, zero high); out [M, tiles * 8] bf16 (row stride
 // stride_om). NW warps a CTA, one tile each; S ring stages a warp.
@@ -79,8 +140,6 @@ __global__ void __launch_bounds__(NW * 32, 1)
 w4_geglu_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
                 u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
   constexpr int KB = K / 64, NG = K / 128, XW = K / 2 + 4;  // x rows padded by 16 bytes: rows on other banks
-  constexpr int NT = NW * 32, CPR = K / 8, J = CPR / NT;     // uint4 of x a row; a thread's columns a row
-  static_assert(K % 128 == 0 && CPR % NT == 0 && NT % 16 == 0, "x in whole 16-thread groups of columns");
   extern __shared__ uint4 smem[];
   uint4* wring = smem;                                   // [NW][S][2][32]
   uint2* szring = (uint2*)(wring + NW * S * 2 * 32);     // [NW][S][32]
@@ -96,38 +155,11 @@ w4_geglu_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, cons
   const uint2* st = sz + (u64)t * NG * 8 + g;
 #pragma unroll
   for (int s = 0; s < S; ++s) {  // weights: no kernel before writes them
-    if (live && s < NG) {
-      cp16(wr + s * 64 + lane, wt + (2 * s) * 32);
-      cp16(wr + s * 64 + 32 + lane, wt + (2 * s + 1) * 32);
-      cp8(sr + s * 32 + lane, st + s * 8);
-    }
+    if (live && s < NG) issue_group(wr, sr, s, wt, st, s, lane);
     cp_commit();
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  {  // x: every load of a thread before its first store; its sums per group and row from the same registers
-    uint4 v[8][J];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const int rs = r < M ? r : M - 1;
-#pragma unroll
-      for (int j = 0; j < J; ++j) v[r][j] = *(const uint4*)(x + (u64)rs * (stride_xm / 2) + (threadIdx.x + j * NT) * 4);
-    }
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const int c = threadIdx.x + j * NT;
-        *(uint4*)(xs + r * XW + c * 4) = v[r][j];
-        float a = ((bf_lo(v[r][j].x) + bf_hi(v[r][j].x)) + (bf_lo(v[r][j].y) + bf_hi(v[r][j].y)))
-                + ((bf_lo(v[r][j].z) + bf_hi(v[r][j].z)) + (bf_lo(v[r][j].w) + bf_hi(v[r][j].w)));
-        a += __shfl_xor_sync(0xffffffffu, a, 8);
-        a += __shfl_xor_sync(0xffffffffu, a, 4);
-        a += __shfl_xor_sync(0xffffffffu, a, 2);
-        a += __shfl_xor_sync(0xffffffffu, a, 1);
-        if ((lane & 15) == 0) xsum[(c >> 4) * 8 + r] = a;
-      }
-    }
-  }
+  stage_x<NW, K>(x, xs, xsum, M, stride_xm, lane);
   __syncthreads();
   if (!live) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -142,25 +174,12 @@ w4_geglu_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, cons
     const u32* xb = xrow + gi * 64;
     tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
     tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
-    if (gi + S < NG) {  // the stage just read (its values are in registers, used by the mmas above)
-      cp16(wr + s * 64 + lane, wt + (2 * (gi + S)) * 32);
-      cp16(wr + s * 64 + 32 + lane, wt + (2 * (gi + S) + 1) * 32);
-      cp8(sr + s * 32 + lane, st + (gi + S) * 8);
-    }
+    // the stage just read: its values are in registers, used by the mmas above
+    if (gi + S < NG) issue_group(wr, sr, s, wt, st, gi + S, lane);
     cp_commit();
-    const float2 xsv = *(const float2*)(xsum + gi * 8 + tq * 2);
-    const float s0 = bf_lo(zv.x), z0 = bf_hi(zv.x), s1 = bf_lo(zv.y), z1 = bf_hi(zv.y);
-    acc[0] += s0 * p[0] + (z0 - 128.f * s0) * xsv.x;
-    acc[1] += s0 * p[1] + (z0 - 128.f * s0) * xsv.y;
-    acc[2] += s1 * p[2] + (z1 - 128.f * s1) * xsv.x;
-    acc[3] += s1 * p[3] + (z1 - 128.f * s1) * xsv.y;
+    scale_group(acc, p, zv, *(const float2*)(xsum + gi * 8 + tq * 2));
   }
-  const int row = t * 8 + g;  // output row; the lane's gate is element c2, its up element 2 + c2, of B column tq*2 + c2
-#pragma unroll
-  for (int c2 = 0; c2 < 2; ++c2) {
-    const int m = tq * 2 + c2;
-    if (m < M) out[(u64)m * stride_om + row] = to_bf(rnd(gelu_tanh(rnd(acc[c2]))) * rnd(acc[2 + c2]));
-  }
+  store_geglu(out, acc, t, g, tq, M, stride_om);
 }
 
 template <int NW, int S, int K>
