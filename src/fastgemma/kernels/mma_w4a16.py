@@ -543,8 +543,8 @@ class MmaConfig:
     GeGLU program is a gate tile and its up tile (tiles 2).
     cuda (GeGLU on the paired layout only; config text 'cudaWxS'): the launch is kernels/cuda_geglu.py's CUDA C++
     kernel instead, `warps` warps a CTA (one 16-row tile each, over all of K), `depth` its ring stages (groups of
-    words in flight a warp); the other fields unused. Built with nvcc on first use; `mma_config` falls back to
-    CUDA_FALLBACK where that cannot run."""
+    words in flight a warp); the other fields unused. Built with nvcc on first use; `settle_cuda_entries` puts
+    CUDA_FALLBACK in its place at build time where that cannot run."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -675,8 +675,7 @@ def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
         m = re.fullmatch(r"(.+)@(\d+)=(" + _CUDA_RE + "|" + _CONFIG_RE + ")", item.replace("_", " "))
         if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
             raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][g] (or cudaWxS) "
-                             f"with CASE one of "
-                             f"{sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
+                             f"with CASE one of {sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
         table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
     return table
@@ -715,10 +714,12 @@ def settle_cuda_entries(device) -> list[str]:
     why = device_problem(torch.device(device))
     if why is None:
         return []
+    lines = []
     for table, key in entries:
         table[key] = CUDA_FALLBACK
-    return [f"{key[0]} x {key[1]}{' (' + ('rows > 1' if key[2] else '1 row') + ')' if len(key) == 3 else ''}: "
-            f"{format_config(CUDA_FALLBACK)} instead ({why})" for _, key in entries]
+        rows = "" if table is INVARIANT_CONFIGS else (" (rows > 1)" if key[2] else " (1 row)")
+        lines.append(f"{key[0]} x {key[1]}{rows}: {format_config(CUDA_FALLBACK)} instead ({why})")
+    return lines
 
 
 def table_pairs(N: int, K: int) -> bool:
