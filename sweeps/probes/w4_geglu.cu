@@ -30,27 +30,18 @@ template <int NW, int S, int K, bool XG, bool DRY, int DIAG = 0>
 __global__ void __launch_bounds__(NW * 32, 1)
 w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
                 u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
-  constexpr int KB = K / 64, NG = K / 128;
-  constexpr int XW = K / 2 + 4;  // a row of x in u32, padded by 16 bytes (rows on different banks)
+  using W = WarpTile<NW, S, K>;  // (with XG or DRY the launch leaves x's shared memory out: xs, xsum unused)
+  constexpr int NG = W::NG, XW = W::XW;
   extern __shared__ uint4 smem[];
-  uint4* wring = smem;                                   // [NW][S][2][32]
-  uint2* szring = (uint2*)(wring + NW * S * 2 * 32);     // [NW][S][32]
-  u32* xs = (u32*)(szring + NW * S * 32);                // [8][XW]
-  float* xsum = (float*)(xs + 8 * XW);                   // [NG][8]
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  int t = blockIdx.x * NW + warp;
-  const bool live = t < n_tiles;
-  uint4* wr = wring + warp * S * 64;
-  uint2* sr = szring + warp * S * 32;
-  const uint4* wt = words + (u64)t * KB * 32 + lane;
-  const uint2* st = sz + (u64)t * NG * 8 + g;
-  // the first S groups' words before the wait: weights, which no kernel before writes
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    if (live && s < NG) issue_group(wr, sr, s, wt, st, s, lane);
-    cp_commit();
-  }
+  const W w(smem, words, sz, n_tiles);
+  w.start();
+  const int lane = w.lane, g = w.g, tq = w.tq, t = w.t;
+  const bool live = w.live;
+  const uint4* wr = w.wr;
+  const uint2* sr = w.sr;
+  u32* xs = w.xs;
+  float* xsum = w.xsum;
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (XG || DRY) {
     if (!live) return;
@@ -85,7 +76,7 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
         scale_group(acc, p, zv, make_float2(q[0], q[1]));
       }
       if (gi + S < NG) {
-        issue_group(wr, sr, s, wt, st, gi + S, lane);
+        w.issue(s, gi + S);
       }
       cp_commit();
     }
@@ -121,7 +112,7 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
       tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
       tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
     }
-    if (DIAG != 2 && gi + S < NG) issue_group(wr, sr, s, wt, st, gi + S, lane);
+    if (DIAG != 2 && gi + S < NG) w.issue(s, gi + S);
     cp_commit();
     scale_group(acc, p, zv, *(const float2*)(xsum + gi * 8 + tq * 2));
   }

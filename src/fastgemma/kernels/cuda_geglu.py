@@ -99,10 +99,15 @@ def library(warps: int, stages: int, K: int) -> ctypes.CDLL:
 
 
 def device_problem(device: torch.device) -> str | None:
-    """Why this device cannot run the CUDA gate|up, or None."""
+    """Why this device cannot run the CUDA gate|up, or None (a CUDA device's answer found once a process)."""
     if device.type != "cuda":
         return f"the CUDA gate|up runs on a CUDA device, got {device}"
-    cap = torch.cuda.get_device_capability(device)
+    return _cuda_device_problem(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_problem(index: int) -> str | None:
+    cap = torch.cuda.get_device_capability(index)
     if cap != (9, 0):
         return f"the CUDA gate|up is built for sm_90a (Hopper), got sm_{cap[0]}{cap[1]}"
     if nvcc() is None:
@@ -112,9 +117,10 @@ def device_problem(device: torch.device) -> str | None:
 
 def cuda_geglu(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, warps: int, stages: int,
                pdl: bool) -> torch.Tensor:
-    """x [M, K] bf16 (M <= 8, rows 16-byte aligned) through the paired gate|up words -> [M, N/2] bf16."""
+    """x [M, K] bf16 (M <= 8, rows 16-byte aligned) through the paired gate|up words -> [M, N/2] bf16. The launch
+    behind mma_w4a16 for a `cuda` config, which has checked the config against the shape (`shape_problem`)."""
     M, K = x.shape
-    problem = device_problem(x.device) or shape_problem(N, K, GROUP, warps, stages, True)
+    problem = device_problem(x.device)
     if problem:
         raise RuntimeError(problem)
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:

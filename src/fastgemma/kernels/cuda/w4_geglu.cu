@@ -132,6 +132,45 @@ __device__ __forceinline__ void store_geglu(u16* out, const float* acc, int t, i
   }
 }
 
+// One warp's tile and its share of the CTA's shared memory ([NW][S][2][32] uint4 word stages, [NW][S][32] uint2
+// scale / zero stages, then x [8][K / 2 + 4] u32 and its sums [K / 128][8] float): the lane's words (block b at
+// wt + b * 32) and scale / zero words (group gi at st + gi * 8) of tile t = blockIdx.x * NW + warp.
+template <int NW, int S, int K>
+struct WarpTile {
+  static constexpr int KB = K / 64, NG = K / 128, XW = K / 2 + 4;  // x rows padded by 16 bytes: other banks
+  int lane, g, tq, t;
+  bool live;
+  uint4* wr;
+  uint2* sr;
+  u32* xs;
+  float* xsum;
+  const uint4* wt;
+  const uint2* st;
+  __device__ __forceinline__ WarpTile(uint4* smem, const uint4* words, const uint2* sz, int n_tiles) {
+    const int warp = threadIdx.x >> 5;
+    lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    t = blockIdx.x * NW + warp;
+    live = t < n_tiles;
+    uint2* szring = (uint2*)(smem + NW * S * 2 * 32);
+    wr = smem + warp * S * 64;
+    sr = szring + warp * S * 32;
+    xs = (u32*)(szring + NW * S * 32);
+    xsum = (float*)(xs + 8 * XW);
+    wt = words + (u64)t * KB * 32 + lane;
+    st = sz + (u64)t * NG * 8 + g;
+  }
+  // group gi into ring stage s
+  __device__ __forceinline__ void issue(int s, int gi) const { issue_group(wr, sr, s, wt, st, gi, lane); }
+  // the first S groups (weights: no kernel before writes them, so this comes before the PDL wait)
+  __device__ __forceinline__ void start() const {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      if (live && s < NG) issue(s, s);
+      cp_commit();
+    }
+  }
+};
+
 // x: [M, K] bf16 (row stride stride_xm elements, rows 16-byte aligned); words [tiles, K/64, 32] uint4; sz
 // [tiles, K/128, 8] uint2 (rows g, g + 8: bf16 scale low, zero high); out [M, tiles * 8] bf16 (row stride
 // stride_om). NW warps a CTA, one tile each; S ring stages a warp.
@@ -139,47 +178,33 @@ template <int NW, int S, int K>
 __global__ void __launch_bounds__(NW * 32, 1)
 w4_geglu_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
                 u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
-  constexpr int KB = K / 64, NG = K / 128, XW = K / 2 + 4;  // x rows padded by 16 bytes: rows on other banks
+  using W = WarpTile<NW, S, K>;
   extern __shared__ uint4 smem[];
-  uint4* wring = smem;                                   // [NW][S][2][32]
-  uint2* szring = (uint2*)(wring + NW * S * 2 * 32);     // [NW][S][32]
-  u32* xs = (u32*)(szring + NW * S * 32);                // [8][XW]
-  float* xsum = (float*)(xs + 8 * XW);                   // [NG][8]
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int t = blockIdx.x * NW + warp;
-  const bool live = t < n_tiles;
-  uint4* wr = wring + warp * S * 64;
-  uint2* sr = szring + warp * S * 32;
-  const uint4* wt = words + (u64)t * KB * 32 + lane;
-  const uint2* st = sz + (u64)t * NG * 8 + g;
-#pragma unroll
-  for (int s = 0; s < S; ++s) {  // weights: no kernel before writes them
-    if (live && s < NG) issue_group(wr, sr, s, wt, st, s, lane);
-    cp_commit();
-  }
+  const W w(smem, words, sz, n_tiles);
+  w.start();
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  stage_x<NW, K>(x, xs, xsum, M, stride_xm, lane);
+  stage_x<NW, K>(x, w.xs, w.xsum, M, stride_xm, w.lane);
   __syncthreads();
-  if (!live) return;
+  if (!w.live) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const u32* xrow = xs + g * XW + tq * 8;
+  const u32* xrow = w.xs + w.g * W::XW + w.tq * 8;
 #pragma unroll
-  for (int gi = 0; gi < NG; ++gi) {
+  for (int gi = 0; gi < W::NG; ++gi) {
     cp_wait<S - 1>();  // group gi has landed (a group is committed every step, empty past the last)
     const int s = gi % S;
-    uint4 w0 = wr[s * 64 + lane], w1 = wr[s * 64 + 32 + lane];
-    uint2 zv = sr[s * 32 + lane];
+    uint4 w0 = w.wr[s * 64 + w.lane], w1 = w.wr[s * 64 + 32 + w.lane];
+    uint2 zv = w.sr[s * 32 + w.lane];
     float p[4] = {0.f, 0.f, 0.f, 0.f};
     const u32* xb = xrow + gi * 64;
     tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
     tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
     // the stage just read: its values are in registers, used by the mmas above
-    if (gi + S < NG) issue_group(wr, sr, s, wt, st, gi + S, lane);
+    if (gi + S < W::NG) w.issue(s, gi + S);
     cp_commit();
-    scale_group(acc, p, zv, *(const float2*)(xsum + gi * 8 + tq * 2));
+    scale_group(acc, p, zv, *(const float2*)(w.xsum + gi * 8 + w.tq * 2));
   }
-  store_geglu(out, acc, t, g, tq, M, stride_om);
+  store_geglu(out, acc, w.t, w.g, w.tq, M, stride_om);
 }
 
 template <int NW, int S, int K>
@@ -217,6 +242,5 @@ extern "C" int fg_w4_geglu(const void* x, const void* words, const void* sz, voi
                                  stride_xm, stride_om, n_tiles);
 }
 
-extern "C" int fg_w4_geglu_smem() { return w4_geglu_smem<FG_NW, FG_S, FG_K>(); }
 extern "C" const char* fg_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
 #endif
