@@ -1,4 +1,4 @@
-// Diagnostic variants of the CUDA gate|up (src/fastgemma/kernels/cuda/w4_geglu.cu, whose helpers this file is
+// Diagnostic variants of the CUDA gate|up (src/fastgemma/kernels/cuda/w4_gemm.cu, whose helpers this file is
 // compiled after; w4_geglu_probe.py times both). The loop here is rolled (unroll 2), one warp a tile:
 //   ring     x and its sums staged in shared memory once a CTA (the package kernel's layout)
 //   xg       each lane loads its B operand from global (L1 / L2) a group ahead, sums of x by a ones-mma
@@ -85,7 +85,8 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
       if (tq == 0) out[row] = (u16)fold;
       return;
     }
-    store_geglu(out, acc, t, g, tq, M, stride_om);
+    store_unit<1>(out, acc[0], acc[2], t, g, tq * 2, M, stride_om);
+    store_unit<1>(out, acc[1], acc[3], t, g, tq * 2 + 1, M, stride_om);
     return;
   }
   if constexpr (DIAG != 1) stage_x<NW, K>(x, xs, xsum, M, stride_xm, lane);
@@ -116,7 +117,8 @@ w4_geglu_diag_kernel(const u32* __restrict__ x, const uint4* __restrict__ words,
     cp_commit();
     scale_group(acc, p, zv, *(const float2*)(xsum + gi * 8 + tq * 2));
   }
-  store_geglu(out, acc, t, g, tq, M, stride_om);
+  store_unit<1>(out, acc[0], acc[2], t, g, tq * 2, M, stride_om);
+  store_unit<1>(out, acc[1], acc[3], t, g, tq * 2 + 1, M, stride_om);
 }
 
 template <int NW, int S, int K, bool XG>

@@ -1,7 +1,7 @@
 """Probe: gate|up (E4B, int4 g128, paired GeGLU layout) in CUDA C++ against the shipped Triton entry, alone,
 weights rotated out of L2, PDL launches in CUDA graphs (kernels/bench_util's timer), every output checked
 against the twin (the timing-only modes excepted). The kernels: the engine's (src/fastgemma/kernels/cuda/
-w4_geglu.cu, mode 'unrolled') and the diagnostic variants of sweeps/probes/w4_geglu.cu. GPU only: builds the
+w4_gemm.cu, mode 'unrolled') and the diagnostic variants of sweeps/probes/w4_geglu.cu. GPU only: builds the
 requested variants with torch.utils.cpp_extension (nvcc, sm_90a; ~50 s).
 
     python sweeps/probes/w4_geglu_probe.py [--variants 5x8:unrolled,5x8:ring,5x8:dry] [--ms 1,8]
@@ -25,7 +25,7 @@ from fastgemma.kernels.w4a16 import pack_int4, quantize_int4
 # a group ahead, sums by a ones-mma), dry (the ring alone: words streamed, no mma)
 # ks1 / ks2: w4_geglu_ks_kernel (the group loop unrolled; ks2: two warps a tile, each half of K)
 # WxS:MODE: W warps a CTA (one tile each), S ring stages a warp. unrolled: the package's kernel
-# (kernels/cuda/w4_geglu.cu, as the engine launches it); the rest the rolled diagnostic kernel's modes
+# (kernels/cuda/w4_gemm.cu, as the engine launches it); the rest the rolled diagnostic kernel's modes
 # (sweeps/probes/w4_geglu.cu: ring, xg, dry, nofill, nomem, split)
 DEFAULT = "5x8:unrolled,5x8:ring,5x8:dry"
 DIAG = {"ring": (0, 0, 0), "xg": (1, 0, 0), "dry": (0, 1, 0), "nofill": (0, 0, 1), "nomem": (0, 0, 2), "split": (0, 0, 3)}
@@ -64,7 +64,7 @@ def dispatch(variants: list[tuple[int, int, str]], K: int) -> str:
              "bool pdl) {", "  switch (i) {"]
     for i, (nw, s, mode) in enumerate(variants):
         if mode == "unrolled":
-            k, smem = f"w4_geglu_kernel<{nw}, {s}, {K}>", f"w4_geglu_smem<{nw}, {s}, {K}>()"
+            k, smem = f"w4_gemm_kernel<{nw}, {s}, {K}, 1, 1>", f"w4_gemm_smem<{nw}, {s}, {K}>()"
         else:
             xg, dry, diag = DIAG[mode]
             b = lambda v: "true" if v else "false"  # noqa: E731
@@ -77,7 +77,7 @@ def dispatch(variants: list[tuple[int, int, str]], K: int) -> str:
 
 def build(variants: list[tuple[int, int, str]], K: int):
     root = Path(__file__).resolve().parents[2]
-    src = "".join([(root / "src/fastgemma/kernels/cuda/w4_geglu.cu").read_text(),
+    src = "".join([(root / "src/fastgemma/kernels/cuda/w4_gemm.cu").read_text(),
                    Path(__file__).with_name("w4_geglu.cu").read_text(), LAUNCH, dispatch(variants, K)])
     name = "w4_geglu_probe_" + hashlib.sha1(src.encode()).hexdigest()[:12]
     t0 = time.time()

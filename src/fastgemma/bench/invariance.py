@@ -227,7 +227,7 @@ def main(argv=None):
     ap.add_argument("--time", action="store_true", help="also time each kernel at 1 and --rows rows, both configs")
     ap.add_argument("--mma-table", default="",
                     help="the tensor-core int4 kernel's table for this run, as bench.spec --mma-table takes it "
-                         "(e.g. '+gate|up@1=cuda5x8': the CUDA gate|up checked in its place)")
+                         "(e.g. '+down@1=cuda5x10c8': the CUDA down checked in its place)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -240,7 +240,7 @@ def main(argv=None):
     from ..kernels.mma_w4a16 import settle_cuda_entries
 
     for line in settle_cuda_entries("cuda"):  # as FuseLayers does: the Triton entry where CUDA's cannot run
-        print(f"the CUDA gate|up entry {line}", flush=True)
+        print(f"the CUDA entry {line}", flush=True)
     rows = kernel_checks(a.rows, "cuda")
     for r in rows:
         print(json.dumps(r), flush=True)

@@ -224,7 +224,7 @@ def main(argv=None):
     ap.add_argument("--mma-table", default="",
                     help="with 'mma' in --variant: the tensor-core int4 kernel's table for this run instead of "
                          "its own, as bench.stack --mma-table writes it (e.g. 'down@8=1x1s8,o_full@1=2x8', or 'none'; "
-                         "'+ENTRIES': the shipped table with those entries changed, e.g. '+gate|up@1=cuda5x8')")
+                         "'+ENTRIES': the shipped table with those entries changed, e.g. '+gate|up@1=cuda5x8g')")
     ap.add_argument("--fused-table", default="",
                     help="with --fuse layers: the fused one-row GEMVs' tiles for this run (the AR step's and the "
                          "drafter's; kernels/fused_gemv.FUSED_CONFIGS, given here on any GPU), as bench.stack "

@@ -52,7 +52,7 @@ def producer_problem(cfg: MmaConfig | None, N: int, K: int, G: int) -> str | Non
 def consumer_problem(cfg: MmaConfig | None, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_fold` cannot run cfg for W [N, K] with `epilogue`, or None."""
     if cfg is not None and cfg.cuda:
-        return f"the norm fold's consumer is the Triton kernel; {format_config(cfg)} is the CUDA gate|up's config"
+        return f"the norm fold's consumer is the Triton kernel; {format_config(cfg)} is the CUDA kernel's config"
     if cfg is None or not cfg.persist:
         return f"the consumer runs the persistent kernel (a config with persist > 0), got {cfg}"
     return config_problem(cfg, N, K, G, epilogue)

@@ -541,10 +541,11 @@ class MmaConfig:
     pairs (GeGLU only): the weight is in the paired layout (`pair_order`: a 16-row tile holds 8 outputs' gate
     and up rows), so a program of `tiles` tiles makes 8 x tiles outputs, any tiles count; without it a
     GeGLU program is a gate tile and its up tile (tiles 2).
-    cuda (GeGLU on the paired layout only; config text 'cudaWxS'): the launch is kernels/cuda_geglu.py's CUDA C++
-    kernel instead, `warps` warps a CTA (one 16-row tile each, over all of K), `depth` its ring stages (groups of
-    words in flight a warp); the other fields unused. Built with nvcc on first use; `settle_cuda_entries` puts
-    CUDA_FALLBACK in its place at build time where that cannot run."""
+    cuda (config text 'cudaWxS[cC][g]'): the launch is kernels/cuda_gemm.py's CUDA C++ kernel instead, `warps` warps a
+    CTA (one 16-row tile each over the CTA's K slice), `depth` its ring stages (groups of words in flight a warp),
+    `splits` the CTAs of a cluster that split K, `pairs` GeGLU on the paired layout (else a plain store); the other
+    fields unused. Built with nvcc on first use; `settle_cuda_entries` puts the Triton entry of CUDA_FALLBACKS in its
+    place at build time where that cannot run."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
@@ -610,32 +611,35 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
     (10752, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
     (4096, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True),
     (2560, 10240): MmaConfig(1, 1, splits=8),
-    # gate|up on the CUDA kernel (kernels/cuda_geglu.py; the Triton entry where nvcc or sm_90 is missing): alone
+    # gate|up on the CUDA kernel (kernels/cuda_gemm.py; the Triton entry where nvcc or sm_90 is missing): alone
     # 9.36 / 9.58 us at 1 / 8 rows against 11.58 / 12.44, the k=7 step 2.497 -> 2.352 ms (run JI). The one-row
     # entry stays Triton: the default AR step folds the norm before gate|up into it, and the CUDA kernel has no
     # fold (1.713 -> 1.758 ms with it, run JJ)
     (20480, 2560): MmaConfig(1, 5, 8, pairs=True, cuda=True),
 }
+SHIPPED_INVARIANT = dict(INVARIANT_CONFIGS)  # what set_table starts INVARIANT_CONFIGS from
 
 
 _CONFIG_RE = r"(\d+)x(\d+)(?:d(\d+))?(?:i(\d+))?(?:s(\d+))?(?:p(\d+))?(f)?(?:n(\d+))?(?:r(\d+))?(g)?"
-_CUDA_RE = r"cuda(\d+)x(\d+)"
+_CUDA_RE = r"cuda(\d+)x(\d+)(?:c(\d+))?(g)?"
 
 
 def parse_config(text: str) -> MmaConfig:
     """'TxW[dD][iI][sS][pR][f][nH][rG][g]' (T tiles, W warps, D depth, I iters, S K splits, R persistent programs
     per multiprocessor, f fresh chains, H hardware warps, G registers per thread at most, g the paired GeGLU
-    layout; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128', '1x4d5p9fg'), or 'cudaWxS' (the CUDA
-    gate|up: W warps a CTA, S ring stages; e.g. 'cuda5x8') -> MmaConfig."""
+    layout; e.g. '1x4s4', '2x4d2', '2x4d3p1f', '2x4d5p9fn8', '2x4d2p9r128', '1x4d5p9fg'), or 'cudaWxS[cC][g]' (the
+    CUDA kernel: W warps a CTA, S ring stages, K over C CTAs of a cluster, g the paired GeGLU layout; e.g.
+    'cuda5x8g', 'cuda5x10c8') -> MmaConfig."""
     import re
 
     c = re.fullmatch(_CUDA_RE, text.strip())
     if c:
-        return MmaConfig(1, int(c.group(1)), int(c.group(2)), pairs=True, cuda=True)
+        return MmaConfig(1, int(c.group(1)), int(c.group(2)), splits=int(c.group(3) or 1), pairs=c.group(4) == "g",
+                         cuda=True)
     m = re.fullmatch(_CONFIG_RE, text.strip())
     if not m:
-        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS, e.g. '1x4s4', '2x4d2', "
-                         "'2x4d3p1' or 'cuda5x8'")
+        raise ValueError(f"mma config {text!r}: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS[cC][g], e.g. '1x4s4', "
+                         "'2x4d2', '2x4d3p1', 'cuda5x8g' or 'cuda5x10c8'")
     t, w, d, i, sp, pr = (int(g) if g else None for g in m.groups()[:6])
     return MmaConfig(t, w, d or MmaConfig.depth, i or 1, sp or 1, pr or 0, m.group(7) == "f", int(m.group(8) or 0),
                      int(m.group(9) or 0), m.group(10) == "g")
@@ -644,40 +648,46 @@ def parse_config(text: str) -> MmaConfig:
 def format_config(cfg: MmaConfig) -> str:
     """`parse_config`'s text for cfg (defaults left out): parse_config(format_config(c)) == c."""
     if cfg.cuda:
-        return f"cuda{cfg.warps}x{cfg.depth}"
+        return (f"cuda{cfg.warps}x{cfg.depth}" + (f"c{cfg.splits}" if cfg.splits != 1 else "")
+                + ("g" if cfg.pairs else ""))
     return (f"{cfg.tiles}x{cfg.warps}" + (f"d{cfg.depth}" if cfg.depth != MmaConfig.depth else "")
             + (f"i{cfg.iters}" if cfg.iters != 1 else "") + (f"s{cfg.splits}" if cfg.splits != 1 else "")
             + (f"p{cfg.persist}" if cfg.persist else "") + ("f" if cfg.fresh else "")
             + (f"n{cfg.hw}" if cfg.hw else "") + (f"r{cfg.regs}" if cfg.regs else "") + ("g" if cfg.pairs else ""))
 
 
-def set_table(table: dict[tuple[int, int, bool], MmaConfig]) -> None:
-    """Make `table` this process's MMA_CONFIGS (read when the fragment-order copies are made and when
-    the steps are traced): the benchmarks' --mma-table."""
+def set_table(table: dict[tuple, MmaConfig]) -> None:
+    """Make `table` this process's tables (read when the fragment-order copies are made and when the steps are
+    traced): its (N, K, rows > 1) entries all of MMA_CONFIGS, its (N, K) entries over the shipped INVARIANT_CONFIGS
+    (the benchmarks' --mma-table)."""
     if table is not MMA_CONFIGS:
         MMA_CONFIGS.clear()
-        MMA_CONFIGS.update(table)
+        MMA_CONFIGS.update({k: c for k, c in table.items() if len(k) == 3})
+    INVARIANT_CONFIGS.clear()
+    INVARIANT_CONFIGS.update({**SHIPPED_INVARIANT, **{k: c for k, c in table.items() if len(k) == 2}})
 
 
-def parse_table(spec: str) -> dict[tuple[int, int, bool], MmaConfig]:
+def parse_table(spec: str) -> dict[tuple, MmaConfig]:
     """A table written as entries CASE@ROWS=CONFIG joined by ',' (CASE a name of
     fused_w4a16.E4B_CASES, '_' for its spaces allowed, so a table passes through shell words; ROWS 1
-    or more; CONFIG as `parse_config` reads it; e.g. 'down@1=1x4s4,o_full@8=2x4d8'), or 'none' (an
-    empty table) -> MMA_CONFIGS' form. Clear errors for anything else."""
+    or more, or 'inv': INVARIANT_CONFIGS' entry, read at every row count under fuse.batch_invariant; CONFIG as
+    `parse_config` reads it; e.g. 'down@1=1x4s4,o_full@8=2x4d8,down@inv=cuda5x10c8'), or 'none' (an empty table)
+    -> {(N, K, rows > 1) or (N, K): config}, as `set_table` takes it. Clear errors for anything else."""
     import re
 
     from .fused_w4a16 import E4B_CASES
 
-    table: dict[tuple[int, int, bool], MmaConfig] = {}
+    table: dict[tuple, MmaConfig] = {}
     for item in [x.strip() for x in spec.split(",") if x.strip()]:
         if item == "none":
             continue
-        m = re.fullmatch(r"(.+)@(\d+)=(" + _CUDA_RE + "|" + _CONFIG_RE + ")", item.replace("_", " "))
-        if not m or m.group(1) not in E4B_CASES or int(m.group(2)) < 1:
-            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][g] (or cudaWxS) "
-                             f"with CASE one of {sorted(E4B_CASES)}, e.g. 'down@1=1x4s4'")
+        m = re.fullmatch(r"(.+)@(\d+|inv)=(" + _CUDA_RE + "|" + _CONFIG_RE + ")", item.replace("_", " "))
+        if not m or m.group(1) not in E4B_CASES or m.group(2) == "0":
+            raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][g] (or "
+                             f"cudaWxS[cC][g]; ROWS 1.. or 'inv') with CASE one of {sorted(E4B_CASES)}, e.g. "
+                             "'down@1=1x4s4'")
         N, K, _ = E4B_CASES[m.group(1)]
-        table[(N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
+        table[(N, K) if m.group(2) == "inv" else (N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
     return table
 
 
@@ -696,29 +706,40 @@ def mma_config(N: int, K: int, M: int, epilogue: str = "none", invariant: bool =
     return cfg
 
 
-# a table's CUDA gate|up entry where the CUDA kernel cannot run (no nvcc, not sm_90): the Triton entry on the same
-# paired words (run IW)
-CUDA_FALLBACK = MmaConfig(2, 4, 5, persist=9, fresh=True, pairs=True)
+# (N, K) -> the Triton entry that takes a table's CUDA entry's place where the CUDA kernel cannot run (no nvcc, not
+# sm_90), on the same words: gate|up's paired entry (run IW)
+CUDA_FALLBACKS: dict[tuple[int, int], MmaConfig] = {
+    (20480, 2560): MmaConfig(2, 4, 5, persist=9, fresh=True, pairs=True),
+}
 
 
 def settle_cuda_entries(device) -> list[str]:
-    """At build time (FuseLayers): where `device` cannot run the CUDA gate|up (kernels/cuda_geglu.device_problem),
-    the table's entries that ask for it become CUDA_FALLBACK, the Triton entry on the same paired words, so the
-    traced step reads a plain table. -> one line per entry replaced, saying why (empty: nothing to do)."""
+    """At build time (FuseLayers): the table's CUDA entries built (nvcc in parallel), or, where `device` cannot run
+    the CUDA kernel (kernels/cuda_gemm.device_problem), each become its shape's CUDA_FALLBACKS entry (or leaves the
+    table where it has none: the launch the table does not cover), so the traced step reads a plain table. -> one
+    line per entry replaced, saying why (empty: nothing replaced)."""
     entries = [(MMA_CONFIGS, k) for k, c in MMA_CONFIGS.items() if c.cuda]
     entries += [(INVARIANT_CONFIGS, k) for k, c in INVARIANT_CONFIGS.items() if c.cuda]
     if not entries:
         return []
-    from .cuda_geglu import device_problem
+    from .cuda_gemm import device_problem, prebuild, variants_of
 
     why = device_problem(torch.device(device))
-    if why is None:
+    if why is None:  # built now, in parallel, rather than one by one as the step is traced
+        failed = prebuild(variants_of((k[0], k[1], table[k]) for table, k in entries))
+        if failed:
+            raise RuntimeError("\n".join(failed.values()))
         return []
     lines = []
     for table, key in entries:
-        table[key] = CUDA_FALLBACK
+        fallback = CUDA_FALLBACKS.get(key[:2])
+        if fallback is None:
+            del table[key]
+        else:
+            table[key] = fallback
         rows = "" if table is INVARIANT_CONFIGS else (" (rows > 1)" if key[2] else " (1 row)")
-        lines.append(f"{key[0]} x {key[1]}{rows}: {format_config(CUDA_FALLBACK)} instead ({why})")
+        instead = format_config(fallback) if fallback else "no table entry"
+        lines.append(f"{key[0]} x {key[1]}{rows}: {instead} instead ({why})")
     return lines
 
 
@@ -745,11 +766,9 @@ def default_mma_config(N: int, K: int, group_size: int, epilogue: str = "none") 
 def config_problem(cfg: MmaConfig, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_w4a16` cannot launch cfg for W [N, K] in groups of G with `epilogue`, or None."""
     if cfg.cuda:
-        from .cuda_geglu import shape_problem
+        from .cuda_gemm import shape_problem
 
-        if epilogue != "geglu":
-            return f"the CUDA kernel ({format_config(cfg)}) is gate|up's, with the geglu epilogue, got {epilogue!r}"
-        return shape_problem(N, K, G, cfg.warps, cfg.depth, cfg.pairs)
+        return shape_problem(N, K, G, cfg.warps, cfg.depth, cfg.splits, cfg.pairs, epilogue)
     if cfg.persist < 0 or (cfg.persist and (cfg.iters > 1 or cfg.splits > 1)):
         return f"persist must be >= 0, and > 0 only with iters 1 and splits 1, got {cfg}"
     if cfg.fresh and not cfg.persist:
@@ -818,9 +837,9 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     if problem:
         raise ValueError(f"mma_w4a16: {problem}")
     if cfg.cuda:
-        from .cuda_geglu import cuda_geglu
+        from .cuda_gemm import cuda_gemm
 
-        return cuda_geglu(x, weight.words, weight.sz, N, cfg.warps, cfg.depth, pdl)
+        return cuda_gemm(x, weight.words, weight.sz, N, cfg.warps, cfg.depth, cfg.splits, epilogue, pdl)
     epi = kernel_epilogue(epilogue, cfg)
     M, S = x.shape[0], cfg.splits
     out = torch.empty(M, N // 2 if epi else N, device=x.device, dtype=x.dtype)
@@ -912,6 +931,17 @@ def mma_candidates(K: int, group_size: int, epilogue: str) -> list[MmaConfig]:
     return out
 
 
+def mma_label(c: MmaConfig) -> str:
+    """A config's line in bench_mma's table."""
+    if c.cuda:
+        return (f"CUDA {c.warps} warps x {c.depth} stages" + (f", K over {c.splits} CTAs" if c.splits > 1 else "")
+                + (", paired" if c.pairs else ""))
+    return (f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
+            + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
+            + (f", {c.hw} hw warps" if c.hw else "") + (f", <= {c.regs} registers" if c.regs else "")
+            + (", paired" if c.pairs else ""))
+
+
 def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer=None, device: str = "cuda",
               pdl: bool = True, configs: list[MmaConfig] | None = None) -> list[dict]:
     """Every E4B shape (kernels/fused_w4a16.E4B_CASES; gate|up with GeGLU) at each row count in ms:
@@ -947,13 +977,15 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         paired = ([(MmaWeight.from_codes(q, sc, zr, group_size, pairs=True),) for _ in range(n_copies)]
                   if epi == "geglu" and any(c.pairs for c in tried) else None)
         vec = lambda n: torch.randn(1, n, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+        fits = [c for c in tried if c.cuda and not config_problem(c, N, K, group_size, epi)]
+        if fits:  # the CUDA configs' libraries built at once (nvcc in parallel); a failure shows at its run
+            from .cuda_gemm import prebuild, variants_of
+
+            prebuild(variants_of((N, K, c) for c in fits))
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
-            runs = [(f"mma {c.tiles}x16 rows, {c.warps} warps, d{c.depth}, iters {c.iters}, splits {c.splits}"
-                     + (f", persist {c.persist}" if c.persist else "") + (", fresh" if c.fresh else "")
-                     + (f", {c.hw} hw warps" if c.hw else "") + (f", <= {c.regs} registers" if c.regs else "")
-                     + (", paired" if c.pairs else ""), paired if c.pairs else mma,
+            runs = [(mma_label(c), paired if c.pairs else mma,
                      lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl), format_config(c))
                     for c in (mma_candidates(K, group_size, epi) if configs is None else
                               [c for c in configs if not config_problem(c, N, K, group_size, epi)])]

@@ -1,15 +1,19 @@
-// gate|up + GeGLU on the tensor cores from int4 codes in kernels/mma_w4a16.py's fragment order, paired layout
-// (`pair_order`: a 16-row tile holds 8 outputs' gate rows and their up rows), against up to 8 bf16 rows.
+// W4A16 GEMM on the tensor cores for up to 8 bf16 rows, from int4 codes in kernels/mma_w4a16.py's fragment order:
+// a plain store (EPI 0, the natural layout) or gate|up + GeGLU (EPI 1, the paired layout, `pair_order`: a 16-row
+// tile holds 8 outputs' gate rows and their up rows).
 //
-// One warp a 16-row tile over all of K: no sums across warps, no barrier in the main loop. Each warp streams its
-// tile's words and scale / zero words group by group (128 k: 32 + 8 bytes a lane) through its own ring of S
-// shared-memory stages with cp.async; a lane reads back only what it copied, so the ring needs no barrier. x (8
-// rows, a row past M a copy of row M - 1) and its sums per group are staged once a CTA after the PDL wait; the
-// first S groups of words are requested before it. The group loop is unrolled (constant stage indices).
+// One warp a 16-row tile over a CTA's K slice: no sums across the warps of a CTA, no barrier in the main loop. Each
+// warp streams its tile's words and scale / zero words group by group (128 k: 32 + 8 bytes a lane) through its own
+// ring of S shared-memory stages with cp.async; a lane reads back only what it copied, so the ring needs no barrier.
+// x's slice (8 rows, a row past M a copy of row M - 1) and its sums per group are staged once a CTA after the PDL
+// wait; the first S groups of words are requested before it. The group loop is unrolled (constant stage indices).
 // Arithmetic per 64-k block as mma_w4a16's TILE_ASM (4 LOP3 + 3 shifts and one mma per 8 weights a lane); per
-// group out += s P + (z - 128 s) sum x, the sums of x by plain fp32 adds (16 threads a group, in shuffle order), so
-// outputs are not bit-equal to the Triton kernel's, but a row's result does not depend on the rows beside it.
-// Built by kernels/cuda_geglu.py with nvcc (sm_90a), one library per (FG_NW, FG_S, FG_K).
+// group out += s P + (z - 128 s) sum x, the sums of x by plain fp32 adds (16 threads a group, in shuffle order).
+// K split (C > 1): the C CTAs of a thread-block cluster take one K slice each of the same NW tiles; their partial
+// sums meet in distributed shared memory, each CTA adding a 1/C share of the outputs over the C ranks in rank
+// order. Outputs are not bit-equal to the Triton kernel's, but a row's result does not depend on the rows beside
+// it, and is the same at every M. Built by kernels/cuda_gemm.py with nvcc (sm_90a), one library per
+// (FG_NW, FG_S, FG_KS, FG_C, FG_EPI).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -82,31 +86,36 @@ __device__ __forceinline__ void issue_group(uint4* wr, uint2* sr, int s, const u
 
 // x [M, K] (row stride stride_xm elements) into xs [8][K / 2 + 4] u32 (a row past M a copy of row M - 1), and its
 // sums per group of 128 and row into xsum [K / 128][8]: every load of a thread before its first store, the sums
-// from the same registers (16 threads a group, in shuffle order). The caller syncs before reading them.
+// from the same registers (16 threads a group, in shuffle order; a group's threads are all in the row or all past
+// it, and every lane meets the shuffles). The caller syncs before reading them.
 template <int NW, int K>
 __device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int M, int stride_xm, int lane) {
-  constexpr int XW = K / 2 + 4, NT = NW * 32, CPR = K / 8, J = CPR / NT;  // uint4 of x a row; a thread's a row
-  static_assert(K % 128 == 0 && CPR % NT == 0 && NT % 16 == 0, "x in whole 16-thread groups of columns");
+  constexpr int XW = K / 2 + 4, NT = NW * 32, CPR = K / 8, J = (CPR + NT - 1) / NT;  // uint4 of x a row; a thread's
+  static_assert(K % 128 == 0 && NT % 16 == 0, "x in whole 16-thread groups of columns");
   uint4 v[8][J];
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
     const int rs = r < M ? r : M - 1;
 #pragma unroll
-    for (int j = 0; j < J; ++j) v[r][j] = *(const uint4*)(x + (u64)rs * (stride_xm / 2) + (threadIdx.x + j * NT) * 4);
+    for (int j = 0; j < J; ++j) {
+      const int c = threadIdx.x + j * NT;
+      v[r][j] = CPR % NT == 0 || c < CPR ? *(const uint4*)(x + (u64)rs * (stride_xm / 2) + c * 4) : make_uint4(0, 0, 0, 0);
+    }
   }
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int c = threadIdx.x + j * NT;
-      *(uint4*)(xs + r * XW + c * 4) = v[r][j];
+      const bool in = CPR % NT == 0 || c < CPR;
+      if (in) *(uint4*)(xs + r * XW + c * 4) = v[r][j];
       float a = ((bf_lo(v[r][j].x) + bf_hi(v[r][j].x)) + (bf_lo(v[r][j].y) + bf_hi(v[r][j].y)))
               + ((bf_lo(v[r][j].z) + bf_hi(v[r][j].z)) + (bf_lo(v[r][j].w) + bf_hi(v[r][j].w)));
       a += __shfl_xor_sync(0xffffffffu, a, 8);
       a += __shfl_xor_sync(0xffffffffu, a, 4);
       a += __shfl_xor_sync(0xffffffffu, a, 2);
       a += __shfl_xor_sync(0xffffffffu, a, 1);
-      if ((lane & 15) == 0) xsum[(c >> 4) * 8 + r] = a;
+      if (in && (lane & 15) == 0) xsum[(c >> 4) * 8 + r] = a;
     }
   }
 }
@@ -121,24 +130,40 @@ __device__ __forceinline__ void scale_group(float* acc, const float* p, uint2 zv
   acc[3] += s1 * p[3] + (z1 - 128.f * s1) * xsv.y;
 }
 
-// output row t * 8 + g of B columns tq * 2 + c2 < M: gelu_tanh(gate) * up, rounded as the eager layer rounds (the
-// lane's gate is element c2, its up element 2 + c2)
-__device__ __forceinline__ void store_geglu(u16* out, const float* acc, int t, int g, int tq, int M, int stride_om) {
-  const int row = t * 8 + g;
-#pragma unroll
-  for (int c2 = 0; c2 < 2; ++c2) {
-    const int m = tq * 2 + c2;
-    if (m < M) out[(u64)m * stride_om + row] = to_bf(rnd(gelu_tanh(rnd(acc[c2]))) * rnd(acc[2 + c2]));
+// B column m = tq * 2 + c2 of tile t and lane row g, if m < M: v0 its row-g sum, v1 its row-(g + 8) sum. EPI 0:
+// outputs t * 16 + g and t * 16 + g + 8 as they are; EPI 1 (paired): output t * 8 + g = gelu_tanh(gate v0) * up v1,
+// rounded as the eager layer rounds
+template <int EPI>
+__device__ __forceinline__ void store_unit(u16* out, float v0, float v1, int t, int g, int m, int M, int stride_om) {
+  if (m >= M) return;
+  u16* o = out + (u64)m * stride_om;
+  if (EPI == 1) {
+    o[t * 8 + g] = to_bf(rnd(gelu_tanh(rnd(v0))) * rnd(v1));
+  } else {
+    o[t * 16 + g] = to_bf(v0);
+    o[t * 16 + g + 8] = to_bf(v1);
   }
 }
 
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// the float2 at shared address a (this CTA's layout) in the shared memory of cluster rank r
+__device__ __forceinline__ float2 ld_rank(u32 a, u32 r) {
+  float2 v;
+  asm volatile("{\n.reg .b32 p;\nmapa.shared::cluster.u32 p, %2, %3;\nld.shared::cluster.v2.f32 {%0, %1}, [p];\n}\n"
+               : "=f"(v.x), "=f"(v.y) : "r"(a), "r"(r) : "memory");
+  return v;
+}
+
 // One warp's tile and its share of the CTA's shared memory ([NW][S][2][32] uint4 word stages, [NW][S][32] uint2
-// scale / zero stages, then x [8][K / 2 + 4] u32 and its sums [K / 128][8] float): the lane's words (block b at
-// wt + b * 32) and scale / zero words (group gi at st + gi * 8) of tile t = blockIdx.x * NW + warp.
-template <int NW, int S, int K>
+// scale / zero stages, then x [8][KS / 2 + 4] u32 and its sums [KS / 128][8] float): tile t = (blockIdx.x / C) * NW +
+// warp over the K slice of cluster rank r = blockIdx.x % C (k in [r KS, (r + 1) KS)); the lane's words (block b of the
+// slice at wt + b * 32) and scale / zero words (group gi of the slice at st + gi * 8).
+template <int NW, int S, int KS, int C = 1>
 struct WarpTile {
-  static constexpr int KB = K / 64, NG = K / 128, XW = K / 2 + 4;  // x rows padded by 16 bytes: other banks
-  int lane, g, tq, t;
+  static constexpr int K = KS * C, KB = K / 64, NG = KS / 128, XW = KS / 2 + 4;  // x rows padded by 16 bytes
+  int lane, g, tq, t, rank;
   bool live;
   uint4* wr;
   uint2* sr;
@@ -149,17 +174,18 @@ struct WarpTile {
   __device__ __forceinline__ WarpTile(uint4* smem, const uint4* words, const uint2* sz, int n_tiles) {
     const int warp = threadIdx.x >> 5;
     lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    t = blockIdx.x * NW + warp;
+    rank = blockIdx.x % C;
+    t = (blockIdx.x / C) * NW + warp;
     live = t < n_tiles;
     uint2* szring = (uint2*)(smem + NW * S * 2 * 32);
     wr = smem + warp * S * 64;
     sr = szring + warp * S * 32;
     xs = (u32*)(szring + NW * S * 32);
     xsum = (float*)(xs + 8 * XW);
-    wt = words + (u64)t * KB * 32 + lane;
-    st = sz + (u64)t * NG * 8 + g;
+    wt = words + ((u64)t * KB + rank * (KS / 64)) * 32 + lane;
+    st = sz + ((u64)t * (K / 128) + rank * NG) * 8 + g;
   }
-  // group gi into ring stage s
+  // group gi of the slice into ring stage s
   __device__ __forceinline__ void issue(int s, int gi) const { issue_group(wr, sr, s, wt, st, gi, lane); }
   // the first S groups (weights: no kernel before writes them, so this comes before the PDL wait)
   __device__ __forceinline__ void start() const {
@@ -171,54 +197,92 @@ struct WarpTile {
   }
 };
 
+// C > 1: each warp's sums into the start of its ring (free: every copy has landed and been read) as [lane][c2]
+// float2 (row g, row g + 8); after a cluster barrier, thread i of rank r adds unit u = r U / C + i (U = NW x 64 a
+// CTA) over ranks 0 .. C - 1 in order and stores it; a second barrier keeps each CTA's shared memory until its
+// peers have read it
+template <int NW, int S, int KS, int C, int EPI>
+__device__ __forceinline__ void cluster_reduce(const WarpTile<NW, S, KS, C>& w, uint4* smem, const float* acc,
+                                               u16* out, int M, int stride_om, int n_tiles) {
+  constexpr int U = NW * 64, PER = U / C;
+  static_assert(U % C == 0 && PER <= NW * 32, "a unit a thread");
+  cp_wait<0>();
+  float2* red = (float2*)w.wr;
+  red[w.lane * 2] = make_float2(acc[0], acc[2]);
+  red[w.lane * 2 + 1] = make_float2(acc[1], acc[3]);
+  cluster_sync();
+  const int i = threadIdx.x;
+  if (i < PER) {
+    const int u = w.rank * PER + i, wu = u / 64, lu = (u % 64) / 2, c2 = u % 2;
+    const u32 a = smem_u32((const float2*)(smem + wu * S * 64) + lu * 2 + c2);
+    float2 v = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < C; ++r) {
+      const float2 p = ld_rank(a, r);
+      v.x += p.x;
+      v.y += p.y;
+    }
+    const int t = (blockIdx.x / C) * NW + wu;
+    if (t < n_tiles) store_unit<EPI>(out, v.x, v.y, t, lu >> 2, (lu & 3) * 2 + c2, M, stride_om);
+  }
+  cluster_sync();
+}
+
 // x: [M, K] bf16 (row stride stride_xm elements, rows 16-byte aligned); words [tiles, K/64, 32] uint4; sz
-// [tiles, K/128, 8] uint2 (rows g, g + 8: bf16 scale low, zero high); out [M, tiles * 8] bf16 (row stride
-// stride_om). NW warps a CTA, one tile each; S ring stages a warp.
-template <int NW, int S, int K>
+// [tiles, K/128, 8] uint2 (rows g, g + 8: bf16 scale low, zero high); out [M, N] (EPI 1: N / 2) bf16 (row stride
+// stride_om). NW warps a CTA, one tile each; S ring stages a warp; K = KS x C, C CTAs a cluster (one slice each).
+template <int NW, int S, int KS, int C, int EPI>
 __global__ void __launch_bounds__(NW * 32, 1)
-w4_geglu_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
-                u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
-  using W = WarpTile<NW, S, K>;
+w4_gemm_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
+               u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
+  using W = WarpTile<NW, S, KS, C>;
   extern __shared__ uint4 smem[];
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const W w(smem, words, sz, n_tiles);
   w.start();
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  stage_x<NW, K>(x, w.xs, w.xsum, M, stride_xm, w.lane);
+  stage_x<NW, KS>(x + w.rank * (KS / 2), w.xs, w.xsum, M, stride_xm, w.lane);
   __syncthreads();
-  if (!w.live) return;
+  if (C == 1 && !w.live) return;  // with C > 1 every thread meets the cluster barriers
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const u32* xrow = w.xs + w.g * W::XW + w.tq * 8;
+  if (w.live) {
+    const u32* xrow = w.xs + w.g * W::XW + w.tq * 8;
 #pragma unroll
-  for (int gi = 0; gi < W::NG; ++gi) {
-    cp_wait<S - 1>();  // group gi has landed (a group is committed every step, empty past the last)
-    const int s = gi % S;
-    uint4 w0 = w.wr[s * 64 + w.lane], w1 = w.wr[s * 64 + 32 + w.lane];
-    uint2 zv = w.sr[s * 32 + w.lane];
-    float p[4] = {0.f, 0.f, 0.f, 0.f};
-    const u32* xb = xrow + gi * 64;
-    tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
-    tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
-    // the stage just read: its values are in registers, used by the mmas above
-    if (gi + S < W::NG) w.issue(s, gi + S);
-    cp_commit();
-    scale_group(acc, p, zv, *(const float2*)(w.xsum + gi * 8 + w.tq * 2));
+    for (int gi = 0; gi < W::NG; ++gi) {
+      cp_wait<S - 1>();  // group gi has landed (a group is committed every step, empty past the last)
+      const int s = gi % S;
+      uint4 w0 = w.wr[s * 64 + w.lane], w1 = w.wr[s * 64 + 32 + w.lane];
+      uint2 zv = w.sr[s * 32 + w.lane];
+      float p[4] = {0.f, 0.f, 0.f, 0.f};
+      const u32* xb = xrow + gi * 64;
+      tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
+      tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
+      // the stage just read: its values are in registers, used by the mmas above
+      if (gi + S < W::NG) w.issue(s, gi + S);
+      cp_commit();
+      scale_group(acc, p, zv, *(const float2*)(w.xsum + gi * 8 + w.tq * 2));
+    }
   }
-  store_geglu(out, acc, w.t, w.g, w.tq, M, stride_om);
+  if constexpr (C == 1) {
+    store_unit<EPI>(out, acc[0], acc[2], w.t, w.g, w.tq * 2, M, stride_om);
+    store_unit<EPI>(out, acc[1], acc[3], w.t, w.g, w.tq * 2 + 1, M, stride_om);
+  } else {
+    cluster_reduce<NW, S, KS, C, EPI>(w, smem, acc, out, M, stride_om, n_tiles);
+  }
 }
 
-template <int NW, int S, int K>
-__host__ __device__ constexpr int w4_geglu_smem() {
-  return NW * S * 2 * 32 * 16 + NW * S * 32 * 8 + 8 * (K / 2 + 4) * 4 + (K / 128) * 8 * 4;
+template <int NW, int S, int KS>
+__host__ __device__ constexpr int w4_gemm_smem() {
+  return NW * S * 2 * 32 * 16 + NW * S * 32 * 8 + 8 * (KS / 2 + 4) * 4 + (KS / 128) * 8 * 4;
 }
 
 #ifdef FG_NW
 #include <cuda_runtime.h>
 // 0 on success, else the CUDA error code (cudaGetErrorString names it)
-extern "C" int fg_w4_geglu(const void* x, const void* words, const void* sz, void* out, int M, int stride_xm,
-                           int stride_om, int n_tiles, void* stream, int pdl) {
-  auto kernel = w4_geglu_kernel<FG_NW, FG_S, FG_K>;
-  constexpr int smem = w4_geglu_smem<FG_NW, FG_S, FG_K>();
+extern "C" int fg_w4_gemm(const void* x, const void* words, const void* sz, void* out, int M, int stride_xm,
+                          int stride_om, int n_tiles, void* stream, int pdl) {
+  auto kernel = w4_gemm_kernel<FG_NW, FG_S, FG_KS, FG_C, FG_EPI>;
+  constexpr int smem = w4_gemm_smem<FG_NW, FG_S, FG_KS>();
   static bool ready[64] = {};  // the shared-memory limit is raised once a device
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
@@ -229,15 +293,19 @@ extern "C" int fg_w4_geglu(const void* x, const void* words, const void* sz, voi
     if (dev < 64) ready[dev] = true;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((n_tiles + FG_NW - 1) / FG_NW);
+  cfg.gridDim = dim3((n_tiles + FG_NW - 1) / FG_NW * FG_C);
   cfg.blockDim = dim3(FG_NW * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute a[1];
+  cudaLaunchAttribute a[2];
   a[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   a[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  a[1].id = cudaLaunchAttributeClusterDimension;
+  a[1].val.clusterDim.x = FG_C;
+  a[1].val.clusterDim.y = 1;
+  a[1].val.clusterDim.z = 1;
   cfg.attrs = a;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = FG_C > 1 ? 2 : 1;
   return (int)cudaLaunchKernelEx(&cfg, kernel, (const u32*)x, (const uint4*)words, (const uint2*)sz, (u16*)out, M,
                                  stride_xm, stride_om, n_tiles);
 }

@@ -1,0 +1,181 @@
+"""The CUDA W4A16 kernel (kernels/cuda_gemm.py, `MmaConfig.cuda`): its config text, refusals, build command and
+errors, and the table's fallback to the Triton entry where it cannot run. The kernel itself needs nvcc and
+an sm_90 GPU: bench_mma (`MMA_TRY=cuda5x8g`, `MMA_TRY=cuda5x10c8`) checks it against the twin and
+bench.invariance (`--mma-table +ENTRIES`) its rows against one-row launches (docs/results.md, runs JC-JJ, JL-)."""
+import os
+import stat
+
+import pytest
+import torch
+
+from fastgemma.kernels import cuda_gemm
+from fastgemma.kernels.mma_fold import consumer_problem
+from fastgemma.kernels.mma_w4a16 import (CUDA_FALLBACKS, INVARIANT_CONFIGS, MMA_CONFIGS, MmaConfig, MmaWeight,
+                                         config_problem, format_config, mma_config, mma_w4a16 as run_mma,
+                                         parse_config, parse_table, set_table, settle_cuda_entries)
+from fastgemma.kernels.w4a16 import quantize_int4
+
+GATE_UP = (20480, 2560)
+
+
+def test_config_text_round_trips_and_reads_the_paired_layout():
+    cfg = parse_config("cuda5x8g")
+    assert cfg == MmaConfig(1, 5, 8, pairs=True, cuda=True)
+    assert format_config(cfg) == "cuda5x8g"
+    assert parse_config(format_config(MmaConfig(1, 10, 12, pairs=True, cuda=True))).warps == 10
+    table = parse_table("gate|up@1=cuda5x8g,gate|up@8=cuda10x8g,down@8=1x1s8,down@1=cuda5x10c8")
+    assert table[(*GATE_UP, False)] == cfg and table[(*GATE_UP, True)].warps == 10
+    assert table[(2560, 10240, True)] == MmaConfig(1, 1, splits=8)
+    # down's plain store on the natural layout, K over a cluster of 8 CTAs
+    assert table[(2560, 10240, False)] == MmaConfig(1, 5, 10, splits=8, cuda=True)
+    for text in ("cuda5x10c8", "cuda4x6c2g", "cuda8x4"):
+        assert format_config(parse_config(text)) == text
+    with pytest.raises(ValueError, match="cudaWxS"):
+        parse_config("cuda5")
+    # '@inv': fuse.batch_invariant's entry (INVARIANT_CONFIGS), over the shipped ones, until the next set_table
+    inv = parse_table("down@inv=cuda5x10c8")
+    assert inv == {(2560, 10240): MmaConfig(1, 5, 10, splits=8, cuda=True)}
+    from fastgemma.kernels.mma_w4a16 import SHIPPED_INVARIANT as shipped
+    saved = dict(MMA_CONFIGS)
+    try:
+        set_table({**saved, **inv})
+        assert MMA_CONFIGS == saved and mma_config(2560, 10240, 8, invariant=True) == inv[(2560, 10240)]
+        assert all(INVARIANT_CONFIGS[k] == c for k, c in shipped.items() if k != (2560, 10240))
+    finally:
+        set_table(saved)
+    assert INVARIANT_CONFIGS == shipped
+    with pytest.raises(ValueError, match="inv"):
+        parse_table("down@0=cuda5x10c8")
+    # the shipped INVARIANT_CONFIGS entry reads the paired words the one-row and 8-row Triton entries read
+    from fastgemma.kernels.mma_w4a16 import table_pairs
+    assert table_pairs(*GATE_UP)
+
+
+def test_refusals_say_what_the_kernel_takes():
+    cfg = parse_config("cuda5x8g")
+    N, K = GATE_UP
+    assert config_problem(cfg, N, K, 128, "geglu") is None
+    # the GeGLU reads the paired layout, the plain store the natural one
+    assert "paired" in config_problem(cfg, N, K, 128, "none")
+    assert "paired" in config_problem(parse_config("cuda5x8"), N, K, 128, "geglu")
+    assert config_problem(parse_config("cuda5x10c8"), 2560, 10240, 128, "none") is None
+    assert "epilogues" in config_problem(parse_config("cuda5x8"), 2560, 2048, 128, "relu")
+    assert "groups of 128" in config_problem(cfg, N, K, 64, "geglu")
+    assert "1..8 CTAs" in config_problem(parse_config("cuda5x10c16"), 2560, 10240, 128, "none")
+    assert "slices" in config_problem(parse_config("cuda5x10c3"), 2560, 10240, 128, "none")  # 80 groups over 3
+    assert "slices" in config_problem(parse_config("cuda5x8"), 2552, 2048, 128, "none")  # N not whole tiles
+    assert "shared memory" in config_problem(parse_config("cuda10x16g"), N, K, 128, "geglu")
+    assert "more splits" in config_problem(parse_config("cuda10x8"), 2560, 10240, 128, "none")  # x: 164 KB
+    assert "warps and stages" in config_problem(parse_config("cuda5x0g"), N, K, 128, "geglu")
+    # the norm fold's consumer is the Triton kernel: a CUDA entry leaves that pair unfolded
+    assert "Triton" in consumer_problem(cfg, N, K, 128, "geglu")
+
+
+def test_smem_bytes_match_the_kernel_layout():
+    # rings: 2 uint4 + 1 uint2 a lane a stage; x: 8 rows of K / 2 + 4 words; sums: K / 128 x 8 floats
+    assert cuda_gemm.smem_bytes(5, 8, 2560) == 5 * 8 * (1024 + 256) + 8 * 1284 * 4 + 20 * 8 * 4
+    assert cuda_gemm.smem_bytes(5, 10, 1280) == 5 * 10 * (1024 + 256) + 8 * 644 * 4 + 10 * 8 * 4  # down's slice
+    src = cuda_gemm.SOURCE.read_text()
+    assert "NW * S * 2 * 32 * 16 + NW * S * 32 * 8 + 8 * (KS / 2 + 4) * 4 + (KS / 128) * 8 * 4" in src
+
+
+def test_table_falls_back_to_the_triton_entry_where_cuda_cannot_run(monkeypatch):
+    saved, saved_inv = dict(MMA_CONFIGS), dict(INVARIANT_CONFIGS)
+    INVARIANT_CONFIGS[GATE_UP] = parse_config("cuda5x8g")  # as shipped (another test's build may have settled it)
+    try:
+        set_table({**saved, **parse_table("gate|up@1=cuda5x8g,gate|up@8=cuda5x8g,down@8=cuda5x10c8")})
+        monkeypatch.setattr(cuda_gemm, "device_problem", lambda device: None)
+        built = []
+        monkeypatch.setattr(cuda_gemm, "prebuild", lambda variants: built.append(set(variants)) or {})
+        assert settle_cuda_entries("cuda") == []  # a device that runs it: the entries stay, built at once
+        assert built == [{(5, 8, 2560, 1, 1), (5, 10, 1280, 8, 0)}]  # gate|up's GeGLU, down's plain store
+        monkeypatch.setattr(cuda_gemm, "prebuild", lambda variants: {(5, 8, 2560, 1, 1): "nvcc failed: planted"})
+        with pytest.raises(RuntimeError, match="planted"):
+            settle_cuda_entries("cuda")
+        assert mma_config(*GATE_UP, 8, "geglu").cuda and mma_config(*GATE_UP, 1, "geglu", invariant=True).cuda
+        monkeypatch.setattr(cuda_gemm, "device_problem", lambda device: "no nvcc here")
+        lines = settle_cuda_entries("cuda")
+        # the three table entries given here and the shipped INVARIANT_CONFIGS ones
+        shipped = sum(c.cuda for c in saved_inv.values())
+        assert len(lines) == 3 + shipped and all("no nvcc here" in x for x in lines)
+        fallback = CUDA_FALLBACKS[GATE_UP]
+        assert sum("2x4d5p9fg" in x for x in lines) == 3
+        assert INVARIANT_CONFIGS[GATE_UP] == fallback
+        assert mma_config(*GATE_UP, 1, "geglu") == fallback
+        assert mma_config(*GATE_UP, 8, "geglu", invariant=True) == fallback
+        assert fallback.pairs  # the same words serve both
+        # every shipped CUDA entry has its Triton entry; one given for a shape without one leaves the table
+        assert all(k in CUDA_FALLBACKS for k, c in saved_inv.items() if c.cuda)
+        assert all(k[:2] in CUDA_FALLBACKS for k, c in saved.items() if c.cuda)
+        down = (2560, 10240)
+        if down not in CUDA_FALLBACKS:
+            assert (*down, True) not in MMA_CONFIGS and any("no table entry" in x for x in lines)
+        assert not any(c.cuda for c in [*MMA_CONFIGS.values(), *INVARIANT_CONFIGS.values()])
+    finally:
+        set_table(saved)
+        INVARIANT_CONFIGS.clear()
+        INVARIANT_CONFIGS.update(saved_inv)
+
+
+def test_fuse_layers_settles_the_table_at_build_time():
+    """FuseLayers reads the device before any step is traced: a CUDA entry on a device that cannot run it (here
+    the CPU) becomes the Triton entry, so the traced step looks up a plain table."""
+    from fastgemma.transforms.fuse_layers import FuseLayers
+
+    saved = dict(MMA_CONFIGS)
+    try:
+        set_table({**saved, **parse_table("gate|up@1=cuda5x8g")})
+        model = torch.nn.Linear(2, 2)  # a module on the CPU with no decoder layers: only its device is read
+        model.layers = []
+        FuseLayers(backend="triton", int4_mma=True)._enable_mma(model)
+        assert MMA_CONFIGS[(*GATE_UP, False)] == CUDA_FALLBACKS[GATE_UP]
+    finally:
+        set_table(saved)
+
+
+def test_build_command_targets_sm90a_with_the_variant_macros(tmp_path):
+    cmd = cuda_gemm.build_command("nvcc", 5, 10, 1280, 8, 0, cuda_gemm.SOURCE, tmp_path / "x.so")
+    assert cmd[0] == "nvcc" and "-gencode=arch=compute_90a,code=sm_90a" in cmd and "-shared" in cmd
+    assert {"-DFG_NW=5", "-DFG_S=10", "-DFG_KS=1280", "-DFG_C=8", "-DFG_EPI=0"} <= set(cmd)
+    assert cuda_gemm.SOURCE.is_file() and "extern \"C\" int fg_w4_gemm" in cuda_gemm.SOURCE.read_text()
+
+
+def test_no_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cuda_gemm, "nvcc", lambda: None)
+    cuda_gemm.library.cache_clear()
+    with pytest.raises(RuntimeError, match="nvcc"):
+        cuda_gemm.library(5, 8, 2560, 1, 1)
+
+
+def test_a_failing_build_reports_nvcc_output(monkeypatch, tmp_path):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'w4_gemm.cu(1): error: planted' >&2\nexit 2\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    monkeypatch.setattr(cuda_gemm, "nvcc", lambda: str(fake))
+    monkeypatch.setenv("FASTGEMMA_CUDA_CACHE", str(tmp_path / "cache"))
+    cuda_gemm.library.cache_clear()
+    with pytest.raises(RuntimeError, match="planted"):
+        cuda_gemm.library(5, 8, 2560, 1, 1)
+    assert not any(p.suffix == ".so" for p in (tmp_path / "cache").iterdir())  # nothing half-built is cached
+    cuda_gemm.library.cache_clear()
+
+
+def test_nvcc_found_from_cuda_home(monkeypatch, tmp_path):
+    (tmp_path / "bin").mkdir()
+    exe = tmp_path / "bin" / "nvcc"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert cuda_gemm.nvcc() == os.path.join(str(tmp_path), "bin", "nvcc")
+
+
+def test_launch_off_a_cuda_device_is_refused():
+    N, K, G = 64, 1280, 128
+    q, sc, zr = quantize_int4(torch.randn(N, K) * 0.02, G)
+    sc, zr = sc.to(torch.bfloat16), zr.to(torch.bfloat16)
+    w = MmaWeight.from_codes(q, sc, zr, G, pairs=True)
+    x = torch.randn(2, K, dtype=torch.bfloat16)
+    with pytest.raises((RuntimeError, ValueError), match="CUDA"):
+        run_mma(x, w, "geglu", parse_config("cuda5x8g"))
