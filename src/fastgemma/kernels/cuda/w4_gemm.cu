@@ -87,7 +87,9 @@ __device__ __forceinline__ void issue_group(uint4* wr, uint2* sr, int s, const u
 // x [M, K] (row stride stride_xm elements) into xs [8][K / 2 + 4] u32 (a row past M a copy of row M - 1), and its
 // sums per group of 128 and row into xsum [K / 128][8]: every load of a thread before its first store, the sums
 // from the same registers (16 threads a group, in shuffle order; a group's threads are all in the row or all past
-// it, and every lane meets the shuffles). The caller syncs before reading them.
+// it, and every lane meets the shuffles). The caller syncs before reading them. x is the PDL predecessor's output:
+// coherent loads (ld.global.cg), never the non-coherent path, which ptxas may move above griddepcontrol.wait (it
+// did: x read before the producer finished, wrong tokens in the CUDA-graph step).
 template <int NW, int K>
 __device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int M, int stride_xm, int lane) {
   constexpr int XW = K / 2 + 4, NT = NW * 32, CPR = K / 8, J = (CPR + NT - 1) / NT;  // uint4 of x a row; a thread's
@@ -99,7 +101,8 @@ __device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int 
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int c = threadIdx.x + j * NT;
-      v[r][j] = CPR % NT == 0 || c < CPR ? *(const uint4*)(x + (u64)rs * (stride_xm / 2) + c * 4) : make_uint4(0, 0, 0, 0);
+      v[r][j] = CPR % NT == 0 || c < CPR ? __ldcg((const uint4*)(x + (u64)rs * (stride_xm / 2) + c * 4))
+                                         : make_uint4(0, 0, 0, 0);
     }
   }
 #pragma unroll
@@ -233,7 +236,7 @@ __device__ __forceinline__ void cluster_reduce(const WarpTile<NW, S, KS, C>& w, 
 // stride_om). NW warps a CTA, one tile each; S ring stages a warp; K = KS x C, C CTAs a cluster (one slice each).
 template <int NW, int S, int KS, int C, int EPI>
 __global__ void __launch_bounds__(NW * 32, 1)
-w4_gemm_kernel(const u32* __restrict__ x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
+w4_gemm_kernel(const u32* x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
                u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
   using W = WarpTile<NW, S, KS, C>;
   extern __shared__ uint4 smem[];
