@@ -13,7 +13,7 @@
 #             per-group kernel on separate scales / zeros (default: the packed words, as the engine runs it)
 #   mma       the int4 GEMV on the tensor cores (kernels/mma_w4a16.py) vs the current kernels, 1 and 8 rows,
 #             every E4B shape (mma_w4a16.bench_mma); MMA_CASES=name,..., MMA_MS=1,8, MMA_TRY=1x4s4,2x4d2,...
-#             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH][rG][g]); writes the entries
+#             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS[cC][g]); writes the entries
 #             faster alone than the shipped table's to mma_faster.txt (`bench.stack --mma-table +$(cat ...)`)
 #   stream    the fused one-row bf16 GEMV streamed by a few programs a multiprocessor (kernels/stream_gemv.py)
 #             against the shipped one-program-per-tile launch, alone, outputs checked; STREAM_ARGS, e.g.

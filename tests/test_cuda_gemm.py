@@ -82,7 +82,7 @@ def test_smem_bytes_match_the_kernel_layout():
 def test_x_is_read_coherently_after_the_pdl_wait():
     """x is the PDL predecessor's output. Read through the non-coherent path (`const __restrict__` lets nvcc emit
     ld.global.nc), ptxas moved a load of it above griddepcontrol.wait: the CUDA-graph step read x before its
-    producer finished (run JM: identity 0.00 against AR; 1.00 with coherent loads, run JO). Offline sm_90a SASS of
+    producer finished (runs JL-JN: identity 0.00 against AR; 1.00 with coherent loads, run JO). Offline sm_90a SASS of
     the fixed kernel has every x load after the wait."""
     import re
 
