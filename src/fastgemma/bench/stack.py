@@ -225,7 +225,8 @@ def main(argv=None):
                          f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--mma-table", action="append", default=[],
                     help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
-                         "CASE@ROWS=TxW[dD][sS][pR][f][nH] joined by ',' (e.g. 'o@1=2x8,down@1=1x4s4'), "
+                         "CASE@ROWS=CONFIG joined by ',' (ROWS 1.., or 'inv': fuse.batch_invariant's entry; CONFIG "
+                         "TxW[dD][sS][pR][f][nH][g] or cudaWxS[cC][g]; e.g. 'o@1=2x8,down@1=1x4s4'), "
                          "'none', 'default' (its own), or '+' then entries (its own with those changed, e.g. "
                          "'+down@1=1x4s4'); repeated: one row set per table, in one process. A one-row GEMV with "
                          "a prologue (q|k|v, gate|up) runs it in kernels/residual_norm.py first")

@@ -544,8 +544,8 @@ class MmaConfig:
     cuda (config text 'cudaWxS[cC][g]'): the launch is kernels/cuda_gemm.py's CUDA C++ kernel instead, `warps` warps a
     CTA (one 16-row tile each over the CTA's K slice), `depth` its ring stages (groups of words in flight a warp),
     `splits` the CTAs of a cluster that split K, `pairs` GeGLU on the paired layout (else a plain store); the other
-    fields unused. Built with nvcc on first use; `settle_cuda_entries` puts the Triton entry of CUDA_FALLBACKS in its
-    place at build time where that cannot run."""
+    fields unused. Built with nvcc when FuseLayers settles the table (`settle_cuda_entries`, which puts the Triton
+    entry of CUDA_FALLBACKS in its place where the device cannot run it), else on first use."""
     tiles: int = 1
     warps: int = 4
     depth: int = 64
