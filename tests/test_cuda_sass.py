@@ -1,0 +1,55 @@
+"""The CUDA W4A16 kernel (kernels/cuda/w4_gemm.cu) compiled for sm_90a without a GPU (NVRTC, tests/nvrtc_sass.py),
+its SASS checked: the PDL order (the trigger first, the weights' copies before the wait, every load of x after
+it: runs JL-JN found the kernel reading x early through a non-coherent load that ptxas had moved above the wait,
+run JO the fix), no local memory, the mma count of its K slice, and the cluster barriers where K is split. The
+probe's diagnostic kernel (sweeps/probes/w4_geglu.cu) still builds on the package's helpers."""
+from pathlib import Path
+
+import pytest
+
+from fastgemma.kernels import cuda_gemm
+from fastgemma.kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS
+from nvrtc_sass import instructions, sass
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = cuda_gemm.SOURCE.read_text()
+
+# (warps, stages, K slice, cluster, epilogue): the shipped gate|up, and the plain-store K splits of runs JL / JO
+VARIANTS = [(5, 8, 2560, 1, 1), (4, 10, 1280, 8, 0), (5, 16, 512, 5, 0), (4, 8, 512, 4, 0)]
+
+
+def kernel_sass(nw, s, ks, c, epi):
+    return instructions(sass(SOURCE, f"w4_gemm_kernel<{nw}, {s}, {ks}, {c}, {epi}>"))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: cuda_gemm.variant(*v))
+def test_sass_keeps_the_pdl_order_and_no_local_memory(variant):
+    nw, s, ks, c, epi = variant
+    ins = kernel_sass(*variant)
+    # opcodes, the never-executed ones (`@!PT`: ptxas' padding) left out
+    ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in ins if not i.startswith("@!PT ")]
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1  # griddepcontrol.wait / launch_dependents
+    wait = ops.index("ACQBULK")
+    assert ops.index("PREEXIT") < wait
+    before = ops[:wait]
+    # before the wait only the weights' copies into the ring: no global load at all (x comes after)
+    loads = [o for o in before if o.startswith(("LDG.", "LD.", "LDS.")) or o == "LDS"]  # not LDGSTS, LDGDEPBAR
+    assert not loads, f"loads before griddepcontrol.wait: {loads}"
+    assert sum(o.startswith("LDGSTS") for o in before) == 3 * min(s, ks // 128)  # 2 word blocks + scales a group
+    assert all(o.startswith("LDG.E.128.STRONG") for o in ops if o.startswith("LDG."))  # x: coherent loads
+    assert not [o for o in ops if o.startswith(("STL", "LDL"))], "local memory (spills)"
+    assert ops.count("HMMA.16816.F32.BF16") == ks // 128 * 8  # 2 blocks x 4 k steps a group
+    # K split: two cluster barriers (partials in, then kept until read); none without a cluster
+    assert ops.count("UCGABAR_ARV") == ops.count("UCGABAR_WAIT") == (2 if c > 1 else 0)
+
+
+def test_shipped_cuda_entries_are_among_the_checked_variants():
+    entries = [(N, K, cfg) for (N, K, *_), cfg in [*MMA_CONFIGS.items(), *INVARIANT_CONFIGS.items()] if cfg.cuda]
+    assert entries and cuda_gemm.variants_of(entries) <= set(VARIANTS)
+
+
+def test_probe_diagnostic_kernel_builds_on_the_package_helpers():
+    probe = (ROOT / "sweeps" / "probes" / "w4_geglu.cu").read_text()
+    for name in ("w4_geglu_diag_kernel<5, 8, 2560, false, false, 0>", "w4_geglu_diag_kernel<5, 8, 2560, true, false, 0>"):
+        ins = instructions(sass(SOURCE + probe, name))
+        assert any(i.startswith("HMMA") for i in ins)
