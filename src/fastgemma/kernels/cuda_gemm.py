@@ -97,7 +97,7 @@ def library(warps: int, stages: int, KS: int, splits: int, epi: int) -> ctypes.C
     """The built library for one variant: from the cache, else built once with nvcc (a few seconds)."""
     compiler = nvcc()
     if compiler is None:
-        raise RuntimeError("the CUDA kernel (a 'cudaWxS' entry of the tensor-core kernel's table) is built with "
+        raise RuntimeError("the CUDA kernel (a 'cudaWxS[cC][g]' entry of the tensor-core kernel's table) is built with "
                            "nvcc, which is not on this machine (set CUDA_HOME, or use the Triton entry: the table's "
                            "default)")
     text = SOURCE.read_bytes()
