@@ -50,6 +50,7 @@ def test_shipped_cuda_entries_are_among_the_checked_variants():
 
 def test_probe_diagnostic_kernel_builds_on_the_package_helpers():
     probe = (ROOT / "sweeps" / "probes" / "w4_geglu.cu").read_text()
-    for name in ("w4_geglu_diag_kernel<5, 8, 2560, false, false, 0>", "w4_geglu_diag_kernel<5, 8, 2560, true, false, 0>"):
+    for xg in ("false", "true"):  # x staged in shared memory, x from global
+        name = f"w4_geglu_diag_kernel<5, 8, 2560, {xg}, false, 0>"
         ins = instructions(sass(SOURCE + probe, name))
         assert any(i.startswith("HMMA") for i in ins)
