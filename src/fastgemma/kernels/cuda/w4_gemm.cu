@@ -148,6 +148,8 @@ __device__ __forceinline__ void store_unit(u16* out, float v0, float v1, int t, 
   }
 }
 
+// every thread of the cluster's CTAs; release / acquire, so each CTA's shared-memory writes before it are seen by the
+// others after it (sm_90a: MEMBAR.ALL.GPU, then the cluster barrier)
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
