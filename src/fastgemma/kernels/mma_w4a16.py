@@ -973,22 +973,20 @@ def bench_mma(cases: dict | None = None, ms=(1, 8), group_size: int = 128, timer
         n_copies = copies_past_l2(nbytes, dev)
         std = [(qw.clone(), sc.clone(), zr.clone()) for _ in range(n_copies)]
         mma = [(MmaWeight(mw.words.clone(), mw.sz.clone(), N, K, group_size),) for _ in range(n_copies)]
-        tried = mma_candidates(K, group_size, epi) if configs is None else configs
+        tried = (mma_candidates(K, group_size, epi) if configs is None else
+                 [c for c in configs if not config_problem(c, N, K, group_size, epi)])
         paired = ([(MmaWeight.from_codes(q, sc, zr, group_size, pairs=True),) for _ in range(n_copies)]
                   if epi == "geglu" and any(c.pairs for c in tried) else None)
         vec = lambda n: torch.randn(1, n, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
-        fits = [c for c in tried if c.cuda and not config_problem(c, N, K, group_size, epi)]
-        if fits:  # the CUDA configs' libraries built at once (nvcc in parallel); a failure shows at its run
-            from .cuda_gemm import prebuild, variants_of
+        if any(c.cuda for c in tried):  # the CUDA configs' libraries built at once (nvcc in parallel); a failure
+            from .cuda_gemm import prebuild, variants_of  # shows at its run
 
-            prebuild(variants_of((N, K, c) for c in fits))
+            prebuild(variants_of((N, K, c) for c in tried if c.cuda))
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = mma_w4a16_ref(x, qw, sc, zr, group_size, epi)
             runs = [(mma_label(c), paired if c.pairs else mma,
-                     lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl), format_config(c))
-                    for c in (mma_candidates(K, group_size, epi) if configs is None else
-                              [c for c in configs if not config_problem(c, N, K, group_size, epi)])]
+                     lambda mw_, c=c: mma_w4a16(x, mw_, epi, c, pdl), format_config(c)) for c in tried]
             if M == 1:
                 kw = dict(eps=1e-6, pdl=pdl, epilogue=epi)
                 runs.append(("fused int4 GEMV, plain", std,
