@@ -55,6 +55,9 @@
 #   invariance each kernel's rows at one row vs among 8 (E4B shapes, bf16), and a k+1-row pass of the
 #             fuse.batch_invariant step against k+1 one-row steps (bench.invariance; INVARIANCE_ARGS, e.g.
 #             "--compile", "--variant attn_pdl+qkv+mma": the default step for contrast)
+#   fold      the norm fold's consumer (gate|up after o, q|k|v after the PLE projection) on the table's one-row
+#             entry and on FOLD_TRY's configs (default "cuda5x8g,cuda5x16": the CUDA kernel), output and h
+#             checked against the twin, words rotated out of L2 (kernels/mma_fold.bench_fold; FOLD_CASES="gate|up")
 #   counters  Nsight Compute counters of the int4 kernels per E4B shape at 1 and 8 rows: time, DRAM, issue,
 #             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
 #             --shapes gate|up,down --separate"; --mma 2x4d2,2x4d5p9f: the tensor-core kernel per config)
@@ -123,6 +126,10 @@ rows = bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(
 e = faster_entries(rows)
 open('$out/mma_faster.txt', 'w').write(e)
 print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 'none')" ;;
+    fold) run fold python3 -c "from fastgemma.kernels.mma_fold import bench_fold, FOLD_CASES as C
+from fastgemma.kernels.mma_w4a16 import parse_config
+cs, try_ = '${FOLD_CASES:-}', '${FOLD_TRY-cuda5x8g,cuda5x16}'
+bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_config(c) for c in try_.split(',') if c])" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     stream) run stream python3 -m fastgemma.kernels.stream_gemv ${STREAM_ARGS:-}
             grep '^fused table: ' "$out/stream.log" | tail -1 | sed 's/^fused table: //' > "$out/stream_table.txt" ;;
@@ -142,7 +149,7 @@ print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 
            task.table=true "hydra.run.dir=$out/cli" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, stream, stack, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, fold, stream, stack, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
@@ -155,6 +162,7 @@ for p in "${parts[@]}"; do
           grep -A40 '^# CONFIGS' "$out/int4.log" ;;
     int4fused) grep -E "WRONG|skip" "$out/int4fused.log" | head; grep -A20 '^# TILES' "$out/int4fused.log" ;;
     mma) grep -E ' \| ' "$out/mma.log" | head -120 ;;
+    fold) grep -E ' \| ' "$out/fold.log" | head -40 ;;
     stream) grep -E ' \| |skip|^fused table' "$out/stream.log" | tail -40 ;;
     draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;
     cli) grep -E '^\[bench\]|^\||\.\.\.$|: [0-9.]+ s( \([0-9]+ graphs? compiled\))?$|^timed:|error' "$out/cli.log" | tail -30 ;;

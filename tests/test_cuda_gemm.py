@@ -67,8 +67,11 @@ def test_refusals_say_what_the_kernel_takes():
     assert "shared memory" in config_problem(parse_config("cuda10x16g"), N, K, 128, "geglu")
     assert "more splits" in config_problem(parse_config("cuda10x8"), 2560, 10240, 128, "none")  # x: 164 KB
     assert "warps and stages" in config_problem(parse_config("cuda5x0g"), N, K, 128, "geglu")
-    # the norm fold's consumer is the Triton kernel: a CUDA entry leaves that pair unfolded
-    assert "Triton" in consumer_problem(cfg, N, K, 128, "geglu")
+    # the norm fold's consumer takes the CUDA kernel with all of K in a CTA, not a cluster split
+    assert consumer_problem(cfg, N, K, 128, "geglu") is None
+    assert consumer_problem(parse_config("cuda5x16"), 3072, 2560, 128, "none") is None
+    assert "all of K" in consumer_problem(parse_config("cuda5x16c5"), 3072, 2560, 128, "none")
+    assert "paired" in consumer_problem(parse_config("cuda5x8"), N, K, 128, "geglu")
 
 
 def test_smem_bytes_match_the_kernel_layout():
@@ -179,3 +182,46 @@ def test_launch_off_a_cuda_device_is_refused():
     x = torch.randn(2, K, dtype=torch.bfloat16)
     with pytest.raises((RuntimeError, ValueError), match="CUDA"):
         run_mma(x, w, "geglu", parse_config("cuda5x8g"))
+
+
+def test_the_fold_consumer_on_a_cuda_entry_launches_the_cuda_fold(monkeypatch):
+    """mma_fold hands a CUDA config's consumer to cuda_fold with the producer's rows and partials, its a, y, post,
+    the layer scalar and the words in the config's layout; the fused step pairs o with a CUDA gate|up."""
+    from fastgemma.kernels import mma_fold as mf
+
+    N, K, G = 64, 256, 128
+    q, sc, zr = quantize_int4(torch.randn(N, K) * 0.02, G)
+    w = MmaWeight.from_codes(q, sc.to(torch.bfloat16), zr.to(torch.bfloat16), G, pairs=True)
+    rows, parts = torch.randn(2, K, dtype=torch.bfloat16), torch.randn(16, 4)
+    a, y, post = (torch.randn(K, dtype=torch.bfloat16) for _ in range(3))
+    scale = torch.tensor([0.5], dtype=torch.bfloat16)
+    seen = {}
+
+    def fake(*args):
+        seen["args"] = args
+        return "out", "h"
+
+    monkeypatch.setattr(mf, "_cuda_or_interpret", lambda t, name: None)
+    monkeypatch.setattr(cuda_gemm, "cuda_fold", fake)
+    cfg = parse_config("cuda2x4g")
+    assert mf.mma_fold(rows, parts, w, a, y, post, scale, eps=1e-6, offset=1.0, epilogue="geglu", config=cfg,
+                       pdl=True) == ("out", "h")
+    got = seen["args"]
+    assert got[0] is rows and got[1] is parts and got[2] is w.words and got[3] is w.sz
+    assert got[4:8] == (N, 2, 4, "geglu") and got[11] is scale and got[12:] == (1e-6, 1.0, True)
+    assert [t.data_ptr() for t in got[8:11]] == [a.data_ptr(), y.data_ptr(), post.data_ptr()]
+    with pytest.raises(ValueError, match="all of K"):
+        mf.mma_fold(rows, parts, MmaWeight.from_codes(q, sc.to(torch.bfloat16), zr.to(torch.bfloat16), G), a, y, post,
+                    eps=1e-6, config=parse_config("cuda2x4c2"))
+
+
+def test_the_cuda_fold_refuses_what_it_cannot_take():
+    K = 2560
+    rows, parts = torch.randn(2, K, dtype=torch.bfloat16), torch.randn(80, 4)
+    a = torch.randn(K, dtype=torch.bfloat16)
+    words, sz = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="CUDA device"):  # off a CUDA device
+        cuda_gemm.cuda_fold(rows, parts, words, sz, 20480, 5, 8, "geglu", a, a, a, None, 1e-6, 1.0, True)
+    assert cuda_gemm.SCALE_KINDS == {None: 0, torch.bfloat16: 1, torch.float32: 2}
+    src = cuda_gemm.SOURCE.read_text()
+    assert 'extern "C" int fg_w4_fold' in src and "scale_kind == 1 ? bf_lo" in src

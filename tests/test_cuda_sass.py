@@ -1,8 +1,9 @@
 """The CUDA W4A16 kernel (kernels/cuda/w4_gemm.cu) compiled for sm_90a without a GPU (NVRTC, tests/nvrtc_sass.py),
 its SASS checked: the PDL order (the trigger first, the weights' copies before the wait, every load of x after
 it: runs JL-JN found the kernel reading x early through a non-coherent load that ptxas had moved above the wait,
-run JO the fix), no local memory, the mma count of its K slice, and the cluster barriers where K is split. The
-probe's diagnostic kernel (sweeps/probes/w4_geglu.cu) still builds on the package's helpers."""
+run JO the fix), no local memory, the mma count of its K slice, and the cluster barriers where K is split; the same
+for the norm fold's consumer (w4_fold_kernel). The probe's diagnostic kernel (sweeps/probes/w4_geglu.cu) still
+builds on the package's helpers."""
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,20 @@ SOURCE = cuda_gemm.SOURCE.read_text()
 VARIANTS = [(5, 8, 2560, 1, 1), (4, 10, 1280, 8, 0), (5, 16, 512, 5, 0), (4, 8, 512, 4, 0)]
 
 
-def kernel_sass(nw, s, ks, c, epi):
-    return instructions(sass(SOURCE, f"w4_gemm_kernel<{nw}, {s}, {ks}, {c}, {epi}>"))
+# the norm fold's consumer (w4_fold_kernel, K whole in a CTA): gate|up's GeGLU, q|k|v's plain store
+FOLD_VARIANTS = [(5, 8, 2560, 1, 1, "fold"), (5, 16, 2560, 1, 0, "fold")]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: cuda_gemm.variant(*v))
+def kernel_sass(nw, s, ks, c, epi, kind="gemm"):
+    name = (f"w4_gemm_kernel<{nw}, {s}, {ks}, {c}, {epi}>" if kind == "gemm" else
+            f"w4_fold_kernel<{nw}, {s}, {ks}, {epi}>")
+    return instructions(sass(SOURCE, name))
+
+
+@pytest.mark.parametrize("variant", VARIANTS + FOLD_VARIANTS,
+                         ids=lambda v: cuda_gemm.variant(*v[:5]) + ("_fold" if len(v) > 5 else ""))
 def test_sass_keeps_the_pdl_order_and_no_local_memory(variant):
-    nw, s, ks, c, epi = variant
+    nw, s, ks, c, epi = variant[:5]
     ins = kernel_sass(*variant)
     # opcodes, the never-executed ones (`@!PT`: ptxas' padding) left out
     ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in ins if not i.startswith("@!PT ")]
@@ -36,7 +44,9 @@ def test_sass_keeps_the_pdl_order_and_no_local_memory(variant):
     loads = [o for o in before if o.startswith(("LDG.", "LD.", "LDS.")) or o == "LDS"]  # not LDGSTS, LDGDEPBAR
     assert not loads, f"loads before griddepcontrol.wait: {loads}"
     assert sum(o.startswith("LDGSTS") for o in before) == 3 * min(s, ks // 128)  # 2 word blocks + scales a group
-    assert all(o.startswith("LDG.E.128.STRONG") for o in ops if o.startswith("LDG."))  # x: coherent loads
+    # x (and the fold's partials, a, y, post, scalar): coherent loads; the plain kernel's all 16-byte x loads
+    assert all(".STRONG." in o for o in ops if o.startswith("LDG."))
+    assert len(variant) > 5 or all(o.startswith("LDG.E.128.STRONG") for o in ops if o.startswith("LDG."))
     assert not [o for o in ops if o.startswith(("STL", "LDL"))], "local memory (spills)"
     assert ops.count("HMMA.16816.F32.BF16") == ks // 128 * 8  # 2 blocks x 4 k steps a group
     # K split: two cluster barriers (partials in, then kept until read); none without a cluster

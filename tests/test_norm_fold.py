@@ -188,3 +188,18 @@ def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
     # the exact-tokens switch wins over the fold (a recipe with it + batch_invariant)
     t = FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True, batch_invariant=True, norm_fold=True)
     assert t.describe()["norm_fold"] is False and t.describe()["batch_invariant"] is True
+
+
+def test_bench_fold_checks_each_consumer_against_the_twin(capsys):
+    """bench_fold on small shapes: the table's entry (none here: skipped with the reason), a Triton consumer checked
+    and timed, a CUDA one reported as not runnable here."""
+    from fastgemma.kernels.mma_fold import bench_fold
+    from fastgemma.kernels.mma_w4a16 import parse_config
+
+    cases = {"small": (128, 256, 192, "geglu", True)}
+    rows = bench_fold(cases, configs=[MmaConfig(1, 1, 2, persist=9, fresh=True, pairs=True), parse_config("cuda2x4g")],
+                      timer=lambda fn: (fn(), 2.0)[1], device="cpu", producer=MmaConfig(2, 1))
+    out = capsys.readouterr().out
+    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["config"] == "1x1d2p9fg" and rows[0]["us"] == 2.0
+    assert rows[0]["max_rel_err"] < 2e-2 and rows[0]["h_rel_err"] < 2e-2
+    assert "none" in out and "skipped" in out and "cuda2x4g" in out and "CUDA" in out

@@ -118,6 +118,10 @@ def library(warps: int, stages: int, KS: int, splits: int, epi: int) -> ctypes.C
     lib = ctypes.CDLL(str(path))
     lib.fg_w4_gemm.restype = ctypes.c_int
     lib.fg_w4_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
+    if splits == 1:  # the norm fold's consumer (w4_fold_kernel)
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.fg_w4_fold.restype = i
+        lib.fg_w4_fold.argtypes = [p, p, p, p, p, i, p, p, p, p, i, p, f, f, i, p, i]
     lib.fg_error_string.restype = ctypes.c_char_p
     return lib
 
@@ -184,3 +188,36 @@ def cuda_gemm(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, wa
     if err:
         raise RuntimeError(f"the CUDA W4A16 kernel failed to launch: {lib.fg_error_string(err).decode()}")
     return out
+
+
+SCALE_KINDS = {None: 0, torch.bfloat16: 1, torch.float32: 2}  # w4_fold_kernel's scale_kind
+
+
+def cuda_fold(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, warps: int,
+              stages: int, epilogue: str, res: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+              scale: torch.Tensor | None, eps: float, offset: float, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm fold's consumer (kernels/norm_fold.py) on the CUDA kernel: from the producer's rows [2, K] and parts
+    [P, 4], one row of epilogue(rmsnorm(h) (pre + off) W^T) and h [1, K]. The launch behind mma_fold for a `cuda`
+    config, which has checked its inputs and the config against the shape (one CTA a tile over all of K)."""
+    K = rows.shape[1]
+    problem = device_problem(rows.device)
+    if problem:
+        raise RuntimeError(problem)
+    kind = SCALE_KINDS.get(None if scale is None else scale.dtype)
+    if kind is None:
+        raise ValueError(f"the CUDA fold takes a bf16 or fp32 layer scalar, got {scale.dtype}")
+    ctas = -(-(N // 16) // warps)
+    if ctas * warps * 32 < K:
+        raise ValueError(f"the CUDA fold writes h with one thread an entry: {ctas} CTAs of {warps} warps for {K} "
+                         "entries are too few")
+    epi = EPILOGUES[epilogue]
+    out = torch.empty(1, N // 2 if epi else N, device=rows.device, dtype=rows.dtype)
+    h = torch.empty(1, K, device=rows.device, dtype=rows.dtype)
+    lib = library(warps, stages, K, 1, epi)
+    err = lib.fg_w4_fold(rows.data_ptr(), words.data_ptr(), sz.data_ptr(), out.data_ptr(), parts.data_ptr(),
+                         parts.shape[0], res.data_ptr(), y.data_ptr(), post.data_ptr(),
+                         scale.data_ptr() if scale is not None else None, kind, h.data_ptr(), float(eps), float(offset),
+                         N // 16, torch.cuda.current_stream(rows.device).cuda_stream, int(pdl))
+    if err:
+        raise RuntimeError(f"the CUDA fold failed to launch: {lib.fg_error_string(err).decode()}")
+    return out, h

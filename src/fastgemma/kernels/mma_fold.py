@@ -52,7 +52,10 @@ def producer_problem(cfg: MmaConfig | None, N: int, K: int, G: int) -> str | Non
 def consumer_problem(cfg: MmaConfig | None, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_fold` cannot run cfg for W [N, K] with `epilogue`, or None."""
     if cfg is not None and cfg.cuda:
-        return f"the norm fold's consumer is the Triton kernel; {format_config(cfg)} is the CUDA kernel's config"
+        if cfg.splits > 1:
+            return (f"the CUDA kernel's fold takes all of K in a CTA; {format_config(cfg)} splits it over "
+                    f"{cfg.splits} CTAs")
+        return config_problem(cfg, N, K, G, epilogue)
     if cfg is None or not cfg.persist:
         return f"the consumer runs the persistent kernel (a config with persist > 0), got {cfg}"
     return config_problem(cfg, N, K, G, epilogue)
@@ -124,6 +127,11 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
     problem = consumer_problem(cfg, N, K, G, epilogue) or layout_problem(weight, cfg)
     if problem:
         raise ValueError(f"mma_fold: {problem}")
+    if cfg.cuda:
+        from .cuda_gemm import cuda_fold
+
+        return cuda_fold(rows, parts, weight.words, weight.sz, N, cfg.warps, cfg.depth, epilogue, res, y, post, scale,
+                         eps, offset, pdl)
     epi = kernel_epilogue(epilogue, cfg)
     out = torch.empty(1, N // 2 if epi else N, device=rows.device, dtype=rows.dtype)
     h = torch.empty(1, K, device=rows.device, dtype=rows.dtype)
@@ -182,6 +190,71 @@ def mma_fold_ref(rows, parts, qweight, scales, zeros, group_size: int, res, y, p
     if scale is not None:
         h = rnd(h * s)
     return out.to(dt).reshape(1, -1), h.to(dt).reshape(1, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU check and timing
+
+# consumer -> (producer N, producer K, consumer N, the consumer's epilogue, a layer scalar in h); the consumer's K is
+# the producer's N. E4B: gate|up after o (no scalar), the next layer's q|k|v after the PLE projection (the layer's)
+FOLD_CASES = {"gate|up": (2560, 2048, 20480, "geglu", False), "q|k|v": (2560, 256, 3072, "none", True)}
+
+
+def bench_fold(cases: dict | None = None, configs: list[MmaConfig] | None = None, timer=None, device: str = "cuda",
+               pdl: bool = True, producer: MmaConfig | None = None) -> list[dict]:
+    """The norm fold's consumer (cases: `FOLD_CASES`' form, default E4B's) on the table's one-row entry and on each
+    of `configs` that can take the case (`consumer_problem`): the producer's rows and partials made once on its
+    table entry (or `producer`), each consumer's output and h checked against the twin (`mma_fold_ref`), then timed
+    with its words rotated out of L2 (PDL launches). Prints a table; returns one dict per (case, config)."""
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
+    from .w4a16 import pack_int4, quantize_int4
+
+    dev = torch.device(device)
+    timer = timer_or_graphs(timer, "bench_fold")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    rows_out = []
+    print(f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}  the norm fold's consumer, one row "
+          f"(us; words rotated out of L2; {'PDL' if pdl else 'plain'}; errors against mma_fold_ref)")
+    print(f"{'case':>8} | {'config':<12} | {'us':>7} | out err | h err")
+    for case, (N0, K0, N1, epi, has_scale) in (cases or FOLD_CASES).items():
+        K1 = N0
+        q0, s0, z0 = quantize_int4(rnd(N0, K0) * 0.02, 128)
+        q1, s1, z1 = quantize_int4(rnd(N1, K1) * 0.02, 128)
+        x, a = rnd(1, K0), rnd(1, N0) * 2
+        post, pre = rnd(N0) * 0.3, rnd(N0) * 0.3
+        scale = torch.tensor([0.7], device=dev, dtype=torch.bfloat16) if has_scale else None
+        y, rows, parts = mma_rows(x, MmaWeight.from_codes(q0, s0, z0, 128), a, post, pre, offset=1.0,
+                                  config=producer)
+        ref, href = mma_fold_ref(rows, parts, pack_int4(q1), s1, z1, 128, a, y, post, scale, eps=1e-6, offset=1.0,
+                                 epilogue=epi)
+        shipped = mma_config(N1, K1, 1, epi)
+        for cfg in [shipped] + [c for c in configs or [] if c != shipped]:
+            text = format_config(cfg) if cfg else "none"
+            problem = consumer_problem(cfg, N1, K1, 128, epi)
+            if problem:
+                print(f"{case:>8} | {text:<12} | skipped: {problem}"[:160])
+                continue
+            w1 = MmaWeight.from_codes(q1, s1, z1, 128, pairs=cfg.pairs)
+            bufs = [(MmaWeight(w1.words.clone(), w1.sz.clone(), N1, K1, 128, cfg.pairs),)
+                    for _ in range(copies_past_l2(w1.words.numel() * 4, dev))]
+
+            def call(w, cfg=cfg):
+                return mma_fold(rows, parts, w, a, y, post, scale, eps=1e-6, offset=1.0, epilogue=epi, config=cfg,
+                                pdl=pdl)
+
+            try:
+                out, h = call(*bufs[0])
+                us = timer(rotating(bufs, call))
+            except (RuntimeError, ValueError) as e:  # no nvcc, not sm_90, out of resources: report, go on
+                print(f"{case:>8} | {text:<12} | skipped: {type(e).__name__}: {e}"[:160])
+                continue
+            err, herr = max_rel_err(out, ref), max_rel_err(h, href)
+            ok = err < WRONG_REL_ERR and herr < WRONG_REL_ERR
+            rows_out.append(dict(case=case, config=text, us=us, max_rel_err=err, h_rel_err=herr, ok=ok))
+            print(f"{case:>8} | {text:<12} | {us:7.2f} | {err:.1e} | {herr:.1e}{'' if ok else '  WRONG'}")
+            del bufs
+    return rows_out
 
 
 # ---------------------------------------------------------------------------------------------

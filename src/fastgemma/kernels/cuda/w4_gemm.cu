@@ -84,12 +84,12 @@ __device__ __forceinline__ void issue_group(uint4* wr, uint2* sr, int s, const u
   cp8(sr + s * 32 + lane, st + gi * 8);
 }
 
-// x [M, K] (row stride stride_xm elements) into xs [8][K / 2 + 4] u32 (a row past M a copy of row M - 1), and its
-// sums per group of 128 and row into xsum [K / 128][8]: every load of a thread before its first store, the sums
-// from the same registers (16 threads a group, in shuffle order; a group's threads are all in the row or all past
-// it, and every lane meets the shuffles). The caller syncs before reading them. x is the PDL predecessor's output:
-// coherent loads (ld.global.cg), never the non-coherent path, which ptxas may move above griddepcontrol.wait (it
-// did: x read before the producer finished, wrong tokens in the CUDA-graph step).
+// x [M, K] (row stride stride_xm elements) into xs [8][K / 2 + 4] u32 (a row past M a copy of row M - 1, read once)
+// and its sums per group of 128 and row into xsum [K / 128][8]: every load of a thread before its first store, the
+// sums from the same registers (16 threads a group, in shuffle order; a group's threads are all in the row or all
+// past it, and every lane meets the shuffles). The caller syncs before reading them. x is the PDL predecessor's
+// output: coherent loads (ld.global.cg), never the non-coherent path, which ptxas may move above griddepcontrol.wait
+// (it did: x read before the producer finished, wrong tokens in the CUDA-graph step).
 template <int NW, int K>
 __device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int M, int stride_xm, int lane) {
   constexpr int XW = K / 2 + 4, NT = NW * 32, CPR = K / 8, J = (CPR + NT - 1) / NT;  // uint4 of x a row; a thread's
@@ -97,12 +97,12 @@ __device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int 
   uint4 v[8][J];
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
-    const int rs = r < M ? r : M - 1;
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
+    for (int j = 0; j < J; ++j) {  // a row past M: row M - 1's registers, not another read of it
       const int c = threadIdx.x + j * NT;
-      v[r][j] = CPR % NT == 0 || c < CPR ? __ldcg((const uint4*)(x + (u64)rs * (stride_xm / 2) + c * 4))
-                                         : make_uint4(0, 0, 0, 0);
+      v[r][j] = r > 0 && r >= M                    ? v[r > 0 ? r - 1 : 0][j]
+                : CPR % NT == 0 || c < CPR ? __ldcg((const uint4*)(x + (u64)r * (stride_xm / 2) + c * 4))
+                                           : make_uint4(0, 0, 0, 0);
     }
   }
 #pragma unroll
@@ -202,6 +202,29 @@ struct WarpTile {
   }
 };
 
+// the warp's tile over its K slice into acc (rows g, g + 8 of B columns tq * 2, tq * 2 + 1), from the ring that
+// `start` filled and x staged in shared memory
+template <int NW, int S, int KS, int C>
+__device__ __forceinline__ void tile_sums(const WarpTile<NW, S, KS, C>& w, float* acc) {
+  using W = WarpTile<NW, S, KS, C>;
+  const u32* xrow = w.xs + w.g * W::XW + w.tq * 8;
+#pragma unroll
+  for (int gi = 0; gi < W::NG; ++gi) {
+    cp_wait<S - 1>();  // group gi has landed (a group is committed every step, empty past the last)
+    const int s = gi % S;
+    uint4 w0 = w.wr[s * 64 + w.lane], w1 = w.wr[s * 64 + 32 + w.lane];
+    uint2 zv = w.sr[s * 32 + w.lane];
+    float p[4] = {0.f, 0.f, 0.f, 0.f};
+    const u32* xb = xrow + gi * 64;
+    tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
+    tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
+    // the stage just read: its values are in registers, used by the mmas above
+    if (gi + S < W::NG) w.issue(s, gi + S);
+    cp_commit();
+    scale_group(acc, p, zv, *(const float2*)(w.xsum + gi * 8 + w.tq * 2));
+  }
+}
+
 // C > 1: each warp's sums into the start of its ring (free: every copy has landed and been read) as [lane][c2]
 // float2 (row g, row g + 8); after a cluster barrier, thread i of rank r adds unit u = r U / C + i (U = NW x 64 a
 // CTA) over ranks 0 .. C - 1 in order and stores it; a second barrier keeps each CTA's shared memory until its
@@ -250,30 +273,69 @@ w4_gemm_kernel(const u32* x, const uint4* __restrict__ words, const uint2* __res
   __syncthreads();
   if (C == 1 && !w.live) return;  // with C > 1 every thread meets the cluster barriers
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (w.live) {
-    const u32* xrow = w.xs + w.g * W::XW + w.tq * 8;
-#pragma unroll
-    for (int gi = 0; gi < W::NG; ++gi) {
-      cp_wait<S - 1>();  // group gi has landed (a group is committed every step, empty past the last)
-      const int s = gi % S;
-      uint4 w0 = w.wr[s * 64 + w.lane], w1 = w.wr[s * 64 + 32 + w.lane];
-      uint2 zv = w.sr[s * 32 + w.lane];
-      float p[4] = {0.f, 0.f, 0.f, 0.f};
-      const u32* xb = xrow + gi * 64;
-      tile_block(p, w0, *(const uint4*)(xb), *(const uint4*)(xb + 4));
-      tile_block(p, w1, *(const uint4*)(xb + 32), *(const uint4*)(xb + 36));
-      // the stage just read: its values are in registers, used by the mmas above
-      if (gi + S < W::NG) w.issue(s, gi + S);
-      cp_commit();
-      scale_group(acc, p, zv, *(const float2*)(w.xsum + gi * 8 + w.tq * 2));
-    }
-  }
+  if (w.live) tile_sums(w, acc);
   if constexpr (C == 1) {
     store_unit<EPI>(out, acc[0], acc[2], w.t, w.g, w.tq * 2, M, stride_om);
     store_unit<EPI>(out, acc[1], acc[3], w.t, w.g, w.tq * 2 + 1, M, stride_om);
   } else {
     cluster_reduce<NW, S, KS, C, EPI>(w, smem, acc, out, M, stride_om, n_tiles);
   }
+}
+
+// The norm fold's consumer (kernels/norm_fold.py, one output row, all of K in a CTA): x is the producer's two rows
+// [2, K] (a p and u p, B columns 0 and 1); its partials [npart, 4] (a tile's sums of y^2, a^2, a u, u^2) are added in
+// one order in every CTA, so every CTA has the same r1 = rsqrt(mean y^2 + eps) and r2 s = s rsqrt(mean h^2 + eps);
+// the output row is r2 s (column 0 + r1 column 1) through the EPI store, and the first CTAs write
+// h = (a + y r1 (post + off)) s, NT entries each, rounded as the eager layer rounds. scale_kind: 0 no layer scalar,
+// 1 bf16, 2 fp32. Every load after the weights' copies reads an earlier kernel's output or a parameter: after the
+// wait, coherent.
+template <int NW, int S, int K, int EPI>
+__global__ void __launch_bounds__(NW * 32, 1)
+w4_fold_kernel(const u32* rows, const uint4* __restrict__ words, const uint2* __restrict__ sz, u16* __restrict__ out,
+               const float* parts, int npart, const u16* res, const u16* y, const u16* post, const void* scale,
+               int scale_kind, u16* h, float eps, float off, int n_tiles) {
+  using W = WarpTile<NW, S, K, 1>;
+  constexpr int NT = NW * 32;
+  extern __shared__ uint4 smem[];
+  __shared__ float4 red[NW];
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const W w(smem, words, sz, n_tiles);
+  w.start();
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  float4 pv = make_float4(0.f, 0.f, 0.f, 0.f);  // this thread's partial rows, in order
+  for (int r = threadIdx.x; r < npart; r += NT) {
+    const float4 v = __ldcg((const float4*)parts + r);
+    pv.x += v.x, pv.y += v.y, pv.z += v.z, pv.w += v.w;
+  }
+  const int k = blockIdx.x * NT + threadIdx.x;  // this thread's entry of h
+  const bool hk = k < K;
+  const u32 av = hk ? __ldcg(res + k) : 0, yv = hk ? __ldcg(y + k) : 0, pw = hk ? __ldcg(post + k) : 0;
+  const float s = scale_kind == 1 ? bf_lo(__ldcg((const u16*)scale)) : scale_kind == 2 ? __ldcg((const float*)scale)
+                                                                                       : 1.f;
+  stage_x<NW, K>(rows, w.xs, w.xsum, 2, K, w.lane);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    pv.x += __shfl_xor_sync(0xffffffffu, pv.x, o);
+    pv.y += __shfl_xor_sync(0xffffffffu, pv.y, o);
+    pv.z += __shfl_xor_sync(0xffffffffu, pv.z, o);
+    pv.w += __shfl_xor_sync(0xffffffffu, pv.w, o);
+  }
+  if (w.lane == 0) red[threadIdx.x >> 5] = pv;
+  __syncthreads();  // x staged, the warps' partial sums in
+  float4 t = red[0];
+#pragma unroll
+  for (int i = 1; i < NW; ++i) t.x += red[i].x, t.y += red[i].y, t.z += red[i].z, t.w += red[i].w;
+  const float r1 = 1.f / sqrtf(t.x / K + eps);
+  const float r2s = s / sqrtf(s * s * (t.y + r1 * (2.f * t.z + r1 * t.w)) / K + eps);
+  if (hk) {
+    float hv = rnd(bf_lo(av) + rnd(bf_lo(yv) * r1 * (bf_lo(pw) + off)));
+    if (scale_kind) hv = rnd(hv * s);
+    h[k] = to_bf(hv);
+  }
+  if (!w.live) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  tile_sums(w, acc);
+  if (w.tq == 0) store_unit<EPI>(out, r2s * (acc[0] + r1 * acc[1]), r2s * (acc[2] + r1 * acc[3]), w.t, w.g, 0, 1, 0);
 }
 
 template <int NW, int S, int KS>
@@ -283,12 +345,12 @@ __host__ __device__ constexpr int w4_gemm_smem() {
 
 #ifdef FG_NW
 #include <cuda_runtime.h>
-// 0 on success, else the CUDA error code (cudaGetErrorString names it)
-extern "C" int fg_w4_gemm(const void* x, const void* words, const void* sz, void* out, int M, int stride_xm,
-                          int stride_om, int n_tiles, void* stream, int pdl) {
-  auto kernel = w4_gemm_kernel<FG_NW, FG_S, FG_KS, FG_C, FG_EPI>;
+// one launch of `kernel` (its shared-memory limit raised once a device): grid CTAs, clusters of `cluster`, PDL if
+// asked; 0 on success, else the CUDA error code (cudaGetErrorString names it)
+template <auto kernel, typename... Args>
+static int fg_launch(int grid, int cluster, void* stream, int pdl, Args... args) {
   constexpr int smem = w4_gemm_smem<FG_NW, FG_S, FG_KS>();
-  static bool ready[64] = {};  // the shared-memory limit is raised once a device
+  static bool ready[64] = {};
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return (int)e;
@@ -298,7 +360,7 @@ extern "C" int fg_w4_gemm(const void* x, const void* words, const void* sz, void
     if (dev < 64) ready[dev] = true;
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((n_tiles + FG_NW - 1) / FG_NW * FG_C);
+  cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(FG_NW * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = (cudaStream_t)stream;
@@ -306,14 +368,32 @@ extern "C" int fg_w4_gemm(const void* x, const void* words, const void* sz, void
   a[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   a[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   a[1].id = cudaLaunchAttributeClusterDimension;
-  a[1].val.clusterDim.x = FG_C;
+  a[1].val.clusterDim.x = cluster;
   a[1].val.clusterDim.y = 1;
   a[1].val.clusterDim.z = 1;
   cfg.attrs = a;
-  cfg.numAttrs = FG_C > 1 ? 2 : 1;
-  return (int)cudaLaunchKernelEx(&cfg, kernel, (const u32*)x, (const uint4*)words, (const uint2*)sz, (u16*)out, M,
-                                 stride_xm, stride_om, n_tiles);
+  cfg.numAttrs = cluster > 1 ? 2 : 1;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
+
+extern "C" int fg_w4_gemm(const void* x, const void* words, const void* sz, void* out, int M, int stride_xm,
+                          int stride_om, int n_tiles, void* stream, int pdl) {
+  return fg_launch<w4_gemm_kernel<FG_NW, FG_S, FG_KS, FG_C, FG_EPI>>(
+      (n_tiles + FG_NW - 1) / FG_NW * FG_C, FG_C, stream, pdl, (const u32*)x, (const uint4*)words, (const uint2*)sz,
+      (u16*)out, M, stride_xm, stride_om, n_tiles);
+}
+
+#if FG_C == 1
+// the norm fold's consumer (w4_fold_kernel) on this library's warps, stages and epilogue; K = FG_KS
+extern "C" int fg_w4_fold(const void* rows, const void* words, const void* sz, void* out, const void* parts,
+                          int npart, const void* res, const void* y, const void* post, const void* scale,
+                          int scale_kind, void* h, float eps, float off, int n_tiles, void* stream, int pdl) {
+  return fg_launch<w4_fold_kernel<FG_NW, FG_S, FG_KS, FG_EPI>>(
+      (n_tiles + FG_NW - 1) / FG_NW, 1, stream, pdl, (const u32*)rows, (const uint4*)words, (const uint2*)sz,
+      (u16*)out, (const float*)parts, npart, (const u16*)res, (const u16*)y, (const u16*)post, scale, scale_kind,
+      (u16*)h, eps, off, n_tiles);
+}
+#endif
 
 extern "C" const char* fg_error_string(int e) { return cudaGetErrorString((cudaError_t)e); }
 #endif
