@@ -223,5 +223,15 @@ def test_the_cuda_fold_refuses_what_it_cannot_take():
     with pytest.raises(RuntimeError, match="CUDA device"):  # off a CUDA device
         cuda_gemm.cuda_fold(rows, parts, words, sz, 20480, 5, 8, "geglu", a, a, a, None, 1e-6, 1.0, True)
     assert cuda_gemm.SCALE_KINDS == {None: 0, torch.bfloat16: 1, torch.float32: 2}
+    import unittest.mock as mock
+    with mock.patch.object(cuda_gemm, "device_problem", lambda device: None):
+        with pytest.raises(ValueError, match="two partial rows"):  # 5 warps: 320 rows at most
+            cuda_gemm.cuda_fold(rows, torch.randn(321, 4), words, sz, 20480, 5, 8, "geglu", a, a, a, None, 1e-6, 1.0,
+                                True)
+        with pytest.raises(ValueError, match="too few"):  # 16 tiles on one CTA of 5 warps for 2,560 entries of h
+            cuda_gemm.cuda_fold(rows, parts, words, sz, 256, 5, 8, "geglu", a, a, a, None, 1e-6, 1.0, True)
+        with pytest.raises(ValueError, match="layer scalar"):
+            cuda_gemm.cuda_fold(rows, parts, words, sz, 20480, 5, 8, "geglu", a, a, a, torch.ones(1, dtype=torch.half),
+                                1e-6, 1.0, True)
     src = cuda_gemm.SOURCE.read_text()
     assert 'extern "C" int fg_w4_fold' in src and "scale_kind == 1 ? bf_lo" in src

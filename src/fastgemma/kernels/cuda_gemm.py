@@ -210,6 +210,9 @@ def cuda_fold(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: 
     if ctas * warps * 32 < K:
         raise ValueError(f"the CUDA fold writes h with one thread an entry: {ctas} CTAs of {warps} warps for {K} "
                          "entries are too few")
+    if parts.shape[0] > 2 * warps * 32:
+        raise ValueError(f"the CUDA fold reads at most two partial rows a thread: {parts.shape[0]} rows for "
+                         f"{warps * 32} threads")
     epi = EPILOGUES[epilogue]
     out = torch.empty(1, N // 2 if epi else N, device=rows.device, dtype=rows.dtype)
     h = torch.empty(1, K, device=rows.device, dtype=rows.dtype)
