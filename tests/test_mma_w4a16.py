@@ -170,7 +170,7 @@ def test_bad_input():
     assert mma_config(2560, 2048, 1) is not None and mma_config(2560, 2048, 9) is None
     assert mma_config(2560, 10240, 1).persist == 1  # down at one row: the persistent kernel (run DO)
     assert mma_config(20480, 2560, 1, "geglu") == mma_config(20480, 2560, 8, "geglu")  # same sums at 1 and 8 rows
-    assert mma_config(20480, 2560, 8, "geglu").tiles == 2 and table_pairs(20480, 2560)
+    assert mma_config(20480, 2560, 8, "geglu").pairs and table_pairs(20480, 2560)
     with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match="mixes the paired GeGLU layout"):
         mp.setitem(MMA_CONFIGS, (20480, 2560, True), MmaConfig(2, 4, 5, persist=9, fresh=True))
         table_pairs(20480, 2560)

@@ -201,7 +201,7 @@ FOLD_CASES = {"gate|up": (2560, 2048, 20480, "geglu", False), "q|k|v": (2560, 25
 
 
 def bench_fold(cases: dict | None = None, configs: list[MmaConfig] | None = None, timer=None, device: str = "cuda",
-               pdl: bool = True, producer: MmaConfig | None = None) -> list[dict]:
+               pdl: bool = True, producer: MmaConfig | None = None, plain: bool = False) -> list[dict]:
     """The norm fold's consumer (cases: `FOLD_CASES`' form, default E4B's) on the table's one-row entry and on each
     of `configs` that can take the case (`consumer_problem`): the producer's rows and partials made once on its
     table entry (or `producer`), each consumer's output and h checked against the twin (`mma_fold_ref`), then timed
@@ -253,6 +253,10 @@ def bench_fold(cases: dict | None = None, configs: list[MmaConfig] | None = None
             ok = err < WRONG_REL_ERR and herr < WRONG_REL_ERR
             rows_out.append(dict(case=case, config=text, us=us, max_rel_err=err, h_rel_err=herr, ok=ok))
             print(f"{case:>8} | {text:<12} | {us:7.2f} | {err:.1e} | {herr:.1e}{'' if ok else '  WRONG'}")
+            if plain:
+                from .mma_w4a16 import mma_w4a16
+                us = timer(rotating(bufs, lambda w, cfg=cfg: mma_w4a16(rows, w, epi, cfg, pdl)))
+                print(f"{case:>8} | {text + ' plain':<12} | {us:7.2f} | the same rows, no fold")
             del bufs
     return rows_out
 
