@@ -56,8 +56,9 @@
 #             fuse.batch_invariant step against k+1 one-row steps (bench.invariance; INVARIANCE_ARGS, e.g.
 #             "--compile", "--variant attn_pdl+qkv+mma": the default step for contrast)
 #   fold      the norm fold's consumer (gate|up after o, q|k|v after the PLE projection) on the table's one-row
-#             entry and on FOLD_TRY's configs (default "cuda5x8g,cuda5x16": the CUDA kernel), output and h
-#             checked against the twin, words rotated out of L2 (kernels/mma_fold.bench_fold; FOLD_CASES="gate|up")
+#             entry (gate|up: the CUDA kernel) and on FOLD_TRY's configs (default "2x4d5p9fg": gate|up's Triton
+#             entry), output and h checked against the twin, words rotated out of L2 (kernels/mma_fold.bench_fold;
+#             FOLD_CASES="gate|up"; FOLD_PLAIN=1: each config's plain launch on the same rows too)
 #   counters  Nsight Compute counters of the int4 kernels per E4B shape at 1 and 8 rows: time, DRAM, issue,
 #             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
 #             --shapes gate|up,down --separate"; --mma 2x4d2,2x4d5p9f: the tensor-core kernel per config)
@@ -128,8 +129,9 @@ open('$out/mma_faster.txt', 'w').write(e)
 print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 'none')" ;;
     fold) run fold python3 -c "from fastgemma.kernels.mma_fold import bench_fold, FOLD_CASES as C
 from fastgemma.kernels.mma_w4a16 import parse_config
-cs, try_ = '${FOLD_CASES:-}', '${FOLD_TRY-cuda5x8g,cuda5x16}'
-bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_config(c) for c in try_.split(',') if c])" ;;
+cs, try_ = '${FOLD_CASES:-}', '${FOLD_TRY-2x4d5p9fg}'
+bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_config(c) for c in try_.split(',') if c],
+           plain='${FOLD_PLAIN:-0}' == '1')" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     stream) run stream python3 -m fastgemma.kernels.stream_gemv ${STREAM_ARGS:-}
             grep '^fused table: ' "$out/stream.log" | tail -1 | sed 's/^fused table: //' > "$out/stream_table.txt" ;;

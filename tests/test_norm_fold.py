@@ -198,8 +198,9 @@ def test_bench_fold_checks_each_consumer_against_the_twin(capsys):
 
     cases = {"small": (128, 256, 192, "geglu", True)}
     rows = bench_fold(cases, configs=[MmaConfig(1, 1, 2, persist=9, fresh=True, pairs=True), parse_config("cuda2x4g")],
-                      timer=lambda fn: (fn(), 2.0)[1], device="cpu", producer=MmaConfig(2, 1))
+                      timer=lambda fn: (fn(), 2.0)[1], device="cpu", producer=MmaConfig(2, 1), plain=True)
     out = capsys.readouterr().out
-    assert len(rows) == 1 and rows[0]["ok"] and rows[0]["config"] == "1x1d2p9fg" and rows[0]["us"] == 2.0
+    assert len(rows) == 2 and rows[0]["ok"] and rows[0]["config"] == "1x1d2p9fg" and rows[0]["us"] == 2.0
+    assert rows[1] == dict(case="small", config="1x1d2p9fg", us=2.0, plain=True)  # the plain launch, same rows
     assert rows[0]["max_rel_err"] < 2e-2 and rows[0]["h_rel_err"] < 2e-2
     assert "none" in out and "skipped" in out and "cuda2x4g" in out and "CUDA" in out

@@ -17,7 +17,7 @@ import triton
 from .attn_fold import parts_problem
 from .gemv import _INTERPRET, pdl_args
 from .mma_w4a16 import (EPILOGUES, MmaConfig, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, config_problem,
-                        format_config, kernel_epilogue, layout_problem, mma_config, mma_w4a16_ref,
+                        format_config, kernel_epilogue, layout_problem, mma_config, mma_w4a16, mma_w4a16_ref,
                         persistent_programs, program_tiles)
 from .norm_fold import N_PARTS, parts_block
 from .w4a16 import dequantize_int4
@@ -205,7 +205,8 @@ def bench_fold(cases: dict | None = None, configs: list[MmaConfig] | None = None
     """The norm fold's consumer (cases: `FOLD_CASES`' form, default E4B's) on the table's one-row entry and on each
     of `configs` that can take the case (`consumer_problem`): the producer's rows and partials made once on its
     table entry (or `producer`), each consumer's output and h checked against the twin (`mma_fold_ref`), then timed
-    with its words rotated out of L2 (PDL launches). Prints a table; returns one dict per (case, config)."""
+    with its words rotated out of L2 (PDL launches). plain: also each config's plain launch (`mma_w4a16`) on the
+    same two rows and words, what the fold adds. Prints a table; returns one dict per (case, config)."""
     from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
     from .w4a16 import pack_int4, quantize_int4
 
@@ -254,8 +255,8 @@ def bench_fold(cases: dict | None = None, configs: list[MmaConfig] | None = None
             rows_out.append(dict(case=case, config=text, us=us, max_rel_err=err, h_rel_err=herr, ok=ok))
             print(f"{case:>8} | {text:<12} | {us:7.2f} | {err:.1e} | {herr:.1e}{'' if ok else '  WRONG'}")
             if plain:
-                from .mma_w4a16 import mma_w4a16
                 us = timer(rotating(bufs, lambda w, cfg=cfg: mma_w4a16(rows, w, epi, cfg, pdl)))
+                rows_out.append(dict(case=case, config=text, us=us, plain=True))
                 print(f"{case:>8} | {text + ' plain':<12} | {us:7.2f} | the same rows, no fold")
             del bufs
     return rows_out

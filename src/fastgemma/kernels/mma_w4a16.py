@@ -591,7 +591,7 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     # gate|up + GeGLU, after residual + norm: 12.23; its two tiles in the paired layout (adjacent words): 11.51
     # against 11.82 for the gate / up tile pair (run IW). Now the CUDA kernel (kernels/cuda_gemm.py; the Triton
     # entry above where nvcc or sm_90 is missing), also as the norm fold's consumer: 9.53 us against 12.91 for
-    # the Triton fold, the frontier AR step 1.705 -> 1.615 ms (run JU)
+    # the Triton fold, the frontier AR step 1.705 -> 1.615 ms (run JX)
     (20480, 2560, False): MmaConfig(1, 5, 8, pairs=True, cuda=True),
     (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
     (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
@@ -617,7 +617,7 @@ INVARIANT_CONFIGS: dict[tuple[int, int], MmaConfig] = {
     (2560, 10240): MmaConfig(1, 1, splits=8),
     # gate|up on the CUDA kernel (kernels/cuda_gemm.py; the Triton entry where nvcc or sm_90 is missing): alone
     # 9.36 / 9.58 us at 1 / 8 rows against 11.58 / 12.44, the k=7 step 2.497 -> 2.352 ms (run JI); the one-row
-    # entry is the same config since it takes the norm fold (run JU)
+    # entry is the same config since it takes the norm fold (run JX)
     (20480, 2560): MmaConfig(1, 5, 8, pairs=True, cuda=True),
 }
 SHIPPED_INVARIANT = dict(INVARIANT_CONFIGS)  # what set_table starts INVARIANT_CONFIGS from

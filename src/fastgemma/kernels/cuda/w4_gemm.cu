@@ -353,7 +353,7 @@ w4_fold_kernel(const u32* rows, const uint4* __restrict__ words, const uint2* __
   tile_sums(w, acc);
   // the scalars made again from shared memory, not held through the main loop, and the output row count and stride
   // as arguments (m_out = 1): with constants and held scalars ptxas took 183-191 registers against the plain
-  // kernel's 152, and the kernel ran 2.4-5 us slower (runs JR-JT; the plain kernel's body with these arguments in
+  // kernel's 152, and the kernel ran 2.4-5 us slower (runs JR-JW; the plain kernel's body with these arguments in
   // this kernel: 150 registers, 9.22 us)
   r = fold_scalars<NW>(red, K, eps);
   // B columns 0 and 1 are the lane's acc[0] / acc[1] (rows g) and acc[2] / acc[3] (rows g + 8) where tq = 0
