@@ -72,6 +72,7 @@ def test_refusals_say_what_the_kernel_takes():
     assert consumer_problem(parse_config("cuda5x16"), 3072, 2560, 128, "none") is None
     assert "all of K" in consumer_problem(parse_config("cuda5x16c5"), 3072, 2560, 128, "none")
     assert "paired" in consumer_problem(parse_config("cuda5x8"), N, K, 128, "geglu")
+    assert "too few" in consumer_problem(parse_config("cuda2x8"), 256, 2560, 128, "none")  # 16 tiles, h of 2,560
 
 
 def test_smem_bytes_match_the_kernel_layout():
@@ -189,7 +190,7 @@ def test_the_fold_consumer_on_a_cuda_entry_launches_the_cuda_fold(monkeypatch):
     the layer scalar and the words in the config's layout; the fused step pairs o with a CUDA gate|up."""
     from fastgemma.kernels import mma_fold as mf
 
-    N, K, G = 64, 256, 128
+    N, K, G = 256, 256, 128  # 16 tiles on 8 CTAs of 2 warps: 512 threads for h's 256 entries
     q, sc, zr = quantize_int4(torch.randn(N, K) * 0.02, G)
     w = MmaWeight.from_codes(q, sc.to(torch.bfloat16), zr.to(torch.bfloat16), G, pairs=True)
     rows, parts = torch.randn(2, K, dtype=torch.bfloat16), torch.randn(16, 4)

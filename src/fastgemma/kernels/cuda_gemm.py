@@ -193,6 +193,18 @@ def cuda_gemm(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, wa
 SCALE_KINDS = {None: 0, torch.bfloat16: 1, torch.float32: 2}  # w4_fold_kernel's scale_kind
 
 
+def fold_problem(N: int, K: int, warps: int, splits: int) -> str | None:
+    """Why the CUDA kernel cannot be the norm fold's consumer for W [N, K] on `warps` warps and `splits` CTAs a tile
+    (beyond `shape_problem`), or None: it takes all of K in a CTA, and its CTAs write h one thread an entry."""
+    if splits > 1:
+        return f"the CUDA kernel's fold takes all of K in a CTA; the config splits it over {splits} CTAs"
+    ctas = -(-(N // 16) // warps)
+    if ctas * warps * 32 < K:
+        return (f"the CUDA fold writes h with one thread an entry: {ctas} CTAs of {warps} warps for {K} entries are "
+                "too few")
+    return None
+
+
 def cuda_fold(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, warps: int,
               stages: int, epilogue: str, res: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
               scale: torch.Tensor | None, eps: float, offset: float, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,10 +218,9 @@ def cuda_fold(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: 
     kind = SCALE_KINDS.get(None if scale is None else scale.dtype)
     if kind is None:
         raise ValueError(f"the CUDA fold takes a bf16 or fp32 layer scalar, got {scale.dtype}")
-    ctas = -(-(N // 16) // warps)
-    if ctas * warps * 32 < K:
-        raise ValueError(f"the CUDA fold writes h with one thread an entry: {ctas} CTAs of {warps} warps for {K} "
-                         "entries are too few")
+    problem = fold_problem(N, K, warps, 1)
+    if problem:
+        raise ValueError(problem)
     if parts.shape[0] > 2 * warps * 32:
         raise ValueError(f"the CUDA fold reads at most two partial rows a thread: {parts.shape[0]} rows for "
                          f"{warps * 32} threads")

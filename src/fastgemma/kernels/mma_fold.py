@@ -52,10 +52,10 @@ def producer_problem(cfg: MmaConfig | None, N: int, K: int, G: int) -> str | Non
 def consumer_problem(cfg: MmaConfig | None, N: int, K: int, G: int, epilogue: str) -> str | None:
     """Why `mma_fold` cannot run cfg for W [N, K] with `epilogue`, or None."""
     if cfg is not None and cfg.cuda:
-        if cfg.splits > 1:
-            return (f"the CUDA kernel's fold takes all of K in a CTA; {format_config(cfg)} splits it over "
-                    f"{cfg.splits} CTAs")
-        return config_problem(cfg, N, K, G, epilogue)
+        from .cuda_gemm import fold_problem
+
+        problem = fold_problem(N, K, cfg.warps, cfg.splits)
+        return f"{format_config(cfg)}: {problem}" if problem else config_problem(cfg, N, K, G, epilogue)
     if cfg is None or not cfg.persist:
         return f"the consumer runs the persistent kernel (a config with persist > 0), got {cfg}"
     return config_problem(cfg, N, K, G, epilogue)

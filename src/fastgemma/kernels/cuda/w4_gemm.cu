@@ -12,8 +12,10 @@
 // K split (C > 1): the C CTAs of a thread-block cluster take one K slice each of the same NW tiles; their partial
 // sums meet in distributed shared memory, each CTA adding a 1/C share of the outputs over the C ranks in rank
 // order. Outputs are not bit-equal to the Triton kernel's, but a row's result does not depend on the rows beside
-// it, and is the same at every M. Built by kernels/cuda_gemm.py with nvcc (sm_90a), one library per
-// (FG_NW, FG_S, FG_KS, FG_C, FG_EPI).
+// it, and is the same at every M. The norm fold's consumer (w4_fold_kernel, C = 1): the same tile loop on the
+// producer's two rows, the residual norm's scalars from its partial sums applied in the store, h written on the
+// side (kernels/norm_fold.py). Built by kernels/cuda_gemm.py with nvcc (sm_90a), one library per
+// (FG_NW, FG_S, FG_KS, FG_C, FG_EPI), holding fg_w4_gemm and, where FG_C is 1, fg_w4_fold.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
