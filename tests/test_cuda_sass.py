@@ -67,3 +67,23 @@ def test_probe_diagnostic_kernel_builds_on_the_package_helpers():
         name = f"w4_geglu_diag_kernel<5, 8, 2560, {xg}, false, 0>"
         ins = instructions(sass(SOURCE + probe, name))
         assert any(i.startswith("HMMA") for i in ins)
+
+
+def test_cluster_phase_probe_builds_with_its_barriers():
+    """sweeps/probes/cluster_phases.cu: a chain's phases inside one cluster, each opened by a cluster barrier
+    (arrive before the loop and at each phase's end, wait at each phase's start and before exit), no local memory;
+    its host helpers refuse what a cluster cannot take."""
+    import importlib.util
+
+    src = (ROOT / "sweeps" / "probes" / "cluster_phases.cu").read_text()
+    for work in ("true", "false"):
+        ops = [i.split()[0] for i in instructions(sass(src, f"cluster_chain<512, {work}>")) if not i.startswith("@")]
+        assert ops.count("UCGABAR_ARV") == 2 and ops.count("UCGABAR_WAIT") == 2
+        assert not [o for o in ops if o.startswith(("STL", "LDL"))]
+    spec = importlib.util.spec_from_file_location("cluster_phases", ROOT / "sweeps" / "probes" / "cluster_phases.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.parse_shape("256/4096") == ([256, 4096], True) and probe.parse_shape("256:0") == ([256], False)
+    assert probe.chain_dims([256, 4096], 3) == [256, 4096, 256, 4096]
+    assert probe.problem([256, 4096], 16) is None  # 128 KB of weights a CTA
+    assert "227 KB" in probe.problem([256, 4096], 4) and "whole shares" in probe.problem([200], 16)
