@@ -1,7 +1,8 @@
 """The CUDA W4A16 kernel (kernels/cuda_gemm.py, `MmaConfig.cuda`): its config text, refusals, build command and
 errors, and the table's fallback to the Triton entry where it cannot run. The kernel itself needs nvcc and
-an sm_90 GPU: bench_mma (`MMA_TRY=cuda5x8g`, `MMA_TRY=cuda5x10c8`) checks it against the twin and
-bench.invariance (`--mma-table +ENTRIES`) its rows against one-row launches (docs/results.md, runs JC-JJ, JL-)."""
+an sm_90 GPU: bench_mma (`MMA_TRY=cuda5x8g`, `MMA_TRY=cuda5x10c8`) checks it against the twin, bench_fold (`bash
+sweeps/h200.sh fold`) the norm fold's consumer on it, and bench.invariance (`--mma-table +ENTRIES`) its rows against
+one-row launches (docs/results.md, runs JC-JJ, JL-JY)."""
 import os
 import stat
 
