@@ -210,7 +210,8 @@ def cuda_fold(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: 
               scale: torch.Tensor | None, eps: float, offset: float, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm fold's consumer (kernels/norm_fold.py) on the CUDA kernel: from the producer's rows [2, K] and parts
     [P, 4], one row of epilogue(rmsnorm(h) (pre + off) W^T) and h [1, K]. The launch behind mma_fold for a `cuda`
-    config, which has checked its inputs and the config against the shape (one CTA a tile over all of K)."""
+    config, which has checked its inputs and the config against the shape (`consumer_problem`); what a direct call
+    could still get wrong (the device, h's coverage, the partial rows a thread, the scalar's dtype) is refused here."""
     K = rows.shape[1]
     problem = device_problem(rows.device)
     if problem:

@@ -589,9 +589,9 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     # the fused int4 GEMV with its norm prologue took 8.1 (run GE: AR step 1.761 -> 1.750 ms with the fold)
     (4096, 2560, False): MmaConfig(2, 4, 5, persist=9, fresh=True),
     # gate|up + GeGLU, after residual + norm: 12.23; its two tiles in the paired layout (adjacent words): 11.51
-    # against 11.82 for the gate / up tile pair (run IW). Now the CUDA kernel (kernels/cuda_gemm.py; the Triton
-    # entry above where nvcc or sm_90 is missing), also as the norm fold's consumer: 9.53 us against 12.91 for
-    # the Triton fold, the frontier AR step 1.705 -> 1.615 ms (run JX)
+    # against 11.82 for the gate / up tile pair (run IW), now CUDA_FALLBACKS' entry. The CUDA kernel
+    # (kernels/cuda_gemm.py; that Triton entry where nvcc or sm_90 is missing), also as the norm fold's consumer:
+    # 9.53 us against 12.91 for the Triton fold, the frontier AR step 1.705 -> 1.615 ms (run JX)
     (20480, 2560, False): MmaConfig(1, 5, 8, pairs=True, cuda=True),
     (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
     (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
