@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fastgemma.kernels.decode_attention import SHORT_CACHE, _combine_kernel, _qkv_tiles, _split_kernel
+from fastgemma.kernels.decode_attention import SHORT_CACHE, _combine_kernel, _qkv_tiles, _split_kernel, early_block
 from fastgemma.kernels.draft_head import CENTROID_BLOCK, _centroid_kernel, _select_kernel
 from fastgemma.kernels import draft_loop as dl
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
@@ -204,7 +204,8 @@ def main():
                   V_NORM=False, BLOCK_T=16, EMU=False, POS_TILE=name.endswith("per position"), POS_Q=4)
         pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), 4, 2)  # decode_attention's tiles
     # the q/k/v mode (decode_attention_qkv): a store layer at 1 and 8 rows (its own K / V rows made
-    # and stored), a query-only one; the positions and the first K / V block loaded before the wait
+    # and stored), a query-only one; the positions and the first K / V block loaded before the wait (into
+    # registers where `early_block` says so, else into L2)
     # ("prefetch" lines as the pdl ones: name, registers, spills, waits, triggers, loads before the wait,
     # mma before the trigger, registers and spill bytes without PDL)
     for name, D, slot, bm, qkv in [("attention qkv store sliding", 256, True, 16, 2),
@@ -219,15 +220,17 @@ def main():
         # the tiles the kernel launches with (a cache of 32k slots, or SHORT_CACHE)
         bn, warps, stages = _qkv_tiles(D, bm, SHORT_CACHE if "short" in name else 32784, qkv == 2)
         merge = name.endswith("merged")  # E4B's sliding layers at one row: 7 / 6 splits of 4 rows, merged
+        early = early_block(qkv, bm, bn, D, 2, warps)
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
                   FIXUP=merge, BLOCK_S=8 if merge else 1, MERGE_M=4 if merge else 1, QKV=qkv, V_NORM=True,
-                  BLOCK_T=16, EMU=False, POS_TILE=False, POS_Q=4)
+                  BLOCK_T=16, EMU=False, POS_TILE=False, POS_Q=4, EARLY=early)
         with contextlib.redirect_stdout(io.StringIO()) as buf:
             pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), warps, stages)
         print(buf.getvalue().replace("pdl\t", "prefetch\t", 1), end="")
         ptx, _, _ = build(_split_kernel, split_sig, dict(ce, PDL=True), tuple(range(8)), warps, stages)
         wait = ptx.find("griddepcontrol.wait")
-        print(f"l2\t{name}\t{ptx[:wait].count('prefetch.global.L2')}\t{ptx[wait:].count('prefetch.global.L2')}")
+        print(f"l2\t{name}\t{ptx[:wait].count('prefetch.global.L2')}\t{ptx[wait:].count('prefetch.global.L2')}\t"
+              f"{int(early)}")
     comb_sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "G": "i32", "Hkv": "i32", "R": "i32",
                 "num_splits": "i32", "so_b": "i32", "so_t": "i32", "so_h": "i32"}
     pdl_line("attention combine", _combine_kernel, comb_sig, dict(D=256, BLOCK_S=8, BLOCK_DC=256, so_d=1), (0, 1, 2),

@@ -184,3 +184,35 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
         main(["--qkv", "--sliding-splits", "0"])
     with pytest.raises(SystemExit, match="--contexts must lie"):
         main(["--qkv", "--contexts", "300,99999"])
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["out", "parts"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "query_only"])
+def test_first_block_early_equals_late(store, parts, monkeypatch):
+    """The split's first K / V block loaded before the PDL wait (`early_block`: into registers, the sliding
+    layers at one row) is the same arithmetic as the loop's first block: bit-equal outputs and caches with
+    it on and off, over splits of several blocks (the loop after it runs), empty splits and a ring."""
+    # one row: a ring of 100 slots over 16-key blocks (2 splits of 4 blocks), a full cache of 200 slots with
+    # 41 positions (later splits empty)
+    for S, last, window, ring, ns in [(100, [90], 64, True, 2), (200, [41], 0, False, 4)]:
+        case = _case(1, 1, 2, 4, 32, S, last, window, ring, torch.float32, store, seed=5)
+        qkv, qw, kw, cos, sin, k, v, idx, q_pos, slot_pos = case
+        if not store:
+            k, v = k.nan_to_num(0.5), v.nan_to_num(0.5)
+        assert da.early_block(2 if store else 1, 16, 16, 32, 4, 2)  # this launch's tile (16x2s1, fp32)
+        outs = []
+        for budget in (0, 10 ** 6):
+            monkeypatch.setattr(da, "EARLY_BYTES", budget)
+            kc, vc = k.clone(), v.clone()
+            got = da.decode_attention_qkv(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, window, heads=8,
+                                          eps=1e-6, num_splits=ns, tiles=(16, 2, 1), parts=parts)
+            outs.append((got if parts else (got,), kc, vc))
+        (late, kl, vl), (early, ke, ve) = outs
+        for a, b in zip(late, early):
+            assert torch.equal(a, b), (S, store, parts)
+        assert torch.equal(kl.nan_to_num(7.0), ke.nan_to_num(7.0)) and torch.equal(vl.nan_to_num(7.0), ve.nan_to_num(7.0))
+    # E4B (bf16): the sliding layers at one row take it early; full layers and 8-row tiles do not
+    assert da.early_block(2, 16, 32, 256, 2, 8) and da.early_block(1, 16, 32, 256, 2, 8)
+    assert not da.early_block(0, 16, 32, 256, 2, 8)  # q as given: q comes first, after the wait
+    assert not da.early_block(2, 16, 32, 512, 2, 16) and not da.early_block(1, 16, 32, 512, 2, 4)
+    assert not da.early_block(2, 32, 32, 256, 2, 8)

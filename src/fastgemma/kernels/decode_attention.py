@@ -162,15 +162,28 @@ def _prefetch_l2(base, n0, end, s_row, s_d, BLOCK_N: tl.constexpr, D: tl.constex
 
 
 @triton.jit
-def _cached_rows(qa, qb, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok, qpos, qmax, win_lo,
+def _start_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax before any key: (m_i -inf, l_i 0, acc 0)."""
+    return (tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
+
+
+@triton.jit
+def _cached_rows(qa, qb, first, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok, qpos, qmax, win_lo,
                  tile_win_lo, q_new, sk_s, sk_d, sv_s, sv_d, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_SLOT_POS: tl.constexpr, HALVES: tl.constexpr, IEEE: tl.constexpr,
-                 D: tl.constexpr, OWN: tl.constexpr):
-    """The split's share [start, end) of the cache -> its online-softmax state (m_i, l_i, acc)."""
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+                 D: tl.constexpr, OWN: tl.constexpr, EARLY: tl.constexpr):
+    """The split's share [start, end) of the cache -> its online-softmax state (m_i, l_i, acc). EARLY: its
+    first block is `first` (`_k_block`'s ka, kb, kpos, n_ok and the block's V, loaded by the caller before the
+    PDL wait; all masked for an empty split, whose state stays the start state, as with no block at all)."""
+    m_i, l_i, acc = _start_state(BLOCK_M, BLOCK_D)
+    n_from = start
+    if EARLY:
+        ka, kb, kpos, n_ok, v = first
+        m_i, l_i, alpha, p = _scores(qa, qb, ka, kb, kpos, n_ok, qpos, win_lo, m_i, l_i, qk_scale, IEEE, HALVES)
+        acc = _accumulate(acc, alpha, p, v, IEEE)
+        n_from = start + BLOCK_N
+    for n0 in range(n_from, end, BLOCK_N):
         ka, kb, n, kpos, n_ok = _k_block(k_base, spos_ptr, b64, ssp_b, ssp_s, n0, end, d, d_ok, qmax, tile_win_lo,
                                          q_new, sk_s, sk_d, BLOCK_N, HAS_SLOT_POS, HALVES, D, OWN)
         m_i, l_i, alpha, p = _scores(qa, qb, ka, kb, kpos, n_ok, qpos, win_lo, m_i, l_i, qk_scale, IEEE, HALVES)
@@ -239,7 +252,7 @@ def _split_kernel(
     FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr, MERGE_M: tl.constexpr,
     qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, scs_b, scs_t, sid_b, sid_t, eps, norm_off,
     QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr, POS_TILE: tl.constexpr,
-    POS_Q: tl.constexpr = 1, PARTS: tl.constexpr = False,
+    POS_Q: tl.constexpr = 1, PARTS: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     """QKV 0: q as given. 1: q_ptr is the merged projection's rows [B, T, H*D] (strides sq_b, sq_t),
     q = rope(q_norm(.)) made here (as its two RoPE halves, K read the same way). 2: rows [B, T,
@@ -320,9 +333,21 @@ def _split_kernel(
     v_base = v_ptr + b64 * sv_b + kvh * sv_h
     DT: tl.constexpr = k_ptr.dtype.element_ty
     HALVES: tl.constexpr = QKV > 0
+    first = 0  # EARLY: the split's first K / V block, loaded before the wait (below)
     if QKV > 0:
-        # the first block into L2 while the kernel before still runs (the own-rows split reads none)
-        if pid_split < num_splits - (QKV == 2):
+        # the first block while the kernel before still runs (the own-rows split reads none). The rows it may
+        # read were written two or more launches back (this step's own rows are masked off, at q_new and
+        # after), so the PDL wait orders nothing they need. EARLY: into registers, so the block's round
+        # trips leave the path after the wait; else into L2
+        if EARLY:
+            cached_end = tl.where(pid_split < num_splits - (QKV == 2), end, start)
+            ka, kb, n, kpos, n_ok = _k_block(k_base, spos_ptr, b64, ssp_b, ssp_s, start, cached_end, d, d_ok, qmax,
+                                             tile_win_lo, q_new, sk_s, sk_d, BLOCK_N, HAS_SLOT_POS, HALVES, D,
+                                             QKV == 2)
+            first = (ka, kb, kpos, n_ok,
+                     tl.load(v_base + n[:, None] * sv_s + d[None, :] * sv_d, mask=n_ok[:, None] & d_ok[None, :],
+                             other=0.0))
+        elif pid_split < num_splits - (QKV == 2):
             _prefetch_l2(k_base, start, end, sk_s, sk_d, BLOCK_N, D, EMU)
             _prefetch_l2(v_base, start, end, sv_s, sv_d, BLOCK_N, D, EMU)
         qw = _norm_w(qw_ptr, D)  # the norm weights too (parameters)
@@ -341,13 +366,14 @@ def _split_kernel(
                                       sid_b, sid_t, eps, norm_off, qpos, win_lo, qk_scale, pid_m, d, d_ok, D, BLOCK_M,
                                       BLOCK_D, BLOCK_T, V_NORM, IEEE, DT)
         else:
-            m_i, l_i, acc = _cached_rows(qa, qb, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok,
-                                         qpos, qmax, win_lo, tile_win_lo, q_new, sk_s, sk_d, sv_s, sv_d, qk_scale,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, True)
+            m_i, l_i, acc = _cached_rows(qa, qb, first, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d,
+                                         d_ok, qpos, qmax, win_lo, tile_win_lo, q_new, sk_s, sk_d, sv_s, sv_d,
+                                         qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, True,
+                                         EARLY)
     else:
-        m_i, l_i, acc = _cached_rows(qa, qb, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok,
+        m_i, l_i, acc = _cached_rows(qa, qb, first, k_base, v_base, spos_ptr, b64, ssp_b, ssp_s, start, end, d, d_ok,
                                      qpos, qmax, win_lo, tile_win_lo, q_new, sk_s, sk_d, sv_s, sv_d, qk_scale,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, False)
+                                     BLOCK_M, BLOCK_N, BLOCK_D, HAS_SLOT_POS, HALVES, IEEE, D, False, EARLY)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -465,6 +491,19 @@ def _tiles(D: int, block_m: int) -> tuple[int, int, int]:
     return block_n, num_warps, 2
 
 
+# bytes a thread may hold of a split's first K / V block, loaded before the PDL wait (`early_block`)
+EARLY_BYTES = 128
+
+
+def early_block(qkv: int, block_m: int, block_n: int, block_d: int, itemsize: int, num_warps: int) -> bool:
+    """Whether a split kernel launch loads its first K / V block into registers before the PDL wait: the q/k/v
+    modes (q is made after the wait, so the block's loads leave the path after it) at one row (a 16-row tile)
+    and a head dim of at most 256, where the block takes at most EARLY_BYTES a thread: E4B's sliding layers at
+    one row (32 keys x 256 at 8 warps; sm_90a: 254-255 registers, no spills). The rest take it into L2: held in
+    registers it spilled 1.3-3 KB a thread in the full layers' tiles (head dim 512) and 336 bytes in a sliding
+    store layer's 8-row tile, where the L2 prefetch spills 0-208."""
+    return (qkv > 0 and block_m <= 16 and block_d <= 256
+            and 2 * block_n * block_d * itemsize <= EARLY_BYTES * num_warps * 32)
 # a cache of at most this many slots (static: the CUDA graph's) counts as short for `_qkv_tiles`
 SHORT_CACHE = 2048
 
@@ -536,9 +575,9 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     merged projection's rows of a store layer (k_w given: its K / V rows are normed, rotated, written
     into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
     the caches are only read; idx unused) -> the attention output [B, T, H, D]. q_w / k_w [D], cos /
-    sin [B, T, 1, D]. The positions are read and the first K / V block of each split prefetched into
-    L2 before the PDL wait (the cache's rows at the step's positions are never read: a store layer
-    makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a split of their
+    sin [B, T, 1, D]. The positions are read and the first K / V block of each split loaded before the
+    PDL wait, into registers or L2 (`early_block`; the cache's rows at the step's positions are never
+    read: a store layer makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a split of their
     own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
     not bit for bit). tiles: (BLOCK_N, num_warps, num_stages) instead of `_qkv_tiles`' (bench.attention
     times candidates; `check_tiles` refuses what the kernel cannot take). parts (one row): the splits'
@@ -728,7 +767,8 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     if not extra:  # QKV 0: the other pointers are not read
         extra = dict(qw_ptr=q, kw_ptr=q, cos_ptr=q, sin_ptr=q, idx_ptr=q_pos, scs_b=0, scs_t=0, sid_b=0, sid_t=0,
                      eps=0.0, norm_off=0.0, QKV=0, V_NORM=False, BLOCK_T=16, EMU=_INTERPRET)
-    extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q)
+    extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q,
+                 EARLY=early_block(qkv, block_m, block_n, block_d, q.element_size(), num_warps))
     grid = (row_tiles, B * Hkv, num_splits) if per_position else (num_splits, B * Hkv, row_tiles)
     _split_kernel[grid](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
