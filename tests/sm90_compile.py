@@ -216,14 +216,15 @@ def main():
                                    ("attention qkv query-only full", 512, False, 16, 1),
                                    ("attention qkv store full short cache", 512, False, 16, 2),
                                    ("attention qkv store sliding merged", 256, True, 16, 2),
-                                   ("attention qkv query-only sliding merged", 256, True, 16, 1)]:
+                                   ("attention qkv query-only sliding merged", 256, True, 16, 1),
+                                   ("attention qkv query-only sliding per position", 256, True, 16, 1)]:
         # the tiles the kernel launches with (a cache of 32k slots, or SHORT_CACHE)
         bn, warps, stages = _qkv_tiles(D, bm, SHORT_CACHE if "short" in name else 32784, qkv == 2)
         merge = name.endswith("merged")  # E4B's sliding layers at one row: 7 / 6 splits of 4 rows, merged
-        early = early_block(qkv, bm, bn, D, 2, warps)
+        early = early_block(qkv, bm, bn, D, 2, warps, name.endswith("per position"))
         ce = dict(units, D=D, BLOCK_D=D, BLOCK_M=bm, BLOCK_N=bn, HAS_SLOT_POS=slot, SPLIT=True, IEEE=False,
                   FIXUP=merge, BLOCK_S=8 if merge else 1, MERGE_M=4 if merge else 1, QKV=qkv, V_NORM=True,
-                  BLOCK_T=16, EMU=False, POS_TILE=False, POS_Q=4, EARLY=early)
+                  BLOCK_T=16, EMU=False, POS_TILE=name.endswith("per position"), POS_Q=4, EARLY=early)
         with contextlib.redirect_stdout(io.StringIO()) as buf:
             pdl_line(name, _split_kernel, split_sig, ce, tuple(range(8)), warps, stages)
         print(buf.getvalue().replace("pdl\t", "prefetch\t", 1), end="")

@@ -215,4 +215,4 @@ def test_first_block_early_equals_late(store, parts, monkeypatch):
     assert da.early_block(2, 16, 32, 256, 2, 8) and da.early_block(1, 16, 32, 256, 2, 8)
     assert not da.early_block(0, 16, 32, 256, 2, 8)  # q as given: q comes first, after the wait
     assert not da.early_block(2, 16, 32, 512, 2, 16) and not da.early_block(1, 16, 32, 512, 2, 4)
-    assert not da.early_block(2, 32, 32, 256, 2, 8)
+    assert not da.early_block(2, 32, 32, 256, 2, 8) and not da.early_block(1, 16, 32, 256, 2, 8, per_position=True)

@@ -495,14 +495,17 @@ def _tiles(D: int, block_m: int) -> tuple[int, int, int]:
 EARLY_BYTES = 128
 
 
-def early_block(qkv: int, block_m: int, block_n: int, block_d: int, itemsize: int, num_warps: int) -> bool:
+def early_block(qkv: int, block_m: int, block_n: int, block_d: int, itemsize: int, num_warps: int,
+                per_position: bool = False) -> bool:
     """Whether a split kernel launch loads its first K / V block into registers before the PDL wait: the q/k/v
-    modes (q is made after the wait, so the block's loads leave the path after it) at one row (a 16-row tile)
-    and a head dim of at most 256, where the block takes at most EARLY_BYTES a thread: E4B's sliding layers at
-    one row (32 keys x 256 at 8 warps; sm_90a: 254-255 registers, no spills). The rest take it into L2: held in
-    registers it spilled 1.3-3 KB a thread in the full layers' tiles (head dim 512) and 336 bytes in a sliding
-    store layer's 8-row tile, where the L2 prefetch spills 0-208."""
-    return (qkv > 0 and block_m <= 16 and block_d <= 256
+    modes (q is made after the wait, so the block's loads leave the path after it) at one row (a 16-row tile,
+    not the per-position tiles) and a head dim of at most 256, where the block takes at most EARLY_BYTES a
+    thread: E4B's sliding layers at one row (32 keys x 256 at 8 warps; sm_90a: 254-255 registers, no spills).
+    The rest take it into L2: held in registers it spilled 1.3-3 KB a thread in the full layers' tiles (head
+    dim 512), 336 bytes in a sliding store layer's 8-row tile and 8 in the batch-invariant verify pass's
+    per-position tiles of a KV-shared sliding layer (229 registers without it; not timed on the GPU), where
+    the L2 prefetch spills 0-208."""
+    return (qkv > 0 and block_m <= 16 and block_d <= 256 and not per_position
             and 2 * block_n * block_d * itemsize <= EARLY_BYTES * num_warps * 32)
 # a cache of at most this many slots (static: the CUDA graph's) counts as short for `_qkv_tiles`
 SHORT_CACHE = 2048
@@ -768,7 +771,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
         extra = dict(qw_ptr=q, kw_ptr=q, cos_ptr=q, sin_ptr=q, idx_ptr=q_pos, scs_b=0, scs_t=0, sid_b=0, sid_t=0,
                      eps=0.0, norm_off=0.0, QKV=0, V_NORM=False, BLOCK_T=16, EMU=_INTERPRET)
     extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q,
-                 EARLY=early_block(qkv, block_m, block_n, block_d, q.element_size(), num_warps))
+                 EARLY=early_block(qkv, block_m, block_n, block_d, q.element_size(), num_warps, per_position))
     grid = (row_tiles, B * Hkv, num_splits) if per_position else (num_splits, B * Hkv, row_tiles)
     _split_kernel[grid](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
