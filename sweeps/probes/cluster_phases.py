@@ -8,6 +8,9 @@ order differs). The PDL launch figures to set beside it are bench.floor's (docs/
     python sweeps/probes/cluster_phases.py [--clusters 8,16] [--shapes 256:0,256,256/1024,256/4096,256/2560]
                                            [--phases 128,256]
 
+Run KA's answer (docs/results.md): no. The boundary costs 1.06-1.21 us, what a PDL launch costs, and 16 CTAs stream
+at most ~0.27 TB/s (a 2.1 MB phase 7.66 us against 2.4-2.9 for a launch over the whole GPU).
+
 A shape 'A/B/..' cycles the phases' dims (256/4096: 256 -> 4096 -> 256 -> ..., 2 MB a phase); 'D:0' is the boundary
 alone at dim D (no weights, no arithmetic). GPU only; builds with torch.utils.cpp_extension (nvcc, sm_90a).
 """
