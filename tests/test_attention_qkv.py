@@ -210,7 +210,8 @@ def test_first_block_early_equals_late(store, parts, monkeypatch):
         (late, kl, vl), (early, ke, ve) = outs
         for a, b in zip(late, early):
             assert torch.equal(a, b), (S, store, parts)
-        assert torch.equal(kl.nan_to_num(7.0), ke.nan_to_num(7.0)) and torch.equal(vl.nan_to_num(7.0), ve.nan_to_num(7.0))
+        assert torch.equal(kl.nan_to_num(7.0), ke.nan_to_num(7.0))
+        assert torch.equal(vl.nan_to_num(7.0), ve.nan_to_num(7.0))
     # E4B (bf16): the sliding layers at one row take it early; full layers and 8-row tiles do not
     assert da.early_block(2, 16, 32, 256, 2, 8) and da.early_block(1, 16, 32, 256, 2, 8)
     assert not da.early_block(0, 16, 32, 256, 2, 8)  # q as given: q comes first, after the wait

@@ -87,3 +87,4 @@ def test_cluster_phase_probe_builds_with_its_barriers():
     assert probe.chain_dims([256, 4096], 3) == [256, 4096, 256, 4096]
     assert probe.problem([256, 4096], 16) is None  # 128 KB of weights a CTA
     assert "227 KB" in probe.problem([256, 4096], 4) and "whole shares" in probe.problem([200], 16)
+    assert probe.problem([2560], 8) and probe.problem([2560], 8, work=False) is None  # the boundary alone holds none

@@ -86,11 +86,11 @@ def chain_dims(cycle: list[int], n: int) -> list[int]:
     return [cycle[i % len(cycle)] for i in range(n + 1)]
 
 
-def problem(cycle: list[int], C: int) -> str | None:
-    """Why a cycle of dims cannot run on a cluster of C CTAs, or None."""
+def problem(cycle: list[int], C: int, work: bool = True) -> str | None:
+    """Why a cycle of dims cannot run on a cluster of C CTAs, or None (work False: no weights to hold)."""
     if any(d % C or d % 8 for d in cycle):
         return f"every dim must split into {C} whole shares and rows of whole 16-byte words"
-    wmax = max(cycle[i] * cycle[(i + 1) % len(cycle)] for i in range(len(cycle))) // C * 2
+    wmax = max(cycle[i] * cycle[(i + 1) % len(cycle)] for i in range(len(cycle))) // C * 2 if work else 16
     if wmax + max(cycle) * 4 + 2 * max(cycle) // C * 4 > 227 * 1024:
         return f"a CTA's weight slice ({wmax} bytes) and vectors exceed 227 KB of shared memory: a larger cluster"
     return None
@@ -129,7 +129,7 @@ def main():
     for C in [int(c) for c in a.clusters.split(",")]:
         for shape in a.shapes.split(","):
             cycle, work = parse_shape(shape)
-            why = problem(cycle, C)
+            why = problem(cycle, C, work)
             if why:
                 print(f"C={C:>2} | {shape:<12} | skipped: {why}")
                 continue

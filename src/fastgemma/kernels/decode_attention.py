@@ -259,7 +259,7 @@ def _split_kernel(
     (H + 2 Hkv) D]: q as in 1, and the step's own K / V rows (rope(k_norm(k)), v_norm(v)) made here,
     written into the cache at idx[b, t] and attended by each row tile's last split, the cache's rows
     at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
-    V block is prefetched into L2 before the PDL wait. PARTS: o_ptr is bf16 and every row of every
+    V block is loaded before the PDL wait: into registers (EARLY, `early_block`) or L2. PARTS: o_ptr is bf16 and every row of every
     split is written (an empty split's as zeros), for a GEMV that weighs the splits itself
     (kernels/attn_fold.py); no merge. POS_Q: positions per group (`_plan`); a slot_pos=None range splits
     at the bounds of the groups its rows lie in. POS_TILE: row tile pid_m is the group
@@ -507,6 +507,8 @@ def early_block(qkv: int, block_m: int, block_n: int, block_d: int, itemsize: in
     the L2 prefetch spills 0-208."""
     return (qkv > 0 and block_m <= 16 and block_d <= 256 and not per_position
             and 2 * block_n * block_d * itemsize <= EARLY_BYTES * num_warps * 32)
+
+
 # a cache of at most this many slots (static: the CUDA graph's) counts as short for `_qkv_tiles`
 SHORT_CACHE = 2048
 
@@ -580,8 +582,8 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     the caches are only read; idx unused) -> the attention output [B, T, H, D]. q_w / k_w [D], cos /
     sin [B, T, 1, D]. The positions are read and the first K / V block of each split loaded before the
     PDL wait, into registers or L2 (`early_block`; the cache's rows at the step's positions are never
-    read: a store layer makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a split of their
-    own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
+    read: a store layer makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a
+    split of their own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
     not bit for bit). tiles: (BLOCK_N, num_warps, num_stages) instead of `_qkv_tiles`' (bench.attention
     times candidates; `check_tiles` refuses what the kernel cannot take). parts (one row): the splits'
     o and lse instead of the output, no combine (`_attention`). per_position (a query-only layer): the
