@@ -536,14 +536,20 @@ def test_spec_bench_verify_pdl_and_qkv_rows_on_the_cpu(tmp_path, wide_tiles):
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "3", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
                "--fuse", "layers", "--variant", "attn_pdl+attn_qkv", "--verify-attn-qkv", "on,off",
-               "--head", "pruned:50", "--out", str(out)])
+               "--attn-tiles", " sliding_query:16x4s2e1", "--head", "pruned:50", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0]["stack"]["FuseLayers"]["attn_qkv"] is True
+    assert lines[0]["stack"]["FuseLayers"]["attn_tiles"] == "sliding_query:16x4s2e1"  # --attn-tiles, checked
     assert [(r["spec"], r.get("verify_attn_qkv")) for r in lines[1:]] == [("none", None), ("replay", "on"),
                                                                            ("replay", "off")]
     from fastgemma.bench.stack import parse_variant
 
     assert parse_variant("attn_pdl+attn_qkv") == {"attn_pdl": True, "attn_qkv": True}
+    with pytest.raises(SystemExit, match="--attn-tiles sets"):  # without attn_qkv in --variant
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--attn-tiles", "full_store:32x4s2"])
+    with pytest.raises(SystemExit, match="--attn-tiles: .*EARLY"):
+        spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--variant", "attn_qkv",
+                   "--attn-tiles", "full_store:32x4s2e3"])
     with pytest.raises(SystemExit, match="--verify-mma on needs 'mma' in --variant"):
         spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--fuse", "layers", "--verify-mma", "on"])
     with pytest.raises(SystemExit, match="CASE@ROWS=TxW"):  # --mma-table as bench.stack reads it

@@ -212,20 +212,23 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
             model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=False, attn_qkv=True)
             tokens, logits = _decode(model, cfg, prompt, 3)
             assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
-            # fuse.attn_tiles: each layer kind's launches take that kind's tiles (and split count), same tokens
-            tiles = da.parse_qkv_tiles("full_store:16x2s1,full_query:32x2s2,sliding_store:32x4s1p2,sliding_query:16x4s2")
+            # fuse.attn_tiles: each layer kind's launches take that kind's tiles (and split count, early block),
+            # same tokens
+            tiles = da.parse_qkv_tiles("full_store:16x2s1,full_query:32x2s2,sliding_store:32x4s1p2e1,"
+                                       "sliding_query:16x4s2e0")
             seen, real = set(), da.decode_attention_qkv
 
             def spy(qkv, q_w, k_w, *args, **kw):
-                seen.add(("store" if k_w is not None else "query", args[-1] > 0, kw["tiles"], kw["num_splits"]))
+                seen.add(("store" if k_w is not None else "query", args[-1] > 0, kw["tiles"], kw["num_splits"],
+                          kw["early"]))
                 return real(qkv, q_w, k_w, *args, **kw)
 
             monkeypatch.setattr(da, "decode_attention_qkv", spy)
             model.fused_decode = functools.partial(model.fused_decode, attn_tiles=tiles)
             tokens, logits = _decode(model, cfg, prompt, 3)
             assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
-            assert seen == {("store", False, (16, 2, 1), None), ("query", False, (32, 2, 2), None),
-                            ("store", True, (32, 4, 1), 2), ("query", True, (16, 4, 2), None)}, seen
+            assert seen == {("store", False, (16, 2, 1), None, None), ("query", False, (32, 2, 2), None, None),
+                            ("store", True, (32, 4, 1), 2, True), ("query", True, (16, 4, 2), None, False)}, seen
 
 
 @pytest.mark.parametrize("int4", [False, True])

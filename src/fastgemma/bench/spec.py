@@ -45,18 +45,19 @@ from .floor import floor_option
 from .stack import VARIANT_OPTS, fused_table_arg, mma_table_arg, random_prompts
 
 
-def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base"):
+def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base",
+                attn_tiles: str = ""):
     """Synthetic weights -> merged projections -> int4 body -> Triton attention (bench.stack's int4
     body; fuse: with its fused one-row step, which the AR rows and the drafter can take and the
     k+1-row passes do not) -> head (on a CPU, a smoke test of this script: the torch
     twins of every kernel). head: full | int8 | int4 | pruned:N (bf16 rows: the eos ids, then seeded
     random ids; the pruned model's own greedy trace is the reference, so the keepset only sets the
-    cost). variant: the fused step's options (bench.stack.parse_variant)."""
+    cost). variant: the fused step's options (bench.stack.parse_variant); attn_tiles: fuse.attn_tiles."""
     from ..transforms.sampler import FusedArgmax
     from .stack import build_body, keepset, parse_head, set_head
 
     kind, rows = parse_head(head)
-    model, desc = build_body(cfg, dev, "int4", dtype, fuse=fuse, variant=variant)
+    model, desc = build_body(cfg, dev, "int4", dtype, fuse=fuse, variant=variant, attn_tiles=attn_tiles)
     with tempfile.TemporaryDirectory() as tmp:  # a pruned head's keepset file, read by apply()
         keep = keepset(list(cfg.eos_ids), rows, cfg.vocab_size) if rows else None
         desc["lm_head"] = set_head(model, kind, rows, keep, dev, tmp)[1]
@@ -229,6 +230,11 @@ def main(argv=None):
                     help="with --fuse layers: the fused one-row GEMVs' tiles for this run (the AR step's and the "
                          "drafter's; kernels/fused_gemv.FUSED_CONFIGS, given here on any GPU), as bench.stack "
                          "--fused-table takes one (e.g. '+draft_down=2x1024w4', or 'none': every shape autotuned)")
+    ap.add_argument("--attn-tiles", default="",
+                    help="with --fuse layers and 'attn_qkv' in --variant: the q/k/v attention mode's tiles per layer "
+                         "kind (fuse.attn_tiles, as bench.stack --attn-tiles takes one: e.g. "
+                         "'sliding_query:32x8s2e1', the KV-shared sliding layers' first K / V block into registers "
+                         "before the PDL wait, the verify pass's per-position tiles included)")
     ap.add_argument("--variant", default="attn_pdl+qkv",
                     help="with --fuse layers: the one-row AR step's and the fused drafter's options, as bench.stack "
                          f"--variants: base, or options joined by '+' ({', '.join(VARIANT_OPTS)})")
@@ -276,7 +282,18 @@ def main(argv=None):
         set_fused_table(fused_table_arg(a.fused_table))  # this process's table
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
-    model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant)
+    if a.attn_tiles:
+        from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
+
+        if a.fuse != "layers" or "attn_qkv" not in a.variant.split("+"):
+            raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give --fuse layers and a --variant "
+                             "with attn_qkv")
+        try:
+            a.attn_tiles = qkv_tiles_text(parse_qkv_tiles(a.attn_tiles))
+        except ValueError as e:
+            raise SystemExit(f"--attn-tiles: {e}") from e
+    model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant,
+                                        attn_tiles=a.attn_tiles)
     if a.fused_table:
         stack["fused_table"] = a.fused_table
     steps = [x for x in (a.drafter_steps or ("fused" if a.fuse == "layers" else "unfused")).split(",") if x]

@@ -259,10 +259,10 @@ def _split_kernel(
     (H + 2 Hkv) D]: q as in 1, and the step's own K / V rows (rope(k_norm(k)), v_norm(v)) made here,
     written into the cache at idx[b, t] and attended by each row tile's last split, the cache's rows
     at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
-    V block is loaded before the PDL wait: into registers (EARLY, `early_block`) or L2. PARTS: o_ptr is bf16 and every row of every
-    split is written (an empty split's as zeros), for a GEMV that weighs the splits itself
-    (kernels/attn_fold.py); no merge. POS_Q: positions per group (`_plan`); a slot_pos=None range splits
-    at the bounds of the groups its rows lie in. POS_TILE: row tile pid_m is the group
+    V block is loaded before the PDL wait: into registers (EARLY, `early_block`) or L2. PARTS: o_ptr
+    is bf16 and every row of every split is written (an empty split's as zeros), for a GEMV that
+    weighs the splits itself (kernels/attn_fold.py); no merge. POS_Q: positions per group (`_plan`); a
+    slot_pos=None range splits at the bounds of the groups its rows lie in. POS_TILE: row tile pid_m is the group
     q_pos[b, 0] // POS_Q + pid_m of positions (rows at consecutive positions), so each of its rows
     splits as its one-row launch does."""
     if QKV == 0:
@@ -575,17 +575,19 @@ def decode_attention(q, k_cache, v_cache, q_pos, slot_pos, window: int, scale: f
 def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, slot_pos, window: int, *,
                          heads: int, eps: float, offset: float = 0.0, v_norm: bool = True, scale: float = 1.0,
                          num_splits: int | None = None, pdl: bool = False, merge: bool = False,
-                         tiles: tuple[int, int, int] | None = None, parts: bool = False, per_position: bool = False):
+                         tiles: tuple[int, int, int] | None = None, parts: bool = False, per_position: bool = False,
+                         early: bool | None = None):
     """kernels/qkv_finish.py and `decode_attention` in one split kernel: qkv [B, T, (H + 2 Hkv) D], the
     merged projection's rows of a store layer (k_w given: its K / V rows are normed, rotated, written
     into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
     the caches are only read; idx unused) -> the attention output [B, T, H, D]. q_w / k_w [D], cos /
     sin [B, T, 1, D]. The positions are read and the first K / V block of each split loaded before the
-    PDL wait, into registers or L2 (`early_block`; the cache's rows at the step's positions are never
-    read: a store layer makes them). Rounds as qkv_finish does; a store layer's own rows are summed in a
-    split of their own (another summation order than `decode_attention` after qkv_finish: equal within rounding,
-    not bit for bit). tiles: (BLOCK_N, num_warps, num_stages) instead of `_qkv_tiles`' (bench.attention
-    times candidates; `check_tiles` refuses what the kernel cannot take). parts (one row): the splits'
+    PDL wait, into registers or L2 (early True / False; None: `early_block`'s choice; the cache's rows at
+    the step's positions are never read: a store layer makes them). Rounds as qkv_finish does; a store
+    layer's own rows are summed in a split of their own (another summation order than `decode_attention`
+    after qkv_finish: equal within rounding, not bit for bit). tiles: (BLOCK_N, num_warps, num_stages)
+    instead of `_qkv_tiles`' (bench.attention times candidates; `check_tiles` refuses what the kernel
+    cannot take). parts (one row): the splits'
     o and lse instead of the output, no combine (`_attention`). per_position (a query-only layer): the
     row tiles of `decode_attention`'s per_position, so each row's output is its one-row per_position
     launch's bit for bit (the q norm and RoPE are a row's own: fuse.batch_invariant's KV-shared layers)."""
@@ -608,7 +610,8 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     if tiles is not None:
         check_tiles(tiles)
     return _attention(qkv, (qkv.stride(0), qkv.stride(1), 0, 0), (B, T, heads, D), k_cache, v_cache, q_pos,
-                      slot_pos, window, scale, num_splits, pdl, merge, extra, per_position, tiles=tiles, parts=parts)
+                      slot_pos, window, scale, num_splits, pdl, merge, extra, per_position, tiles=tiles, parts=parts,
+                      early=early)
 
 
 def check_tiles(tiles) -> tuple[int, int, int]:
@@ -647,29 +650,33 @@ def qkv_tiles_text(tiles: dict[str, str]) -> str:
 QKV_TILE_KINDS = ("full_store", "full_query", "sliding_store", "sliding_query")  # the q/k/v mode's layer kinds
 
 
-def parse_qkv_tile(text: str) -> tuple[tuple[int, int, int], int | None]:
-    """One kind's entry of `fuse.attn_tiles`, 'NxWsS[pP]' -> (checked tiles, P: the cache's split count,
-    the store layers' own-rows split added to it; None: the kernel's pick)."""
+def parse_qkv_tile(text: str) -> tuple[tuple[int, int, int], int | None, bool | None]:
+    """One kind's entry of `fuse.attn_tiles`, 'NxWsS[pP][eE]' -> (checked tiles, P: the cache's split count,
+    the store layers' own-rows split added to it; None: the kernel's pick, E: 1, each split's first K / V
+    block into registers before the PDL wait, 0: into L2; None: `early_block`'s pick)."""
     import re
 
-    m = re.fullmatch(r"\s*(\d+x\d+s\d+)(?:p(\d+))?\s*", text)
+    m = re.fullmatch(r"\s*(\d+x\d+s\d+)(?:p(\d+))?(?:e([01]))?\s*", text)
     if not m:
-        raise ValueError(f"attention tiles {text!r}: BLOCKNxWARPSsSTAGES[pSPLITS], e.g. '32x8s2' or '32x8s2p3'")
+        raise ValueError(f"attention tiles {text!r}: BLOCKNxWARPSsSTAGES[pSPLITS][eEARLY], e.g. '32x8s2', "
+                         "'32x8s2p3' or '32x8s2e0' (EARLY 1: the first K / V block into registers before the PDL "
+                         "wait, 0: into L2)")
     splits = int(m.group(2)) if m.group(2) else None
     if splits is not None and not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"attention tiles {text!r}: the split count must lie in 1..{_MAX_SPLITS}")
-    return parse_tiles(m.group(1)), splits
+    return parse_tiles(m.group(1)), splits, None if m.group(3) is None else m.group(3) == "1"
 
 
-def qkv_tile_text(tiles, splits: int | None = None) -> str:
-    """`parse_qkv_tile`'s inverse: 'NxWsS', with 'pP' when splits are given."""
-    return tiles_text(tiles) + (f"p{splits}" if splits else "")
+def qkv_tile_text(tiles, splits: int | None = None, early: bool | None = None) -> str:
+    """`parse_qkv_tile`'s inverse: 'NxWsS', with 'pP' when splits are given and 'eE' when early is."""
+    return tiles_text(tiles) + (f"p{splits}" if splits else "") + ("" if early is None else f"e{int(early)}")
 
 
 def parse_qkv_tiles(text) -> dict[str, str]:
-    """`fuse.attn_tiles`: 'KIND:NxWsS[pP]' entries joined by ',' or as a list (KIND: full / sliding layer,
-    store / query-only: QKV_TILE_KINDS; P: the cache's split count, else the kernel's pick), '' / [] for
-    none -> {kind: 'NxWsS[pP]'}, each checked; the kinds not named keep `_qkv_tiles`' choice. A
+    """`fuse.attn_tiles`: 'KIND:NxWsS[pP][eE]' entries joined by ',' or as a list (KIND: full / sliding layer,
+    store / query-only: QKV_TILE_KINDS; P: the cache's split count, else the kernel's pick; E: 1 / 0, the
+    first K / V block before the PDL wait into registers / L2, else `early_block`'s pick), '' / [] for
+    none -> {kind: 'NxWsS[pP][eE]'}, each checked; the kinds not named keep `_qkv_tiles`' choice. A
     ValueError names a bad entry."""
     items = text.split(",") if isinstance(text, str) else [str(t) for t in (text or ())]
     out = {}
@@ -679,8 +686,8 @@ def parse_qkv_tiles(text) -> dict[str, str]:
         kind, eq, tiles = item.partition(":")
         kind = kind.strip()
         if not eq or kind not in QKV_TILE_KINDS:
-            raise ValueError(f"attention tiles entry {item.strip()!r}: KIND:BLOCKNxWARPSsSTAGES[pSPLITS] with KIND one of "
-                             f"{', '.join(QKV_TILE_KINDS)}, e.g. 'full_store:32x16s2'")
+            raise ValueError(f"attention tiles entry {item.strip()!r}: KIND:BLOCKNxWARPSsSTAGES[pSPLITS][eEARLY] with "
+                             f"KIND one of {', '.join(QKV_TILE_KINDS)}, e.g. 'full_store:32x16s2'")
         if kind in out:
             raise ValueError(f"attention tiles: {kind} given twice in {text!r}")
         out[kind] = qkv_tile_text(*parse_qkv_tile(tiles))
@@ -689,10 +696,10 @@ def parse_qkv_tiles(text) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _tiles_arg(text: str) -> dict:
-    """An op's `tiles` string ('': the kernel's own) -> decode_attention_qkv's tiles and num_splits,
+    """An op's `tiles` string ('': the kernel's own) -> decode_attention_qkv's tiles, num_splits and early,
     parsed once per string."""
-    tiles, splits = parse_qkv_tile(text) if text else (None, None)
-    return dict(tiles=tiles, num_splits=splits)
+    tiles, splits, early = parse_qkv_tile(text) if text else (None, None, None)
+    return dict(tiles=tiles, num_splits=splits, early=early)
 
 
 def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, tiles, device,
@@ -732,11 +739,13 @@ def _qkv_splits(S: int, Hkv: int, heads: int, head_dim: int, store: bool, tiles:
 
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
                extra: dict, per_position: bool = False, tiles: tuple[int, int, int] | None = None,
-               parts: bool = False):
+               parts: bool = False, early: bool | None = None):
     """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`;
     per_position: a row tile per group of positions, split as a one-row launch is (`decode_attention`). parts
     (one row, split): no combine; -> the splits' o [Hkv, splits, G, D] in q's dtype (an empty split's
-    zeros) and their lse [Hkv, splits, G] (log2), for kernels/attn_fold.py."""
+    zeros) and their lse [Hkv, splits, G] (log2), for kernels/attn_fold.py. early (the q/k/v modes): each
+    split's first K / V block into registers before the PDL wait (True) or into L2 (False); None:
+    `early_block`'s choice."""
     B, T, H, D = shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -772,8 +781,12 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     if not extra:  # QKV 0: the other pointers are not read
         extra = dict(qw_ptr=q, kw_ptr=q, cos_ptr=q, sin_ptr=q, idx_ptr=q_pos, scs_b=0, scs_t=0, sid_b=0, sid_t=0,
                      eps=0.0, norm_off=0.0, QKV=0, V_NORM=False, BLOCK_T=16, EMU=_INTERPRET)
-    extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q,
-                 EARLY=early_block(qkv, block_m, block_n, block_d, q.element_size(), num_warps, per_position))
+    if early is None:
+        early = early_block(qkv, block_m, block_n, block_d, q.element_size(), num_warps, per_position)
+    elif early and not qkv:
+        raise ValueError("decode attention with q as given reads q and the cache after its PDL wait: no early K / V "
+                         "block (the q/k/v modes' option)")
+    extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q, EARLY=bool(early))
     grid = (row_tiles, B * Hkv, num_splits) if per_position else (num_splits, B * Hkv, row_tiles)
     _split_kernel[grid](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
@@ -859,7 +872,7 @@ def decode_attention_qkv_op(qkv: torch.Tensor, q_w: torch.Tensor, cos: torch.Ten
                             scale: float, pdl: bool, merge: bool, tiles: str = "",
                             per_position: bool = False) -> torch.Tensor:
     """A query-only layer (KV-shared, the drafter): q made from the merged projection, the caches read.
-    tiles: 'NxWsS[pP]' instead of the kernel's own tiles (and split count) (''); per_position: row tiles
+    tiles: 'NxWsS[pP][eE]' instead of the kernel's own tiles (split count, early block) (''); per_position: row tiles
     per group of positions (`decode_attention_qkv`)."""
     return decode_attention_qkv(qkv, q_w, None, cos, sin, k_cache, v_cache, None, q_pos, slot_pos, window,
                                 heads=heads, eps=eps, offset=offset, scale=scale, pdl=pdl, merge=merge,
