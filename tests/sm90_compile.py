@@ -232,6 +232,12 @@ def main():
         wait = ptx.find("griddepcontrol.wait")
         print(f"l2\t{name}\t{ptx[:wait].count('prefetch.global.L2')}\t{ptx[wait:].count('prefetch.global.L2')}\t"
               f"{int(early)}")
+        if early:  # fuse.attn_tiles' e2: the q rows' cos / sin before the wait too ("rope" lines: name, registers,
+            # spills, global loads before the wait with e1, with e2)
+            ptx2, regs2, spills2 = build(_split_kernel, split_sig, dict(ce, PDL=True, EARLY=2), tuple(range(8)), warps,
+                                         stages)
+            print(f"rope\t{name}\t{regs2}\t{spills2}\t{len(re.findall(r'ld[.]global', ptx[:wait]))}\t"
+                  f"{len(re.findall(r'ld[.]global', ptx2[:ptx2.find('griddepcontrol.wait')]))}")
     comb_sig = {"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "G": "i32", "Hkv": "i32", "R": "i32",
                 "num_splits": "i32", "so_b": "i32", "so_t": "i32", "so_h": "i32"}
     pdl_line("attention combine", _combine_kernel, comb_sig, dict(D=256, BLOCK_S=8, BLOCK_DC=256, so_d=1), (0, 1, 2),

@@ -117,7 +117,7 @@ def test_merge_pdl_and_no_v_norm(v_norm):
     assert da._tiles_arg("16x2s1p2") == dict(tiles=(16, 2, 1), num_splits=2, early=None)
     assert da._tiles_arg("") == dict(tiles=None, num_splits=None, early=None)
     assert da._tiles_arg("16x2s1e0") == dict(tiles=(16, 2, 1), num_splits=None, early=False)
-    for text in ("32x8s2p3", "32x8s2p3e1", "32x8s2e0"):
+    for text in ("32x8s2p3", "32x8s2p3e1", "32x8s2e0", "32x8s2e2"):
         assert da.qkv_tile_text(*da.parse_qkv_tile(f" {text} ")) == text
     torch.testing.assert_close(da.decode_attention_qkv_op(qkv[..., : 8 * 32], qw, cos, sin, kc, vc, q_pos, slot_pos,
                                                           24, 8, 1e-6, 1.0, 1.0, False, False, "32x4s2"),
@@ -192,9 +192,9 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
 @pytest.mark.parametrize("store", [True, False], ids=["store", "query_only"])
 def test_first_block_early_equals_late(store, parts, monkeypatch):
     """The split's first K / V block loaded before the PDL wait (into registers: `early_block`'s pick for the
-    sliding layers at one row, or the tiles' 'e1') is the same arithmetic as the loop's first block: bit-equal
-    outputs and caches with it on and off (the pick through EARLY_BYTES, then the ops' tile text), over splits of
-    several blocks (the loop after it runs), empty splits and a ring."""
+    sliding layers at one row, or the tiles' 'e1'; 'e2': the q rows' cos / sin too) is the same arithmetic as
+    the loop's first block: bit-equal outputs and caches with it on and off (the pick through EARLY_BYTES, then
+    the ops' tile text), over splits of several blocks (the loop after it runs), empty splits and a ring."""
     # one row: a ring of 100 slots over 16-key blocks (2 splits of 4 blocks), a full cache of 200 slots with
     # 41 positions (later splits empty)
     for S, last, window, ring, ns in [(100, [90], 64, True, 2), (200, [41], 0, False, 4)]:
@@ -204,7 +204,8 @@ def test_first_block_early_equals_late(store, parts, monkeypatch):
             k, v = k.nan_to_num(0.5), v.nan_to_num(0.5)
         assert da.early_block(2 if store else 1, 16, 16, 32, 4, 2)  # this launch's tile (16x2s1, fp32)
         outs = []
-        for budget, tiles in ((0, None), (10 ** 6, None), (None, f"16x2s1p{ns}e0"), (None, f"16x2s1p{ns}e1")):
+        for budget, tiles in ((0, None), (10 ** 6, None), (None, f"16x2s1p{ns}e0"), (None, f"16x2s1p{ns}e1"),
+                              (None, f"16x2s1p{ns}e2")):
             kc, vc = k.clone(), v.clone()
             if tiles is None:  # decode_attention_qkv, early_block's pick
                 monkeypatch.setattr(da, "EARLY_BYTES", budget)
@@ -233,6 +234,6 @@ def test_first_block_early_equals_late(store, parts, monkeypatch):
     assert not da.early_block(2, 16, 32, 512, 2, 16) and not da.early_block(1, 16, 32, 512, 2, 4)
     assert not da.early_block(2, 32, 32, 256, 2, 8) and not da.early_block(1, 16, 32, 256, 2, 8, per_position=True)
     with pytest.raises(ValueError, match="EARLY"):
-        da.parse_qkv_tile("32x8s2e2")
+        da.parse_qkv_tile("32x8s2e3")
     assert da.parse_qkv_tiles("sliding_store:32x8s2e0, sliding_query:32x8s2p6e1") == {
         "sliding_store": "32x8s2e0", "sliding_query": "32x8s2p6e1"}

@@ -17,8 +17,8 @@ def test_gpu_only_variants_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
-            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "loop", "stream",
-                            "floor", "accept")}
+            if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "rope", "loop",
+                            "stream", "floor", "accept")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy) but the norm kernels' parameters (the residual norm's post, pre
@@ -64,6 +64,11 @@ def test_gpu_only_variants_compile_for_sm90():
             assert before == after == 0 and loads > 4, (name, pre[name], l2[name])
         else:
             assert before > 0 and after == 0, (name, l2[name])
+    # fuse.attn_tiles' e2 on the early tiles: the q rows' cos / sin loaded before the wait too, no spills
+    rope = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "rope"}
+    assert set(rope) == {n for n in pre if l2[n][2]}, rope
+    for name, (regs, spills, loads1, loads2) in rope.items():
+        assert regs <= 255 and spills == 0 and loads2 > loads1, (name, rope[name])
     # the persistent draft loop (E4B's drafter): 27 grid barriers per draft token, each one release
     # arrival and one acquire poll, the exit counter the only other GPU-scope atomic; at 255 registers
     # (one program per multiprocessor) it spills a few hundred bytes (384 with the first weight tiles

@@ -123,11 +123,13 @@ def _norm_w(w_ptr, D: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(base, ok, w, cs_base, sn_base, eps, off, D: tl.constexpr, DT: tl.constexpr):
+def _norm_rope(base, ok, w, cs_base, sn_base, eps, off, D: tl.constexpr, DT: tl.constexpr, tables=0,
+               PRE: tl.constexpr = False):
     """Head vectors at `base` [M] (row pointers, where ok) -> the two halves [M, D / 2] of
     rope(RMSNorm(x) * (w + off)) in DT (w: `_norm_w`'s halves): the norm in fp32 rounded to DT
     (RMSNorm's type_as), then rotate-half RoPE in fp32 with each row's cos / sin (cs_base / sn_base [M]),
-    rounded once: the arithmetic of kernels/qkv_finish.py, on [M] rows."""
+    rounded once: the arithmetic of kernels/qkv_finish.py, on [M] rows. PRE: the rows' cos / sin halves
+    given as `tables` (c1, s1, c2, s2 [M, D / 2], loaded by the caller), else loaded here after the norm."""
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)[None, :]
     m = ok[:, None]
@@ -139,11 +141,17 @@ def _norm_rope(base, ok, w, cs_base, sn_base, eps, off, D: tl.constexpr, DT: tl.
     n2 = (x2 * inv * (w2.to(tl.float32) + off)).to(DT).to(tl.float32)
     # cos / sin after the reduction, as they are used: [M, D / 2] each, loaded ahead of it they spilled
     # (sm_90a: 8 rows of a full layer)
-    cs = cs_base[:, None]
-    sn = sn_base[:, None]
-    y1 = n1 * tl.load(cs + j, mask=m, other=0.0).to(tl.float32) - n2 * tl.load(sn + j, mask=m, other=0.0).to(tl.float32)
-    y2 = n2 * tl.load(cs + HALF + j, mask=m, other=0.0).to(tl.float32) \
-        + n1 * tl.load(sn + HALF + j, mask=m, other=0.0).to(tl.float32)
+    if PRE:
+        c1, s1, c2, s2 = tables
+        y1 = n1 * c1.to(tl.float32) - n2 * s1.to(tl.float32)
+        y2 = n2 * c2.to(tl.float32) + n1 * s2.to(tl.float32)
+    else:
+        cs = cs_base[:, None]
+        sn = sn_base[:, None]
+        y1 = n1 * tl.load(cs + j, mask=m, other=0.0).to(tl.float32) \
+            - n2 * tl.load(sn + j, mask=m, other=0.0).to(tl.float32)
+        y2 = n2 * tl.load(cs + HALF + j, mask=m, other=0.0).to(tl.float32) \
+            + n1 * tl.load(sn + HALF + j, mask=m, other=0.0).to(tl.float32)
     return y1.to(DT), y2.to(DT)
 
 
@@ -252,14 +260,15 @@ def _split_kernel(
     FIXUP: tl.constexpr, cnt_ptr, BLOCK_S: tl.constexpr, MERGE_M: tl.constexpr,
     qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, scs_b, scs_t, sid_b, sid_t, eps, norm_off,
     QKV: tl.constexpr, V_NORM: tl.constexpr, BLOCK_T: tl.constexpr, EMU: tl.constexpr, POS_TILE: tl.constexpr,
-    POS_Q: tl.constexpr = 1, PARTS: tl.constexpr = False, EARLY: tl.constexpr = False,
+    POS_Q: tl.constexpr = 1, PARTS: tl.constexpr = False, EARLY: tl.constexpr = 0,
 ):
     """QKV 0: q as given. 1: q_ptr is the merged projection's rows [B, T, H*D] (strides sq_b, sq_t),
     q = rope(q_norm(.)) made here (as its two RoPE halves, K read the same way). 2: rows [B, T,
     (H + 2 Hkv) D]: q as in 1, and the step's own K / V rows (rope(k_norm(k)), v_norm(v)) made here,
     written into the cache at idx[b, t] and attended by each row tile's last split, the cache's rows
     at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
-    V block is loaded before the PDL wait: into registers (EARLY, `early_block`) or L2. PARTS: o_ptr
+    V block is loaded before the PDL wait: into registers (EARLY 1, `early_block`; 2: the q rows' cos /
+    sin too) or L2 (0). PARTS: o_ptr
     is bf16 and every row of every split is written (an empty split's as zeros), for a GEMV that
     weighs the splits itself (kernels/attn_fold.py); no merge. POS_Q: positions per group (`_plan`); a
     slot_pos=None range splits at the bounds of the groups its rows lie in. POS_TILE: row tile pid_m is the group
@@ -354,11 +363,19 @@ def _split_kernel(
         kw = qw
         if QKV == 2:
             kw = _norm_w(kw_ptr, D)
+        qrow = b64 * scs_b + t * scs_t  # the row's cos / sin
+        tables = 0
+        if EARLY == 2:  # and the rows' cos / sin (made at the step's start), so no load waits on the norm
+            jh = tl.arange(0, D // 2)[None, :]
+            mk = row_ok[:, None]
+            cs = (cos_ptr + qrow)[:, None]
+            sn = (sin_ptr + qrow)[:, None]
+            tables = (tl.load(cs + jh, mask=mk, other=0.0), tl.load(sn + jh, mask=mk, other=0.0),
+                      tl.load(cs + D // 2 + jh, mask=mk, other=0.0), tl.load(sn + D // 2 + jh, mask=mk, other=0.0))
         _pdl_wait(PDL)  # the merged projection's rows
         _pdl_trigger(PDL)
-        qrow = b64 * scs_b + t * scs_t  # the row's cos / sin
         qa, qb = _norm_rope(q_ptr + b64 * sq_b + t * sq_t + (kvh * G + g) * D, row_ok, qw, cos_ptr + qrow,
-                            sin_ptr + qrow, eps, norm_off, D, DT)
+                            sin_ptr + qrow, eps, norm_off, D, DT, tables, EARLY == 2)
     if QKV == 2:
         if pid_split == num_splits - 1:  # the last split: the step's own T rows, made, stored, attended
             m_i, l_i, acc = _own_rows(qa, qb, q_ptr, k_base, v_base, qpos_ptr, kw, cos_ptr, sin_ptr, idx_ptr, b64,
@@ -576,13 +593,14 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
                          heads: int, eps: float, offset: float = 0.0, v_norm: bool = True, scale: float = 1.0,
                          num_splits: int | None = None, pdl: bool = False, merge: bool = False,
                          tiles: tuple[int, int, int] | None = None, parts: bool = False, per_position: bool = False,
-                         early: bool | None = None):
+                         early: int | None = None):
     """kernels/qkv_finish.py and `decode_attention` in one split kernel: qkv [B, T, (H + 2 Hkv) D], the
     merged projection's rows of a store layer (k_w given: its K / V rows are normed, rotated, written
     into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
     the caches are only read; idx unused) -> the attention output [B, T, H, D]. q_w / k_w [D], cos /
     sin [B, T, 1, D]. The positions are read and the first K / V block of each split loaded before the
-    PDL wait, into registers or L2 (early True / False; None: `early_block`'s choice; the cache's rows at
+    PDL wait, into registers or L2 (early 1 / 0, 2: the q rows' cos / sin too; None: `early_block`'s choice; the
+    cache's rows at
     the step's positions are never read: a store layer makes them). Rounds as qkv_finish does; a store
     layer's own rows are summed in a split of their own (another summation order than `decode_attention`
     after qkv_finish: equal within rounding, not bit for bit). tiles: (BLOCK_N, num_warps, num_stages)
@@ -650,24 +668,25 @@ def qkv_tiles_text(tiles: dict[str, str]) -> str:
 QKV_TILE_KINDS = ("full_store", "full_query", "sliding_store", "sliding_query")  # the q/k/v mode's layer kinds
 
 
-def parse_qkv_tile(text: str) -> tuple[tuple[int, int, int], int | None, bool | None]:
+def parse_qkv_tile(text: str) -> tuple[tuple[int, int, int], int | None, int | None]:
     """One kind's entry of `fuse.attn_tiles`, 'NxWsS[pP][eE]' -> (checked tiles, P: the cache's split count,
     the store layers' own-rows split added to it; None: the kernel's pick, E: 1, each split's first K / V
-    block into registers before the PDL wait, 0: into L2; None: `early_block`'s pick)."""
+    block into registers before the PDL wait, 2: the q rows' cos / sin too, 0: the block into L2; None:
+    `early_block`'s pick)."""
     import re
 
-    m = re.fullmatch(r"\s*(\d+x\d+s\d+)(?:p(\d+))?(?:e([01]))?\s*", text)
+    m = re.fullmatch(r"\s*(\d+x\d+s\d+)(?:p(\d+))?(?:e([012]))?\s*", text)
     if not m:
         raise ValueError(f"attention tiles {text!r}: BLOCKNxWARPSsSTAGES[pSPLITS][eEARLY], e.g. '32x8s2', "
                          "'32x8s2p3' or '32x8s2e0' (EARLY 1: the first K / V block into registers before the PDL "
-                         "wait, 0: into L2)")
+                         "wait, 2: the q rows' cos / sin too, 0: the block into L2)")
     splits = int(m.group(2)) if m.group(2) else None
     if splits is not None and not 1 <= splits <= _MAX_SPLITS:
         raise ValueError(f"attention tiles {text!r}: the split count must lie in 1..{_MAX_SPLITS}")
-    return parse_tiles(m.group(1)), splits, None if m.group(3) is None else m.group(3) == "1"
+    return parse_tiles(m.group(1)), splits, None if m.group(3) is None else int(m.group(3))
 
 
-def qkv_tile_text(tiles, splits: int | None = None, early: bool | None = None) -> str:
+def qkv_tile_text(tiles, splits: int | None = None, early: int | None = None) -> str:
     """`parse_qkv_tile`'s inverse: 'NxWsS', with 'pP' when splits are given and 'eE' when early is."""
     return tiles_text(tiles) + (f"p{splits}" if splits else "") + ("" if early is None else f"e{int(early)}")
 
@@ -675,7 +694,8 @@ def qkv_tile_text(tiles, splits: int | None = None, early: bool | None = None) -
 def parse_qkv_tiles(text) -> dict[str, str]:
     """`fuse.attn_tiles`: 'KIND:NxWsS[pP][eE]' entries joined by ',' or as a list (KIND: full / sliding layer,
     store / query-only: QKV_TILE_KINDS; P: the cache's split count, else the kernel's pick; E: 1 / 0, the
-    first K / V block before the PDL wait into registers / L2, else `early_block`'s pick), '' / [] for
+    first K / V block before the PDL wait into registers / L2, 2: with the q rows' cos / sin, else
+    `early_block`'s pick), '' / [] for
     none -> {kind: 'NxWsS[pP][eE]'}, each checked; the kinds not named keep `_qkv_tiles`' choice. A
     ValueError names a bad entry."""
     items = text.split(",") if isinstance(text, str) else [str(t) for t in (text or ())]
@@ -739,13 +759,13 @@ def _qkv_splits(S: int, Hkv: int, heads: int, head_dim: int, store: bool, tiles:
 
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
                extra: dict, per_position: bool = False, tiles: tuple[int, int, int] | None = None,
-               parts: bool = False, early: bool | None = None):
+               parts: bool = False, early: int | None = None):
     """The split kernel (+ the combine) for q (or the merged rows of `extra`'s QKV mode) of `shape`;
     per_position: a row tile per group of positions, split as a one-row launch is (`decode_attention`). parts
     (one row, split): no combine; -> the splits' o [Hkv, splits, G, D] in q's dtype (an empty split's
     zeros) and their lse [Hkv, splits, G] (log2), for kernels/attn_fold.py. early (the q/k/v modes): each
-    split's first K / V block into registers before the PDL wait (True) or into L2 (False); None:
-    `early_block`'s choice."""
+    split's first K / V block into registers before the PDL wait (1; 2: the q rows' cos / sin too) or into
+    L2 (0); None: `early_block`'s choice."""
     B, T, H, D = shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
@@ -786,7 +806,7 @@ def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, s
     elif early and not qkv:
         raise ValueError("decode attention with q as given reads q and the cache after its PDL wait: no early K / V "
                          "block (the q/k/v modes' option)")
-    extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q, EARLY=bool(early))
+    extra = dict(extra, POS_TILE=bool(per_position), POS_Q=pos_q, EARLY=int(early))
     grid = (row_tiles, B * Hkv, num_splits) if per_position else (num_splits, B * Hkv, row_tiles)
     _split_kernel[grid](
         q, k_cache, v_cache, q_pos, spos, o_part, lse_part, out,
