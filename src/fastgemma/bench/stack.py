@@ -233,8 +233,9 @@ def main(argv=None):
     ap.add_argument("--attn-tiles", action="append", default=[],
                     help="variants with 'attn_qkv': the q/k/v attention mode's tiles per layer kind (fuse.attn_tiles: "
                          "KIND:NxWsS[pP][eE] joined by ',', KIND full_store, full_query, sliding_store or "
-                         "sliding_query; eE: the first K / V block before the PDL wait into registers (e1) or L2 "
-                         "(e0)), or 'default' (the kernel's own); repeated: one row set per value, in one process")
+                         "sliding_query; eE: the first K / V block before the PDL wait into registers (e1; e2: the q "
+                         "rows' cos / sin too) or L2 (e0)), or 'default' (the kernel's own); repeated: one row set per "
+                         "value, in one process")
     ap.add_argument("--fused-table", action="append", default=[],
                     help="the fused one-row GEMVs' tiles (kernels/fused_gemv.FUSED_CONFIGS; given here, on any GPU) "
                          "instead of the shipped table (sm_90 only): entries CASE=NxKwW[pPdD] joined by ',' (e.g. "
