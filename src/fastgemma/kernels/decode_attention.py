@@ -268,10 +268,10 @@ def _split_kernel(
     written into the cache at idx[b, t] and attended by each row tile's last split, the cache's rows
     at positions >= the step's first excluded. With QKV > 0 the positions are read and the first K /
     V block is loaded before the PDL wait: into registers (EARLY 1, `early_block`; 2: the q rows' cos /
-    sin too) or L2 (0). PARTS: o_ptr
-    is bf16 and every row of every split is written (an empty split's as zeros), for a GEMV that
-    weighs the splits itself (kernels/attn_fold.py); no merge. POS_Q: positions per group (`_plan`); a
-    slot_pos=None range splits at the bounds of the groups its rows lie in. POS_TILE: row tile pid_m is the group
+    sin too) or L2 (0). PARTS: o_ptr is bf16 and every row of every split is written (an empty split's
+    as zeros), for a GEMV that weighs the splits itself (kernels/attn_fold.py); no merge. POS_Q:
+    positions per group (`_plan`); a slot_pos=None range splits at the bounds of the groups its rows lie
+    in. POS_TILE: row tile pid_m is the group
     q_pos[b, 0] // POS_Q + pid_m of positions (rows at consecutive positions), so each of its rows
     splits as its one-row launch does."""
     if QKV == 0:
@@ -599,13 +599,12 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     into k_cache / v_cache at idx [B, T] and attended), or [B, T, H D] of a query-only layer (k_w None:
     the caches are only read; idx unused) -> the attention output [B, T, H, D]. q_w / k_w [D], cos /
     sin [B, T, 1, D]. The positions are read and the first K / V block of each split loaded before the
-    PDL wait, into registers or L2 (early 1 / 0, 2: the q rows' cos / sin too; None: `early_block`'s choice; the
-    cache's rows at
-    the step's positions are never read: a store layer makes them). Rounds as qkv_finish does; a store
-    layer's own rows are summed in a split of their own (another summation order than `decode_attention`
-    after qkv_finish: equal within rounding, not bit for bit). tiles: (BLOCK_N, num_warps, num_stages)
-    instead of `_qkv_tiles`' (bench.attention times candidates; `check_tiles` refuses what the kernel
-    cannot take). parts (one row): the splits'
+    PDL wait, into registers or L2 (early 1 / 0, 2: the q rows' cos / sin too; None: `early_block`'s
+    choice; the cache's rows at the step's positions are never read: a store layer makes them). Rounds
+    as qkv_finish does; a store layer's own rows are summed in a split of their own (another summation
+    order than `decode_attention` after qkv_finish: equal within rounding, not bit for bit). tiles:
+    (BLOCK_N, num_warps, num_stages) instead of `_qkv_tiles`' (bench.attention times candidates;
+    `check_tiles` refuses what the kernel cannot take). parts (one row): the splits'
     o and lse instead of the output, no combine (`_attention`). per_position (a query-only layer): the
     row tiles of `decode_attention`'s per_position, so each row's output is its one-row per_position
     launch's bit for bit (the q norm and RoPE are a row's own: fuse.batch_invariant's KV-shared layers)."""
