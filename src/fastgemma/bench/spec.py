@@ -42,7 +42,7 @@ from ..kernels import w4a16
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 from .floor import floor_option
-from .stack import VARIANT_OPTS, fused_table_arg, mma_table_arg, random_prompts
+from .stack import VARIANT_OPTS, attn_tiles_arg, fused_table_arg, mma_table_arg, random_prompts
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base",
@@ -282,16 +282,10 @@ def main(argv=None):
         set_fused_table(fused_table_arg(a.fused_table))  # this process's table
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
-    if a.attn_tiles:
-        from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
-
-        if a.fuse != "layers" or "attn_qkv" not in a.variant.split("+"):
-            raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give --fuse layers and a --variant "
-                             "with attn_qkv")
-        try:
-            a.attn_tiles = qkv_tiles_text(parse_qkv_tiles(a.attn_tiles))
-        except ValueError as e:
-            raise SystemExit(f"--attn-tiles: {e}") from e
+    if a.attn_tiles and (a.fuse != "layers" or "attn_qkv" not in a.variant.split("+")):
+        raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give --fuse layers and a --variant "
+                         "with attn_qkv")
+    a.attn_tiles = attn_tiles_arg(a.attn_tiles or "default")
     model, sampler, stack = build_stack(cfg, dev, a.head, dtype, fuse=a.fuse == "layers", variant=a.variant,
                                         attn_tiles=a.attn_tiles)
     if a.fused_table:

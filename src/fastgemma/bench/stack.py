@@ -111,6 +111,17 @@ def fused_table_arg(text: str) -> dict:
         raise SystemExit(f"--fused-table: {e}") from e
 
 
+def attn_tiles_arg(text: str) -> str:
+    """An --attn-tiles value -> fuse.attn_tiles' checked text ('default': '', the kernel's own), or exit naming the
+    option and the entry at fault."""
+    from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
+
+    try:
+        return "" if text == "default" else qkv_tiles_text(parse_qkv_tiles(text))
+    except ValueError as e:
+        raise SystemExit(f"--attn-tiles: {e}") from e
+
+
 def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str = "base", attn_tiles: str = ""):
     """Synthetic weights -> the body's transforms (fuse: the fused one-row step, bf16 and int4
     bodies, with the options of `variant`; `attn_tiles`: fuse.attn_tiles). -> (model, {transform: describe()})."""
@@ -283,16 +294,7 @@ def main(argv=None):
     shipped_fused = dict(fused_gemv.FUSED_CONFIGS)
     fused_tables = {"" if t == "default" else t: shipped_fused if t == "default" else fused_table_arg(t)
                     for t in a.fused_table or ["default"]}
-    from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
-
-    attn_tiles = []  # '' is the kernel's own
-    for t in a.attn_tiles or ["default"]:
-        try:
-            tiles = "" if t == "default" else qkv_tiles_text(parse_qkv_tiles(t))
-        except ValueError as e:
-            raise SystemExit(f"--attn-tiles: {e}") from e
-        if tiles not in attn_tiles:
-            attn_tiles.append(tiles)
+    attn_tiles = list(dict.fromkeys(attn_tiles_arg(t) for t in a.attn_tiles or ["default"]))  # '': the kernel's own
     if a.attn_tiles and not any("attn_qkv" in v.split("+") for v in variants):
         raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give a variant with attn_qkv")
     # the full head first: the reference of identity, and the pruned keepsets' first ids
