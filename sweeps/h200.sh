@@ -7,12 +7,12 @@
 #   verifychain the verify pass's int4 GEMMs, PLE gate and residual-norm kernels alone in one CUDA graph, plain
 #             vs PDL launches, alternating rounds, bit identity checked (bench.verify_chain; VERIFYCHAIN_ARGS,
 #             e.g. "--qkv-kernel": kernels/qkv_finish.py between q|k|v and o)
-#   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (bench_shapes); INT4_MS=8
+#   int4      W4A16 kernel vs cuBLAS bf16 on every E4B shape, with a tile sweep (kernels.w4a16_bench); INT4_MS=8
 #             sweeps the verify pass's row count instead of one row (INT4_MS=1,8: both), INT4_SHAPES=qkv,o
 #             a subset, INT4_PER_GROUP=1 only the per-group tl.dot kernel's candidates, INT4_PACKED=0 the
 #             per-group kernel on separate scales / zeros (default: the packed words, as the engine runs it)
 #   mma       the int4 GEMV on the tensor cores (kernels/mma_w4a16.py) vs the current kernels, 1 and 8 rows,
-#             every E4B shape (mma_w4a16.bench_mma); MMA_CASES=name,..., MMA_MS=1,8, MMA_TRY=1x4s4,2x4d2,...
+#             every E4B shape (kernels/mma_bench.py); MMA_CASES=name,..., MMA_MS=1,8, MMA_TRY=1x4s4,2x4d2,...
 #             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS[cC][g]); writes the entries
 #             faster alone than the shipped table's to mma_faster.txt (`bench.stack --mma-table +$(cat ...)`)
 #   stream    the fused one-row bf16 GEMV streamed by a few programs a multiprocessor (kernels/stream_gemv.py)
@@ -110,7 +110,7 @@ for p in "${parts[@]}"; do
                --out "$out/profile.jsonl" ;;
     gemv) run gemv python3 -c 'from fastgemma.kernels.gemv import bench_shapes; bench_shapes(sweep=True, rep_ms=10)' ;;
     chain) run chain python3 -m fastgemma.bench.chain --out "$out/chain.jsonl" ;;
-    int4) run int4 python3 -c "from fastgemma.kernels.w4a16 import bench_shapes, E4B_SHAPES as S
+    int4) run int4 python3 -c "from fastgemma.kernels.w4a16_bench import bench_shapes, E4B_SHAPES as S
 sh = '${INT4_SHAPES:-}'
 bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh else None, sweep=True, rep_ms=10,
              per_group_only='${INT4_PER_GROUP:-0}' == '1', packed='${INT4_PACKED:-1}' == '1')" ;;
@@ -119,7 +119,8 @@ bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh 
     int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles, E4B_CASES as C
 cs = '${INT4FUSED_CASES:-}'
 bench_tiles({k: C[k] for k in cs.split(',')} if cs else None)" ;;
-    mma) run mma python3 -c "from fastgemma.kernels.mma_w4a16 import bench_mma, faster_entries, parse_config
+    mma) run mma python3 -c "from fastgemma.kernels.mma_bench import bench_mma, faster_entries
+from fastgemma.kernels.mma_table import parse_config
 from fastgemma.kernels.fused_w4a16 import E4B_CASES as C
 cs, try_ = '${MMA_CASES:-}', '${MMA_TRY:-}'
 rows = bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')),
@@ -128,7 +129,7 @@ e = faster_entries(rows)
 open('$out/mma_faster.txt', 'w').write(e)
 print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 'none')" ;;
     fold) run fold python3 -c "from fastgemma.kernels.mma_fold import bench_fold, FOLD_CASES as C
-from fastgemma.kernels.mma_w4a16 import parse_config
+from fastgemma.kernels.mma_table import parse_config
 cs, try_ = '${FOLD_CASES:-}', '${FOLD_TRY-2x4d5p9fg}'
 bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_config(c) for c in try_.split(',') if c],
            plain='${FOLD_PLAIN:-0}' == '1')" ;;

@@ -45,11 +45,11 @@ def wide_tiles(monkeypatch):
     one program per output row or two on the tiny shapes. Tables and explicit configs still win."""
     import fastgemma.kernels.gemv as gemv_mod
     import fastgemma.kernels.skinny_gemm as skinny_mod
-    import fastgemma.kernels.w4a16 as w4a16_mod
+    import fastgemma.kernels.w4a16_table as w4a16_table
 
     monkeypatch.setattr(gemv_mod, "default_config", lambda N, K: gemv_mod.GemvConfig(64, 64, 4))
-    monkeypatch.setattr(w4a16_mod, "default_config",
-                        lambda M, N, K: w4a16_mod.W4A16Config(64, 64, 1, 4) if M == 1 else w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(w4a16_table, "default_config",
+                        lambda M, N, K: w4a16_table.W4A16Config(64, 64, 1, 4) if M == 1 else w4a16_table._grp(64, 1, 4))
     monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, min(64, K), 1, 4))
 
 

@@ -14,9 +14,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fastgemma.kernels.decode_attention import SHORT_CACHE, _combine_kernel, _qkv_tiles, _split_kernel, early_block
-from fastgemma.kernels.draft_head import CENTROID_BLOCK, _centroid_kernel, _select_kernel
 from fastgemma.kernels import draft_loop as dl
+from fastgemma.kernels.attention_tiles import SHORT_CACHE, _qkv_tiles, early_block
+from fastgemma.kernels.decode_attention import _combine_kernel, _split_kernel
+from fastgemma.kernels.draft_head import CENTROID_BLOCK, _centroid_kernel, _select_kernel
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
@@ -54,7 +55,7 @@ def build(fn, sig, constexprs, aligned, warps, stages=None, maxnreg=None):
     sig = dict(sig, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn, sig, constexprs=constexprs, attrs={(i,): D16 for i in aligned})
     options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
-    if maxnreg is not None:  # a launch's register cap (mma_w4a16.MmaConfig.regs)
+    if maxnreg is not None:  # a launch's register cap (mma_table.MmaConfig.regs)
         options["maxnreg"] = maxnreg
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     with tempfile.TemporaryDirectory() as d:

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import fastgemma.kernels.attention_tiles as at
 import fastgemma.kernels.decode_attention as da  # conftest.py set TRITON_INTERPRET=1 before this import
 from fastgemma.model.layers import rope_cos_sin, rope_inv_freq
 
@@ -114,11 +115,11 @@ def test_merge_pdl_and_no_v_norm(v_norm):
     split2 = da.decode_attention_qkv_store_op(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, 24, 8, 1e-6, 1.0,
                                               v_norm, 1.0, False, False, "16x2s1p2")
     torch.testing.assert_close(split2, ref, **TOL[torch.float32])
-    assert da._tiles_arg("16x2s1p2") == dict(tiles=(16, 2, 1), num_splits=2, early=None)
-    assert da._tiles_arg("") == dict(tiles=None, num_splits=None, early=None)
-    assert da._tiles_arg("16x2s1e0") == dict(tiles=(16, 2, 1), num_splits=None, early=False)
+    assert at._tiles_arg("16x2s1p2") == dict(tiles=(16, 2, 1), num_splits=2, early=None)
+    assert at._tiles_arg("") == dict(tiles=None, num_splits=None, early=None)
+    assert at._tiles_arg("16x2s1e0") == dict(tiles=(16, 2, 1), num_splits=None, early=False)
     for text in ("32x8s2p3", "32x8s2p3e1", "32x8s2e0", "32x8s2e2"):
-        assert da.qkv_tile_text(*da.parse_qkv_tile(f" {text} ")) == text
+        assert at.qkv_tile_text(*at.parse_qkv_tile(f" {text} ")) == text
     torch.testing.assert_close(da.decode_attention_qkv_op(qkv[..., : 8 * 32], qw, cos, sin, kc, vc, q_pos, slot_pos,
                                                           24, 8, 1e-6, 1.0, 1.0, False, False, "32x4s2"),
                                q_only, **TOL[torch.float32])
@@ -147,11 +148,11 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
     twin; tiles the kernel cannot take are refused by name."""
     from fastgemma.bench.attention import main, qkv_paths, qkv_rows
 
-    assert [t for _, t in qkv_paths([(16, 4, 1), da._qkv_tiles(64)], 64)] == [da._qkv_tiles(64), (16, 4, 1)]
+    assert [t for _, t in qkv_paths([(16, 4, 1), at._qkv_tiles(64)], 64)] == [at._qkv_tiles(64), (16, 4, 1)]
     for D, S, ctx, ring, window in [(64, 24, 60, True, 20), (32, 80, 50, False, 0)]:
         rows = qkv_rows(D, S, ctx, ring, window, [(16, 4, 1), (32, 2, 2)], dev="cpu", timer=lambda fn: 0.0,
                         dtype=torch.float32, splits=(None, 3))
-        paths = ["qkv_finish + split + combine", f"q/k/v mode {'x'.join(map(str, da._qkv_tiles(D)[:2]))}s2",
+        paths = ["qkv_finish + split + combine", f"q/k/v mode {'x'.join(map(str, at._qkv_tiles(D)[:2]))}s2",
                  "q/k/v mode 16x4s1", "q/k/v mode 32x2s2"]
         assert [r[0].split(" (")[0] for r in rows] == paths * 2
         assert [r[1] for r in rows[4:]] == [3, 4, 4, 4]  # the q/k/v mode: one split more, for its own rows
@@ -163,19 +164,19 @@ def test_tiles_override_matches_twin_and_bad_tiles_are_refused():
                     splits=(3,), store=False, merge=True)
     assert [r[:2] for r in rows] == [("qkv_finish + split", 3), (rows[1][0], 3), ("q/k/v mode 16x4s1", 3)]
     assert all(r[2] < 1e-5 for r in rows), rows
-    assert da._qkv_tiles(512) == (32, 4, 2) and da._qkv_tiles(512, 32) == (16, 8, 2)  # one row / 8 rows
+    assert at._qkv_tiles(512) == (32, 4, 2) and at._qkv_tiles(512, 32) == (16, 8, 2)  # one row / 8 rows
     # one row of a store full layer over a short cache: 16 warps (not a query-only layer, not 8 rows)
-    short = da.SHORT_CACHE
-    assert da._qkv_tiles(512, 16, short) == (32, 16, 2) and da._qkv_tiles(512, 16, short + 1) == (32, 4, 2)
-    assert da._qkv_tiles(512, 16, short, store=False) == (32, 4, 2) and da._qkv_tiles(512, 32, short) == (16, 8, 2)
-    assert da._qkv_tiles(256, 16, short) == (32, 8, 2)
+    short = at.SHORT_CACHE
+    assert at._qkv_tiles(512, 16, short) == (32, 16, 2) and at._qkv_tiles(512, 16, short + 1) == (32, 4, 2)
+    assert at._qkv_tiles(512, 16, short, store=False) == (32, 4, 2) and at._qkv_tiles(512, 32, short) == (16, 8, 2)
+    assert at._qkv_tiles(256, 16, short) == (32, 8, 2)
     assert qkv_paths([], 512, short)[0] == ("q/k/v mode 32x16s2 (default)", (32, 16, 2))
-    assert da.parse_tiles(" 32x8s2 ") == (32, 8, 2)
+    assert at.parse_tiles(" 32x8s2 ") == (32, 8, 2)
     for bad in ("24x8s2", "8x8s2", "32x3s2", "32x8s0", "32x8"):
         with pytest.raises(ValueError, match="tiles"):
-            da.parse_tiles(bad)
+            at.parse_tiles(bad)
     with pytest.raises(ValueError, match="tiles"):
-        da.check_tiles((32, 8))
+        at.check_tiles((32, 8))
     with pytest.raises(SystemExit, match="BLOCKNxWARPSsSTAGES"):
         main(["--qkv", "--tiles", "32x8"])
     with pytest.raises(SystemExit, match="--splits"):
@@ -202,13 +203,13 @@ def test_first_block_early_equals_late(store, parts, monkeypatch):
         qkv, qw, kw, cos, sin, k, v, idx, q_pos, slot_pos = case
         if not store:
             k, v = k.nan_to_num(0.5), v.nan_to_num(0.5)
-        assert da.early_block(2 if store else 1, 16, 16, 32, 4, 2)  # this launch's tile (16x2s1, fp32)
+        assert at.early_block(2 if store else 1, 16, 16, 32, 4, 2)  # this launch's tile (16x2s1, fp32)
         outs = []
         for budget, tiles in ((0, None), (10 ** 6, None), (None, f"16x2s1p{ns}e0"), (None, f"16x2s1p{ns}e1"),
                               (None, f"16x2s1p{ns}e2")):
             kc, vc = k.clone(), v.clone()
             if tiles is None:  # decode_attention_qkv, early_block's pick
-                monkeypatch.setattr(da, "EARLY_BYTES", budget)
+                monkeypatch.setattr(at, "EARLY_BYTES", budget)
                 got = da.decode_attention_qkv(qkv, qw, kw, cos, sin, kc, vc, idx, q_pos, slot_pos, window, heads=8,
                                               eps=1e-6, num_splits=ns, tiles=(16, 2, 1), parts=parts)
             else:  # the ops the fused steps call, with fuse.attn_tiles' text
@@ -229,11 +230,11 @@ def test_first_block_early_equals_late(store, parts, monkeypatch):
             assert torch.equal(kl.nan_to_num(7.0), ko.nan_to_num(7.0))
             assert torch.equal(vl.nan_to_num(7.0), vo.nan_to_num(7.0))
     # E4B (bf16): the sliding layers at one row take it early; full layers and 8-row tiles do not
-    assert da.early_block(2, 16, 32, 256, 2, 8) and da.early_block(1, 16, 32, 256, 2, 8)
-    assert not da.early_block(0, 16, 32, 256, 2, 8)  # q as given: q comes first, after the wait
-    assert not da.early_block(2, 16, 32, 512, 2, 16) and not da.early_block(1, 16, 32, 512, 2, 4)
-    assert not da.early_block(2, 32, 32, 256, 2, 8) and not da.early_block(1, 16, 32, 256, 2, 8, per_position=True)
+    assert at.early_block(2, 16, 32, 256, 2, 8) and at.early_block(1, 16, 32, 256, 2, 8)
+    assert not at.early_block(0, 16, 32, 256, 2, 8)  # q as given: q comes first, after the wait
+    assert not at.early_block(2, 16, 32, 512, 2, 16) and not at.early_block(1, 16, 32, 512, 2, 4)
+    assert not at.early_block(2, 32, 32, 256, 2, 8) and not at.early_block(1, 16, 32, 256, 2, 8, per_position=True)
     with pytest.raises(ValueError, match="EARLY"):
-        da.parse_qkv_tile("32x8s2e3")
-    assert da.parse_qkv_tiles("sliding_store:32x8s2e0, sliding_query:32x8s2p6e1") == {
+        at.parse_qkv_tile("32x8s2e3")
+    assert at.parse_qkv_tiles("sliding_store:32x8s2e0, sliding_query:32x8s2p6e1") == {
         "sliding_store": "32x8s2e0", "sliding_query": "32x8s2p6e1"}

@@ -7,10 +7,13 @@ import pytest
 import torch
 import triton
 
+import fastgemma.kernels.attention_tiles as at
+
 import fastgemma.kernels.decode_attention as da
 from fastgemma.kernels.attn_fold import combine_parts_ref
-from fastgemma.kernels.mma_w4a16 import MmaConfig, MmaWeight
-from fastgemma.kernels.w4a16 import dequantize_int4, pack_int4, quantize_int4
+from fastgemma.kernels.int4_pack import dequantize_int4, pack_int4, quantize_int4
+from fastgemma.kernels.mma_table import MmaConfig
+from fastgemma.kernels.mma_w4a16 import MmaWeight
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
@@ -39,7 +42,7 @@ def test_split_kernel_partials_combine_to_its_output(store):
     got = combine_parts_ref(o_part, lse).reshape(want.shape)
     torch.testing.assert_close(got, want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(k.nan_to_num(7.0), k2.nan_to_num(7.0))  # the caches as the plain launch left them
-    assert da.qkv_splits(k, Hkv * G, D, store, "") == da.qkv_splits(k, Hkv * G, D, store, "") > 1
+    assert at.qkv_splits(k, Hkv * G, D, store, "") == at.qkv_splits(k, Hkv * G, D, store, "") > 1
     with pytest.raises(ValueError, match="one row"):
         q2 = torch.cat([q_pos, q_pos + 1], 1)
         c2, s2 = torch.cat([cos, cos], 1), torch.cat([sin, sin], 1)
@@ -55,14 +58,14 @@ def test_split_count_is_a_constant_to_torch_compile():
     k = torch.zeros(1, 200, 2, 64)
 
     def f(x, k):
-        return x * da.qkv_splits(k, 4, 64, True, "")
+        return x * at.qkv_splits(k, 4, 64, True, "")
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(2), k)
     assert out.tolist() == [8.0, 8.0]  # 200 slots in blocks of 32: 7 splits, + the own rows' one
     assert not [w for w in caught if "lru_cache" in str(w.message)]
-    assert da.qkv_splits(k, 4, 64, False, "32x8s2p3") == 3  # a tiles string's split count, no own split
+    assert at.qkv_splits(k, 4, 64, False, "32x8s2p3") == 3  # a tiles string's split count, no own split
 
 
 def _partials(Hkv, NS, PG, PD, seed, empty=()):
@@ -142,7 +145,7 @@ def test_fused_step_with_the_combine_folded(monkeypatch, wide_tiles):
     refused; under batch_invariant it is off."""
     import dataclasses
 
-    import fastgemma.kernels.mma_w4a16 as mma_mod
+    import fastgemma.kernels.mma_table as mma_table
     from fastgemma.engine.cache import KVCache
     from fastgemma.model.config import FULL, GEMMA4_TINY, SLIDING
     from fastgemma.transforms.fuse_layers import FuseLayers, _layer_linears
@@ -159,7 +162,7 @@ def test_fused_step_with_the_combine_folded(monkeypatch, wide_tiles):
             if isinstance(m, Int4Linear):
                 # 4 tiles a program where the shape allows (fewer programs for the interpreter)
                 cfg = MmaConfig(2 if name == "gate_up" else 4, 2 if name == "o" else 1, 2, persist=1, fresh=True)
-                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, False), cfg)
+                monkeypatch.setitem(mma_table.MMA_CONFIGS, (m.out_features, m.in_features, False), cfg)
     tiles = "sliding_store:32x4s1p3,sliding_query:32x4s1p3"
     steps = {}
     for af in (False, True):

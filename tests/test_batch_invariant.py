@@ -100,7 +100,7 @@ def test_every_e4b_int4_shape_has_a_one_row_config():
     that the switch uses at 1 to 8 rows (INVARIANT_CONFIGS', else the one-row entry), and none past the
     kernel's 8 rows."""
     from fastgemma.kernels.fused_w4a16 import E4B_CASES
-    from fastgemma.kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS, mma_config
+    from fastgemma.kernels.mma_table import INVARIANT_CONFIGS, MMA_CONFIGS, mma_config
 
     assert {"q full", "W_plm"} <= set(E4B_CASES)
     for name, (N, K, mode) in E4B_CASES.items():

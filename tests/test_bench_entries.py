@@ -306,18 +306,18 @@ def test_stack_bench_one_row_set_per_mma_table(tmp_path, monkeypatch):
     labelled by the table's text, 'default' unlabelled), the others once; the shipped table restored
     after; a bad entry refused."""
     from fastgemma.bench import stack
-    from fastgemma.kernels import mma_w4a16
+    from fastgemma.kernels import mma_table
 
-    shipped = dict(mma_w4a16.MMA_CONFIGS)
+    shipped = dict(mma_table.MMA_CONFIGS)
     out = tmp_path / "stack.jsonl"
     seen = []
-    real = mma_w4a16.set_table
+    real = mma_table.set_table
 
     def spy(table):  # the table each build runs with
         seen.append(dict(table))
         real(table)
 
-    monkeypatch.setattr(mma_w4a16, "set_table", spy)
+    monkeypatch.setattr(mma_table, "set_table", spy)
     stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "int4", "--variants", "base,mma",
                 "--mma-table", "default", "--mma-table", "down@1=1x4s4", "--mma-table", "+down@1=2x8d2p1",
                 "--heads", "full", "--prompts", "1", "--prompt-len", "12", "--new", "4", "--out", str(out)])
@@ -326,9 +326,9 @@ def test_stack_bench_one_row_set_per_mma_table(tmp_path, monkeypatch):
     assert [r["stack"]["FuseLayers"]["int4_mma"] for r in rows] == [False, True, True, True]
     down = (2560, 10240, False)
     # '+': the shipped table with the entry changed; without it: that entry alone
-    assert seen[2] == {down: mma_w4a16.MmaConfig(1, 4, splits=4)}
-    assert seen[3] == {**shipped, down: mma_w4a16.MmaConfig(2, 8, 2, persist=1)}
-    assert mma_w4a16.MMA_CONFIGS == shipped
+    assert seen[2] == {down: mma_table.MmaConfig(1, 4, splits=4)}
+    assert seen[3] == {**shipped, down: mma_table.MmaConfig(2, 8, 2, persist=1)}
+    assert mma_table.MMA_CONFIGS == shipped
     with pytest.raises(SystemExit, match="CASE@ROWS=TxW"):
         stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "mma", "--mma-table", "down@1=4"])
 
@@ -360,9 +360,9 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     import json
 
     from fastgemma.bench import spec
-    from fastgemma.kernels import w4a16
+    from fastgemma.kernels import w4a16_table
 
-    before = dict(w4a16.CONFIGS)
+    before = dict(w4a16_table.CONFIGS)
     out = tmp_path / "spec.jsonl"
     spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "8",
                "--depths", "2", "--profiles", "frontier", "--windows", "native", "--mtp-depth", "0",
@@ -376,8 +376,8 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     # fp32: the k+1-row verify pass gives the AR step's logits on AR's trace (teacher-forced)
     assert all(r["top1_agree"] == 1.0 and r["top1_agree_confident"] == 1.0 and r["max_abs_diff"] < 1e-3
                for r in rows[1:])
-    assert w4a16.CONFIGS == before
-    assert all(c.per_group for k, c in w4a16.CONFIGS.items() if k in w4a16.MMA_M16)
+    assert w4a16_table.CONFIGS == before
+    assert all(c.per_group for k, c in w4a16_table.CONFIGS.items() if k in w4a16_table.MMA_M16)
 
 
 def test_spec_bench_compares_the_bookkeeping_kernels_with_the_torch_ops(tmp_path):
@@ -601,25 +601,25 @@ def test_prefill_tile_tables_and_the_long_chunk_entries():
     """bench.prefill's tile tables: `table` carries the dequantize-once entries of chunks of 256+
     rows, `per_group` and `first` drop them; use_tiles switches what a launch resolves to."""
     from fastgemma.bench.prefill import tile_tables, use_tiles
-    from fastgemma.kernels import w4a16
+    from fastgemma.kernels import w4a16_table
 
-    saved = dict(w4a16.CONFIGS)
-    N, K = w4a16.E4B_SHAPES["gate|up"]
-    long_key = (w4a16.DEQUANT_MIN_M, N, K)
+    saved = dict(w4a16_table.CONFIGS)
+    N, K = w4a16_table.E4B_SHAPES["gate|up"]
+    long_key = (w4a16_table.DEQUANT_MIN_M, N, K)
     try:
         tables = tile_tables(["table", "per_group", "first"], 256)
         assert tables["table"][long_key].dequant and tables["table"][(64, N, K)] == saved[(64, N, K)]
         assert tables["per_group"][long_key] is None and tables["first"][long_key] is None
         assert tables["per_group"][(64, N, K)] == saved[(64, N, K)]
         use_tiles(tables["per_group"])
-        assert not w4a16.resolve_config(256, N, K, 128).dequant
+        assert not w4a16_table.resolve_config(256, N, K, 128).dequant
         use_tiles(tables["table"])
-        assert w4a16.resolve_config(256, N, K, 128).dequant
+        assert w4a16_table.resolve_config(256, N, K, 128).dequant
         with pytest.raises(SystemExit, match="per_group"):
             tile_tables(["fast"], 256)
     finally:
-        w4a16.CONFIGS.clear()
-        w4a16.CONFIGS.update(saved)
+        w4a16_table.CONFIGS.clear()
+        w4a16_table.CONFIGS.update(saved)
 
 
 def test_verify_chain_kernels_match_their_twins_on_the_cpu():

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import TINY
 from fastgemma.engine.cache import KVCache
-from fastgemma.kernels.w4a16 import dequantize_int4
+from fastgemma.kernels.int4_pack import dequantize_int4
 from fastgemma.transforms.fuse import MergeProjections
 from fastgemma.transforms.quant import Int4Linear, Int4Quant, NoQuant
 from fastgemma.weights.compressed import PackQuantized, parse_scheme, to_int4

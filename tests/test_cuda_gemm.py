@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from fastgemma.kernels import cuda_gemm
+from fastgemma.kernels.int4_pack import quantize_int4
 from fastgemma.kernels.mma_fold import consumer_problem
-from fastgemma.kernels.mma_w4a16 import (CUDA_FALLBACKS, INVARIANT_CONFIGS, MMA_CONFIGS, MmaConfig, MmaWeight,
-                                         config_problem, format_config, mma_config, mma_w4a16 as run_mma,
-                                         parse_config, parse_table, set_table, settle_cuda_entries)
-from fastgemma.kernels.w4a16 import quantize_int4
+from fastgemma.kernels.mma_table import (CUDA_FALLBACKS, INVARIANT_CONFIGS, MMA_CONFIGS, MmaConfig, config_problem,
+                                         format_config, mma_config, parse_config, parse_table, set_table,
+                                         settle_cuda_entries)
+from fastgemma.kernels.mma_w4a16 import MmaWeight, mma_w4a16 as run_mma
 
 GATE_UP = (20480, 2560)
 
@@ -36,7 +37,7 @@ def test_config_text_round_trips_and_reads_the_paired_layout():
     # '@inv': fuse.batch_invariant's entry (INVARIANT_CONFIGS), over the shipped ones, until the next set_table
     inv = parse_table("down@inv=cuda5x10c8")
     assert inv == {(2560, 10240): MmaConfig(1, 5, 10, splits=8, cuda=True)}
-    from fastgemma.kernels.mma_w4a16 import SHIPPED_INVARIANT as shipped
+    from fastgemma.kernels.mma_table import SHIPPED_INVARIANT as shipped
     saved = dict(MMA_CONFIGS)
     try:
         set_table({**saved, **inv})
@@ -48,7 +49,7 @@ def test_config_text_round_trips_and_reads_the_paired_layout():
     with pytest.raises(ValueError, match="inv"):
         parse_table("down@0=cuda5x10c8")
     # the shipped INVARIANT_CONFIGS entry reads the paired words the one-row and 8-row Triton entries read
-    from fastgemma.kernels.mma_w4a16 import table_pairs
+    from fastgemma.kernels.mma_table import table_pairs
     assert table_pairs(*GATE_UP)
 
 

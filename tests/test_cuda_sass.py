@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fastgemma.kernels import cuda_gemm
-from fastgemma.kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS
+from fastgemma.kernels.mma_table import INVARIANT_CONFIGS, MMA_CONFIGS
 from nvrtc_sass import instructions, sass
 
 ROOT = Path(__file__).resolve().parents[1]

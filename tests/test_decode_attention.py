@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+import fastgemma.kernels.attention_tiles as at
+
 import fastgemma.kernels.decode_attention as da  # conftest.py set TRITON_INTERPRET=1 before this import
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}  # (atol, rtol)
@@ -156,10 +158,10 @@ def test_row_without_visible_key_is_zero(ns):
 
 def test_split_heuristic():
     # E4B decode, B=1, 132 SMs: full layer 32k slots, sliding ring of 512 + 16 slots
-    assert da.pick_num_splits(1, 2, 1, 32768, 32, 132) == 64
-    assert da.pick_num_splits(1, 2, 1, 528, 64, 132) == 9
-    assert da.pick_num_splits(64, 2, 1, 32768, 32, 132) == 2
-    assert da.pick_num_splits(1, 2, 1, 10, 64, 132) == 1
+    assert at.pick_num_splits(1, 2, 1, 32768, 32, 132) == 64
+    assert at.pick_num_splits(1, 2, 1, 528, 64, 132) == 9
+    assert at.pick_num_splits(64, 2, 1, 32768, 32, 132) == 2
+    assert at.pick_num_splits(1, 2, 1, 10, 64, 132) == 1
 
 
 def test_pdl_is_a_launch_option():

@@ -69,7 +69,8 @@ def test_fused_w4a16_matches_twin(case, group, dtype, words):
     N = 38 (and 19 GeGLU pairs) not a multiple of the tile, K = 512 in blocks of 256: two unrolled
     blocks. fp16 takes the word loop's inexact pair (the GPU's arithmetic), fp32 its exact one."""
     from fastgemma.kernels.fused_w4a16 import fused_w4a16, fused_w4a16_ref
-    from fastgemma.kernels.w4a16 import W4A16Config, pack_int4, quantize_int4
+    from fastgemma.kernels.int4_pack import pack_int4, quantize_int4
+    from fastgemma.kernels.w4a16_table import W4A16Config
 
     N, K = 38, 512
     t = _tensors(N, K, dtype, seed=4)
@@ -159,7 +160,7 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     interpreter) gives the ordinary step's tokens and logits over 3 new tokens. The window (16) is
     shorter than the context, so ring-buffer slots wrap."""
     import fastgemma.kernels.gemv as gemv_mod
-    import fastgemma.kernels.w4a16 as w4a16_mod
+    import fastgemma.kernels.w4a16_table as w4a16_table
     from fastgemma.kernels.decode_attention import decode_attention_ref
     from fastgemma.model.config import GEMMA4_TINY
     from fastgemma.transforms.fuse_layers import FuseLayers
@@ -190,7 +191,7 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
     # wide tiles: a handful of programs per launch keeps the interpreter fast
     monkeypatch.setattr(gemv_mod, "default_config", lambda N, K: GemvConfig(64, 64, 4))
-    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod.W4A16Config(64, 64, 1, 4))
+    monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table.W4A16Config(64, 64, 1, 4))
     FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
     tokens, logits = _decode(model, cfg, prompt, 3)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
@@ -200,9 +201,10 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
         assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
         # + the attention kernel itself, 3 splits whose partials the split kernel merges (attn_merge),
         # and the attention's PDL option
+        import fastgemma.kernels.attention_tiles as at
         import fastgemma.kernels.decode_attention as da
 
-        monkeypatch.setattr(da, "pick_num_splits", lambda *a: 3)
+        monkeypatch.setattr(at, "pick_num_splits", lambda *a: 3)
         model.step_attention = da.decode_attention_op
         model.fused_decode = functools.partial(model.fused_decode, attn_merge=True, attn_pdl=True)
         tokens, logits = _decode(model, cfg, prompt, 3)
@@ -214,7 +216,7 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
             assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
             # fuse.attn_tiles: each layer kind's launches take that kind's tiles (and split count, early block),
             # same tokens
-            tiles = da.parse_qkv_tiles("full_store:16x2s1,full_query:32x2s2,sliding_store:32x4s1p2e1,"
+            tiles = at.parse_qkv_tiles("full_store:16x2s1,full_query:32x2s2,sliding_store:32x4s1p2e1,"
                                        "sliding_query:16x4s2e0")
             seen, real = set(), da.decode_attention_qkv
 
@@ -245,10 +247,10 @@ def test_fused_verify_step_equals_the_ordinary_step(int4, backend, monkeypatch):
     from fastgemma.weights.synthetic import synthetic_model
 
     import fastgemma.kernels.skinny_gemm as skinny_mod
-    import fastgemma.kernels.w4a16 as w4a16_mod
+    import fastgemma.kernels.w4a16_table as w4a16_table
 
     # wide tiles: a handful of programs per launch keeps the interpreter fast
-    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table._grp(64, 1, 4))
     monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, 64, 1, 4))
     model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=2)
     model.step_attention = decode_attention_ref
@@ -378,7 +380,8 @@ def test_fused_int4_tile_bench_and_table(monkeypatch, capsys):
     """bench_tiles on tiny cases (interpreter, a stub timer): every candidate's output is checked
     against the twin, the fastest becomes a TILES line, and a TILES entry is what a launch then uses."""
     from fastgemma.kernels import fused_w4a16 as f4
-    from fastgemma.kernels.w4a16 import W4A16Config, pack_int4, quantize_int4
+    from fastgemma.kernels.int4_pack import pack_int4, quantize_int4
+    from fastgemma.kernels.w4a16_table import W4A16Config
 
     cands = [W4A16Config(4, 128, 1, 2), W4A16Config(8, 256, 1, 4, words=True)]
     times = iter([3.0, 2.0, 1.0, 4.0, 5.0, 6.0])
@@ -410,14 +413,15 @@ def test_fused_verify_honours_an_int4_tile_override(monkeypatch):
 
     import fastgemma.kernels.skinny_gemm as skinny_mod
     import fastgemma.kernels.w4a16 as w4a16_mod
+    import fastgemma.kernels.w4a16_table as w4a16_table
 
-    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table._grp(64, 1, 4))
     monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, 64, 1, 4))
     model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=2)
     model.step_attention = decode_attention_ref
     FuseLayers(backend="triton").apply(model)
     Int4Quant(group_size=32, skip=("per_layer_projection",), backend="triton").apply(model)
-    override = w4a16_mod._grp(32, 2, 2)
+    override = w4a16_table._grp(32, 2, 2)
     model.layers[0].self_attn.o_proj.config = override
     seen, launch = [], w4a16_mod.w4a16_matmul
 

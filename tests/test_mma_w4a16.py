@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastgemma.kernels.int4_pack import dequantize_int4, pack_int4, quantize_int4
+from fastgemma.kernels.mma_table import MMA_CONFIGS, MmaConfig, mma_config, table_pairs
 from fastgemma.kernels.mma_w4a16 import (
-    MMA_CONFIGS, ONES_ASM, TILE_ASM, MmaConfig, MmaWeight, mma_config, mma_w4a16, mma_w4a16_ref, pack_mma, pack_mma_sz,
-    pair_order, table_pairs, unpack_mma,
+    ONES_ASM, TILE_ASM, MmaWeight, mma_w4a16, mma_w4a16_ref, pack_mma, pack_mma_sz, pair_order, unpack_mma,
 )
-from fastgemma.kernels.w4a16 import dequantize_int4, pack_int4, quantize_int4
 
 INTERPRET = bool(os.environ.get("TRITON_INTERPRET"))
 
@@ -186,8 +186,10 @@ def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles, pairs):
     multiplies bf16 dot operands' bit patterns, triton-lang/triton#11584); the int4 modules hold the
     fragment-order copy and the byte count leaves it out. pairs: gate|up in the paired layout (one tile a
     program), packed so by FuseLayers from the table."""
+    import fastgemma.kernels.mma_table as mma_table
     import fastgemma.kernels.mma_w4a16 as mma_mod
     import fastgemma.kernels.w4a16 as w4a16_mod
+    import fastgemma.kernels.w4a16_table as w4a16_table
     from fastgemma.engine.cache import KVCache
     from fastgemma.kernels.decode_attention import decode_attention_ref
     from fastgemma.metrics.memory import weight_bytes_per_step
@@ -198,7 +200,7 @@ def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles, pairs):
 
     import fastgemma.kernels.skinny_gemm as skinny_mod
 
-    monkeypatch.setattr(w4a16_mod, "default_config", lambda M, N, K: w4a16_mod._grp(64, 1, 4))
+    monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table._grp(64, 1, 4))
     monkeypatch.setattr(w4a16_mod, "w4a16_epilogue_op", lambda x, qw, s, z, g, epi, aux, sz, pdl: w4a16_mod.w4a16_torch(
         x, qw, s, z, g, epilogue=epi, aux=aux))
     monkeypatch.setattr(skinny_mod, "skinny_matmul_op", lambda x, w, epi, aux, pdl: skinny_mod.skinny_matmul_ref(
@@ -214,7 +216,7 @@ def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles, pairs):
             if isinstance(m, Int4Linear):  # gate|up (GeGLU) takes its gate and up tiles together, or paired tiles
                 cfg = (MmaConfig(1 if pairs else 2, 1, pairs=pairs) if name == "gate_up" else
                        MmaConfig(1, 1, splits=2 if name == "down" else 1))  # down: K split
-                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, multi), cfg)
+                monkeypatch.setitem(mma_table.MMA_CONFIGS, (m.out_features, m.in_features, multi), cfg)
     t = FuseLayers(backend="triton", int4_mma=True)
     plain_decode, plain_verify = model.fused_decode, model.fused_verify
     t.apply(model)
@@ -351,7 +353,8 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
     """bench_mma on tiny cases with a stub timer: every candidate of this kernel and the fused int4
     GEMV it is compared with at one row (plain, and timed-only with the case's prologue) runs and
     matches the twin; without a GPU and without a timer it says what it needs."""
-    from fastgemma.kernels.mma_w4a16 import bench_mma, faster_entries, mma_candidates, parse_config
+    from fastgemma.kernels.mma_bench import bench_mma, faster_entries, mma_candidates
+    from fastgemma.kernels.mma_table import parse_config
 
     cases = {"r": (64, 256, "residual"), "g": (64, 256, "geglu"), "p": (64, 256, "plain")}
     rows = bench_mma(cases, ms=(1,), device="cpu", timer=lambda fn: (fn(), 2.0)[1])
@@ -384,7 +387,7 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
 def test_table_from_text():
     """bench.stack --mma-table: entries by E4B case name, rows, tiles x warps and depth; 'none' empties
     the table; anything else is refused with the form it expects."""
-    from fastgemma.kernels.mma_w4a16 import parse_config, parse_table
+    from fastgemma.kernels.mma_table import parse_config, parse_table
 
     assert parse_table("o@1=2x8, down@1=1x4d8,q|k|v@8=2x4,gate|up@1=2x2s4") == {
         (2560, 2048, False): MmaConfig(2, 8), (2560, 10240, False): MmaConfig(1, 4, 8),
@@ -437,7 +440,8 @@ def test_the_paired_layout_rounds_as_the_tile_pair(M):
 
 
 def test_persistent_config_text_and_refusals():
-    from fastgemma.kernels.mma_w4a16 import config_args, config_problem, format_config, parse_config
+    from fastgemma.kernels.mma_table import config_problem, format_config, parse_config
+    from fastgemma.kernels.mma_w4a16 import config_args
 
     assert parse_config("2x4d5p9f") == MmaConfig(2, 4, 5, persist=9, fresh=True)
     assert config_args(parse_config("2x4d5p9fn8")) == (2, 4, 5, 1, 1, 9, True, 8, 0, False, False)  # mma_w4a16_op's order

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from fastgemma.kernels.mma_w4a16 import MmaConfig, MmaWeight
-from fastgemma.kernels.w4a16 import dequantize_int4, pack_int4, quantize_int4
+from fastgemma.kernels.int4_pack import dequantize_int4, pack_int4, quantize_int4
+from fastgemma.kernels.mma_table import MmaConfig
+from fastgemma.kernels.mma_w4a16 import MmaWeight
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the kernels run under TRITON_INTERPRET=1 on a CPU")
@@ -122,7 +123,7 @@ def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
     norm launches (its torch twins) to bf16 rounding over two positions (the cache carries each step's
     K / V, so a wrong residual would grow); without int4_mma it is refused, under batch_invariant off."""
     import fastgemma.kernels.mma_fold as fold_mod
-    import fastgemma.kernels.mma_w4a16 as mma_mod
+    import fastgemma.kernels.mma_table as mma_table
     import fastgemma.kernels.residual_norm as rn_mod
     from fastgemma.engine.cache import KVCache
     from fastgemma.kernels.decode_attention import decode_attention_ref
@@ -147,7 +148,7 @@ def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
             if isinstance(m, Int4Linear):
                 cfg = MmaConfig(1, 1) if name == "o" else MmaConfig(2 if name == "gate_up" else 1, 1, 2, persist=1,
                                                                     fresh=True)
-                monkeypatch.setitem(mma_mod.MMA_CONFIGS, (m.out_features, m.in_features, False), cfg)
+                monkeypatch.setitem(mma_table.MMA_CONFIGS, (m.out_features, m.in_features, False), cfg)
     steps = {}
     for fold in (False, True):  # the reference: the step with the norm launches, as their twins (the torch backend)
         t = FuseLayers(backend="triton" if fold else "torch", int4_mma=True, norm_fold=fold)
@@ -194,7 +195,7 @@ def test_bench_fold_checks_each_consumer_against_the_twin(capsys):
     """bench_fold on small shapes: the table's entry (none here: skipped with the reason), a Triton consumer checked
     and timed, a CUDA one reported as not runnable here."""
     from fastgemma.kernels.mma_fold import bench_fold
-    from fastgemma.kernels.mma_w4a16 import parse_config
+    from fastgemma.kernels.mma_table import parse_config
 
     cases = {"small": (128, 256, 192, "geglu", True)}
     rows = bench_fold(cases, configs=[MmaConfig(1, 1, 2, persist=9, fresh=True, pairs=True), parse_config("cuda2x4g")],

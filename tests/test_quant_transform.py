@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastgemma.kernels.w4a16 import W4A16Config
+from fastgemma.kernels.w4a16_table import W4A16Config
 from fastgemma.transforms.quant import Int4Linear, Int4Quant, Nf4Quant, NoQuant
 
 H, I, P, V = 128, 256, 128, 64  # hidden, intermediate, per-layer dim, vocab
@@ -153,7 +153,7 @@ def test_int4linear_keeps_its_packed_scale_zero_words_in_step():
     """16-bit scales come with `sz` (pack_scale_zero), rebuilt by set_scales and by .to(); fp32 scales
     have none; state dicts leave it out; a triton-backend fp16 module passes it to the per-group
     kernel and gets the separate-scales output bit for bit."""
-    from fastgemma.kernels.w4a16 import pack_scale_zero
+    from fastgemma.kernels.int4_pack import pack_scale_zero
     from fastgemma.transforms.fuse import _cat_int4
 
     lin = nn.Linear(256, 48).to(torch.bfloat16)

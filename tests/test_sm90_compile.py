@@ -47,7 +47,7 @@ def test_gpu_only_variants_compile_for_sm90():
     # no L2 prefetch at all), else prefetched into L2 (all the L2 prefetches there); no spills but one row of a
     # full layer over a long cache: its 32-key, 4-warp tiles spill up to a few hundred bytes (88-208
     # here), which ran faster than the spill-free 16-key, 8-warp tiles at every context; a short cache's
-    # store layer takes 16 warps, spill-free (decode_attention._qkv_tiles); the sliding layers merged
+    # store layer takes 16 warps, spill-free (attention_tiles._qkv_tiles); the sliding layers merged
     # (fuse.attn_merge) spill nothing either
     pre = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "prefetch"}
     l2 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "l2"}
@@ -57,7 +57,7 @@ def test_gpu_only_variants_compile_for_sm90():
         assert (waits, triggers) == (1, 1) and loads > 0, (name, pre[name])
         assert spills <= budget and spills_plain <= budget, (name, pre[name])
         before, after, early = l2[name]
-        # E4B's tiles (decode_attention._qkv_tiles): the sliding layers' at one row take the block early (not
+        # E4B's tiles (attention_tiles._qkv_tiles): the sliding layers' at one row take the block early (not
         # the verify pass's per-position tiles)
         assert early == ("sliding" in name and not name.endswith(("8 rows", "per position"))), (name, l2[name])
         if early:  # the positions, the ring's slot positions, K's two halves and V: more loads than without

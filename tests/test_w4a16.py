@@ -10,10 +10,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit r
 import pytest
 import torch
 
-from fastgemma.kernels.w4a16 import (
-    CONFIGS, DEQUANT_MIN_M, E4B_SHAPES, GROUP_SIZES, W4A16Config, dequantize_int4, pack_int4, quantize_int4,
-    resolve_config, table_config, unpack_int4, w4a16_matmul, w4a16_torch,
+from fastgemma.kernels.int4_pack import (
+    GROUP_SIZES, dequantize_int4, pack_int4, pack_scale_zero, quantize_int4, unpack_int4,
 )
+from fastgemma.kernels.w4a16 import w4a16_matmul, w4a16_torch
+from fastgemma.kernels.w4a16_table import CONFIGS, DEQUANT_MIN_M, E4B_SHAPES, W4A16Config, resolve_config, table_config
 
 N, K = 100, 384  # neither a multiple of the N tiles nor of 256; K = 3 x 128
 GEMV = W4A16Config(block_n=32, block_k=256, num_warps=4)
@@ -220,7 +221,7 @@ def test_packed_scale_zero_words_give_the_same_bits(M, config, epilogue, G):
     w, qw, s, z = _weights(G, n=n, dtype=torch.float16)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).half()
     aux = torch.randn(M, n, generator=torch.Generator().manual_seed(7)).half() if epilogue == "gelu_mul" else None
-    sz = k4.pack_scale_zero(s, z)
+    sz = pack_scale_zero(s, z)
     assert sz.dtype == torch.int32 and sz.shape == s.shape
     assert torch.equal((sz & 0xFFFF).to(torch.int16).view(torch.float16), s)
     assert torch.equal((sz >> 16).to(torch.int16).view(torch.float16), z)
@@ -230,7 +231,7 @@ def test_packed_scale_zero_words_give_the_same_bits(M, config, epilogue, G):
     ref = w4a16_torch(x, qw, s, z, G, epilogue=epilogue, aux=aux)
     assert _err(got, ref)[1] < 2 * TOL[torch.float16]
     # words that disagree with the scales show that the kernel read them; PACKED_SZ off ignores them
-    wrong = k4.pack_scale_zero(s * 2, z)
+    wrong = pack_scale_zero(s * 2, z)
     assert not torch.equal(w4a16_matmul(x, qw, s, z, G, config, epilogue=epilogue, aux=aux, sz=wrong), base)
     k4.PACKED_SZ = False
     try:
@@ -240,8 +241,6 @@ def test_packed_scale_zero_words_give_the_same_bits(M, config, epilogue, G):
 
 
 def test_pack_scale_zero_checks():
-    from fastgemma.kernels.w4a16 import pack_scale_zero
-
     s = torch.ones(3, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="16-bit scales"):
         pack_scale_zero(s.float(), s.float())
@@ -295,6 +294,7 @@ def test_split_fixup_equals_the_reduce_launch(monkeypatch, M, config):
     and gives the reduce kernel's output bit for bit; every counter is back to zero afterwards, so
     the next launch (or graph replay) starts clean."""
     from fastgemma.kernels import w4a16 as k4
+    from fastgemma.kernels import w4a16_bench
     from fastgemma.kernels.counters import arrival_counters
 
     w, qw, s, z = _weights(64, dtype=torch.float16)
@@ -308,8 +308,8 @@ def test_split_fixup_equals_the_reduce_launch(monkeypatch, M, config):
         assert int(arrival_counters(x.device, 1).abs().sum()) == 0
     assert _err(got, w4a16_torch(x, qw, s, z, 64))[1] < TOL[torch.float16]
     # bench_shapes' comparison of the two (a stub timer here): equal, and the fixup switched back on
-    row = k4._time_reduce_launch(x, qw, s, z, [(qw, s, z, k4.pack_scale_zero(s, z))], 64, config,
-                                 lambda fn: (fn(), 1.5)[1])
+    row = w4a16_bench._time_reduce_launch(x, qw, s, z, [(qw, s, z, pack_scale_zero(s, z))], 64, config,
+                                       lambda fn: (fn(), 1.5)[1])
     assert row == dict(reduce_launch_us=1.5, fixup_equal=True) and k4.SPLIT_FIXUP
 
 

@@ -17,9 +17,10 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from fastgemma.kernels.bench_util import copies_past_l2, max_rel_err, rotating, timer_or_graphs
-from fastgemma.kernels.mma_w4a16 import MmaWeight, mma_w4a16, mma_w4a16_ref, parse_config
+from fastgemma.kernels.int4_pack import pack_int4, quantize_int4
+from fastgemma.kernels.mma_table import parse_config
+from fastgemma.kernels.mma_w4a16 import MmaWeight, mma_w4a16, mma_w4a16_ref
 from fastgemma.kernels.read_floor import read_floor
-from fastgemma.kernels.w4a16 import pack_int4, quantize_int4
 
 # (warps a CTA, ring stages a warp, mode): smem (x and its sums staged in shared memory), xg (x from global
 # a group ahead, sums by a ones-mma), dry (the ring alone: words streamed, no mma)

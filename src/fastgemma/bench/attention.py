@@ -13,9 +13,9 @@ import argparse
 
 import torch
 
+from ..kernels.attention_tiles import _qkv_tiles, _tiles, parse_tiles, tiles_text
 from ..kernels.decode_attention import (
-    _qkv_tiles, _tiles, decode_attention, decode_attention_qkv, decode_attention_qkv_ref, decode_attention_ref, parse_tiles,
-    tiles_text,
+    decode_attention, decode_attention_qkv, decode_attention_qkv_ref, decode_attention_ref,
 )
 
 H, HKV = 8, 2  # E4B's query and KV heads
@@ -84,7 +84,7 @@ def qkv_rows(D, S, ctx, ring, window, tiles, dev="cuda", timer=_timer, dtype=tor
     path once per entry of `splits`: the cache's split count (None: the kernels' own pick; the q/k/v
     mode adds its own-rows split to it). store=False: a KV-shared (query-only) layer, its q rows
     alone, the cache only read. merge: the split tile's last program merges (no combine launch)."""
-    from ..kernels.decode_attention import pick_num_splits
+    from ..kernels.attention_tiles import pick_num_splits
     from ..kernels.gemv import sm_count
     from ..kernels.qkv_finish import qkv_finish
 

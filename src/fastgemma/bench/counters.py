@@ -62,7 +62,7 @@ def plan(ms: list[int], shapes: list[str] | None, mma: list[str] | None = None) 
     """(shape, rows) launches in order, or (shape, rows, config) per tensor-core config in `mma`;
     shape names from fused_w4a16.E4B_CASES."""
     from ..kernels.fused_w4a16 import E4B_CASES
-    from ..kernels.mma_w4a16 import MAX_ROWS, config_problem, parse_config
+    from ..kernels.mma_table import MAX_ROWS, config_problem, parse_config
 
     out = []
     for m in ms:
@@ -92,8 +92,10 @@ def launch(launches: list[tuple], packed: bool = True) -> None:
     import torch
 
     from ..kernels.fused_w4a16 import case_inputs, fused_w4a16
-    from ..kernels.mma_w4a16 import MmaWeight, mma_w4a16, parse_config
-    from ..kernels.w4a16 import pack_int4, pack_scale_zero, quantize_int4, w4a16_matmul
+    from ..kernels.int4_pack import pack_int4, pack_scale_zero, quantize_int4
+    from ..kernels.mma_table import parse_config
+    from ..kernels.mma_w4a16 import MmaWeight, mma_w4a16
+    from ..kernels.w4a16 import w4a16_matmul
 
     if not torch.cuda.is_available():
         raise SystemExit("bench.counters launches CUDA kernels; no CUDA device here")

@@ -42,7 +42,7 @@ def _randn(dev):
 def _int4(N: int, K: int, rnd, dev, geglu: bool = False):
     """An Int4Linear (g128) of random weights with its tensor-core copy (a GeGLU weight in the layout the
     table's entries take)."""
-    from ..kernels.mma_w4a16 import table_pairs
+    from ..kernels.mma_table import table_pairs
     from ..transforms.quant import Int4Linear
 
     lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
@@ -69,7 +69,7 @@ def _kv(D: int, S: int, ring: bool, last: int, rnd, dev):
 
 
 def kernel_checks(M: int, dev: str) -> list[dict]:
-    from ..kernels import mma_w4a16
+    from ..kernels import mma_table
     from ..kernels.decode_attention import decode_attention
     from ..kernels.fused_w4a16 import E4B_CASES
     from ..kernels.residual_norm import residual_norm
@@ -80,13 +80,13 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     rnd = _randn(dev)
     names = {(N, K): name for name, (N, K, _) in E4B_CASES.items()}
     out = []
-    shapes = sorted({(N, K) for N, K, many in mma_w4a16.MMA_CONFIGS if not many} | set(mma_w4a16.INVARIANT_CONFIGS))
+    shapes = sorted({(N, K) for N, K, many in mma_table.MMA_CONFIGS if not many} | set(mma_table.INVARIANT_CONFIGS))
     for N, K in shapes:
         epi = "geglu" if N == 20480 else "none"
         mod = _int4(N, K, rnd, dev, epi == "geglu")
         x = rnd(M, K)
         for inv in (True, False):
-            if not inv and mma_w4a16.mma_config(N, K, M, epi) is None:  # no M-row entry: not the engine's path
+            if not inv and mma_table.mma_config(N, K, M, epi) is None:  # no M-row entry: not the engine's path
                 continue
             row = _rows_vs_one(lambda t: _mma_call(mod, t, epi, False, invariant=inv), x)
             out.append(dict(check=f"int4 mma {names.get((N, K), (N, K))}", config="invariant" if inv else "default",
@@ -127,7 +127,7 @@ def kernel_times(M: int, dev: str) -> list[dict]:
     switch's config against the default path's launch (the M-row table entry, or the per-group /
     GEMV kernel where the table has none), the attention with per-position tiles against the
     default tiles, the pruned head at the row-invariant config against the default one."""
-    from ..kernels import mma_w4a16
+    from ..kernels import mma_table, mma_w4a16
     from ..kernels.bench_util import copies_past_l2, rotating, timer
     from ..kernels.decode_attention import decode_attention
     from ..kernels.fused_w4a16 import E4B_CASES
@@ -149,8 +149,8 @@ def kernel_times(M: int, dev: str) -> list[dict]:
             def mma(cfg, x=x):
                 return rotating(mma_bufs, lambda w, sz: mma_w4a16.mma_w4a16_op(
                     x, w, sz, N, 128, epi, *mma_w4a16.config_args(cfg), False))
-            inv = mma_w4a16.mma_config(N, K, m, epi, invariant=True)
-            cfg = mma_w4a16.mma_config(N, K, m, epi)
+            inv = mma_table.mma_config(N, K, m, epi, invariant=True)
+            cfg = mma_table.mma_config(N, K, m, epi)
             if cfg is not None:
                 default, what = us(mma(cfg)), f"mma {cfg}"
             else:
@@ -233,11 +233,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("fastgemma.bench.invariance checks the GPU's kernels; no CUDA device here")
     if a.mma_table:
-        from ..kernels.mma_w4a16 import set_table
+        from ..kernels.mma_table import set_table
         from .stack import mma_table_arg
 
         set_table(mma_table_arg(a.mma_table))
-    from ..kernels.mma_w4a16 import settle_cuda_entries
+    from ..kernels.mma_table import settle_cuda_entries
 
     for line in settle_cuda_entries("cuda"):  # as FuseLayers does: the Triton entry where CUDA's cannot run
         print(f"the CUDA entry {line}", flush=True)

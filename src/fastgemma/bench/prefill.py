@@ -60,23 +60,24 @@ def tile_tables(which: list[str], sweep_m: int) -> dict:
     its long-chunk entries), first (the first tl.dot kernel's default tiles), sweep (bench_shapes'
     best per shape at M = sweep_m, timed now). The long-chunk entries ((DEQUANT_MIN_M, N, K): W
     dequantized once, then cuBLAS) are the table's only: the others drop them (None)."""
-    from ..kernels import w4a16
+    from ..kernels import w4a16_table
+    from ..kernels.w4a16_bench import bench_shapes
 
-    shapes = {k: w4a16.E4B_SHAPES[k] for k in PREFILL_SHAPES}
-    bucket = w4a16.m_bucket(w4a16.MAX_DECODE_M + 1)
+    shapes = {k: w4a16_table.E4B_SHAPES[k] for k in PREFILL_SHAPES}
+    bucket = w4a16_table.m_bucket(w4a16_table.MAX_DECODE_M + 1)
     keys = [(bucket, N, K) for N, K in shapes.values()]
-    long_keys = [(w4a16.DEQUANT_MIN_M, N, K) for N, K in shapes.values()]
+    long_keys = [(w4a16_table.DEQUANT_MIN_M, N, K) for N, K in shapes.values()]
     out = {}
     for name in which:
         if name == "table":
-            out[name] = {k: w4a16.CONFIGS.get(k) for k in keys + long_keys}
+            out[name] = {k: w4a16_table.CONFIGS.get(k) for k in keys + long_keys}
         elif name == "per_group":  # the table without its long-chunk (dequantize once) entries
-            out[name] = {k: w4a16.CONFIGS.get(k) for k in keys}
+            out[name] = {k: w4a16_table.CONFIGS.get(k) for k in keys}
         elif name == "first":
-            out[name] = {k: w4a16.default_config(w4a16.MAX_DECODE_M + 1, k[1], k[2]) for k in keys}
+            out[name] = {k: w4a16_table.default_config(w4a16_table.MAX_DECODE_M + 1, k[1], k[2]) for k in keys}
         elif name == "sweep":
-            rows = w4a16.bench_shapes(ms=(sweep_m,), shapes=shapes, sweep=True, graph=False, rep_ms=10,
-                                      per_group_only=False)
+            rows = bench_shapes(ms=(sweep_m,), shapes=shapes, sweep=True, graph=False, rep_ms=10,
+                                per_group_only=False)
             out[name] = {(bucket, r["N"], r["K"]): r["best_config"] for r in rows}
         else:
             raise SystemExit(f"unknown tiles {name!r}: table, per_group, first, sweep")
@@ -85,13 +86,13 @@ def tile_tables(which: list[str], sweep_m: int) -> dict:
 
 
 def use_tiles(table: dict) -> None:
-    from ..kernels import w4a16
+    from ..kernels import w4a16_table
 
     for k, cfg in table.items():
         if cfg is None:
-            w4a16.CONFIGS.pop(k, None)
+            w4a16_table.CONFIGS.pop(k, None)
         else:
-            w4a16.CONFIGS[k] = cfg
+            w4a16_table.CONFIGS[k] = cfg
 
 
 def main(argv=None):

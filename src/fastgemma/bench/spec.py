@@ -35,10 +35,10 @@ import torch
 from ..engine.cache import KVCache
 from ..engine.generator import Generator
 from ..engine.speculative import PROFILES, Replay, SpecGenerator, expected_tokens_per_step
+from ..engine.steps import GraphStep, StaticStep
+from ..kernels import w4a16, w4a16_table
 from ..metrics.acceptance import acceptance_summary
 from ..metrics.identity import common_prefix, top1_agreement
-from ..engine.steps import GraphStep, StaticStep
-from ..kernels import w4a16
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 from .floor import floor_option
@@ -71,13 +71,13 @@ def use_verify_tiles(name: str) -> None:
     holds for every graph captured after it."""
     if name not in _TILES:
         raise SystemExit(f"unknown verify tiles {name!r}; known: {', '.join(_TILES)}")
-    w4a16.CONFIGS.update(_TILES[name])
+    w4a16_table.CONFIGS.update(_TILES[name])
     w4a16.PACKED_SZ = name != "separate"
 
 
 def _tile_tables() -> dict:
-    return {"per_group": {k: v for k, v in w4a16.CONFIGS.items() if k in w4a16.MMA_M16},
-            "separate": dict(w4a16.PER_GROUP_SEPARATE), "mma": dict(w4a16.MMA_M16)}
+    return {"per_group": {k: v for k, v in w4a16_table.CONFIGS.items() if k in w4a16_table.MMA_M16},
+            "separate": dict(w4a16_table.PER_GROUP_SEPARATE), "mma": dict(w4a16_table.MMA_M16)}
 
 
 _TILES = _tile_tables()
@@ -273,7 +273,7 @@ def main(argv=None):
     if not prefills or set(prefills) - set(PREFILL):
         raise SystemExit(f"--prefill {a.prefill!r}: {', '.join(PREFILL)}")
     if a.mma_table:
-        from ..kernels.mma_w4a16 import set_table
+        from ..kernels.mma_table import set_table
 
         set_table(mma_table_arg(a.mma_table))  # this process's table
     if a.fused_table:

@@ -90,9 +90,9 @@ def parse_variant(v: str) -> dict:
 
 
 def mma_table_arg(text: str) -> dict:
-    """An --mma-table value -> the tensor-core kernel's table (`mma_w4a16.parse_table`; '+ENTRIES': the
+    """An --mma-table value -> the tensor-core kernel's table (`mma_table.parse_table`; '+ENTRIES': the
     shipped table with those entries replaced or added), or exit with the form it expects."""
-    from ..kernels.mma_w4a16 import MMA_CONFIGS, parse_table
+    from ..kernels.mma_table import MMA_CONFIGS, parse_table
 
     try:
         return {**MMA_CONFIGS, **parse_table(text[1:])} if text.startswith("+") else parse_table(text)
@@ -114,7 +114,7 @@ def fused_table_arg(text: str) -> dict:
 def attn_tiles_arg(text: str) -> str:
     """An --attn-tiles value -> fuse.attn_tiles' checked text ('default': '', the kernel's own), or exit naming the
     option and the entry at fault."""
-    from ..kernels.decode_attention import parse_qkv_tiles, qkv_tiles_text
+    from ..kernels.attention_tiles import parse_qkv_tiles, qkv_tiles_text
 
     try:
         return "" if text == "default" else qkv_tiles_text(parse_qkv_tiles(text))
@@ -282,9 +282,9 @@ def main(argv=None):
         raise SystemExit("--variants: at least one (base)")
     for v in variants:
         parse_variant(v)
-    from ..kernels import mma_w4a16
+    from ..kernels import mma_table
 
-    shipped = dict(mma_w4a16.MMA_CONFIGS)
+    shipped = dict(mma_table.MMA_CONFIGS)
     # text -> table; '' is the shipped one
     tables = {"" if t == "default" else t: shipped if t == "default" else
               mma_table_arg(t)
@@ -321,7 +321,7 @@ def main(argv=None):
             for ft in (fused_tables if b != "nf4" else [""])]
     first = {}  # body -> prompt length -> the first variant's full-head tokens
     for body, variant, table, tiles, ftable in plan:
-        mma_w4a16.set_table(tables.get(table, shipped))  # read when the body is built and traced
+        mma_table.set_table(tables.get(table, shipped))  # read when the body is built and traced
         fused_gemv.set_fused_table(fused_tables.get(ftable, shipped_fused), forced=bool(ftable))
         label = ((f"{variant} [{table}]" if table else variant) + (f" {{{tiles}}}" if tiles else "")
                  + (f" (fused: {ftable})" if ftable else ""))
@@ -410,7 +410,7 @@ def main(argv=None):
         if cuda:
             torch.cuda.empty_cache()
     shutil.rmtree(workdir, ignore_errors=True)
-    mma_w4a16.set_table(shipped)
+    mma_table.set_table(shipped)
     fused_gemv.set_fused_table(shipped_fused, forced=False)
     line = fused_gemv.picks_line(fused_gemv.tuned_picks())
     if line:

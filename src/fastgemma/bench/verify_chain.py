@@ -23,10 +23,11 @@ import statistics
 
 import torch
 
+from ..kernels.int4_pack import pack_scale_zero
 from ..kernels.qkv_finish import qkv_finish, qkv_finish_ref
 from ..kernels.residual_norm import residual_norm, residual_norm_ref
 from ..kernels.skinny_gemm import skinny_matmul, skinny_matmul_ref
-from ..kernels.w4a16 import pack_scale_zero, w4a16_matmul, w4a16_torch
+from ..kernels.w4a16 import w4a16_matmul, w4a16_torch
 from ..model.config import preset
 from .chain import time_graph
 

@@ -21,7 +21,9 @@ import triton.language as tl
 from .fused_gemv import (_aux_rows, _check, _finish, _h_store, _Launch, _pro_params, _prologue_scalars, _rows,
                          _x_block, fused_gemv_ref)
 from .gemv import _INTERPRET, MAX_KB, _pdl_trigger, _pdl_wait
-from .w4a16 import W4A16Config, _byte_terms, _group_terms, _word_dot, dequantize_int4, resolve_config
+from .int4_pack import dequantize_int4
+from .w4a16 import _byte_terms, _group_terms, _word_dot
+from .w4a16_table import W4A16Config, resolve_config
 
 
 @triton.jit
@@ -179,7 +181,7 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
     output checked against the twin first. Prints a table and TILES lines for the fastest; returns
     one dict per (case, config). `timer(fn) -> us` defaults to CUDA graphs (tests pass their own)."""
     from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, timed_candidate, timer_or_graphs
-    from .w4a16 import pack_int4, quantize_int4
+    from .int4_pack import pack_int4, quantize_int4
 
     dev = torch.device(device)
     timer = timer_or_graphs(timer, "bench_tiles")

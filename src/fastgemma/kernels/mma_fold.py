@@ -16,11 +16,11 @@ import triton
 
 from .attn_fold import parts_problem
 from .gemv import _INTERPRET, pdl_args
-from .mma_w4a16 import (EPILOGUES, MmaConfig, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, config_problem,
-                        format_config, kernel_epilogue, layout_problem, mma_config, mma_w4a16, mma_w4a16_ref,
-                        persistent_programs, program_tiles)
+from .int4_pack import dequantize_int4
+from .mma_table import MmaConfig, config_problem, format_config, mma_config
+from .mma_w4a16 import (EPILOGUES, MmaWeight, _mma_stream_kernel, _mma_w4a16_kernel, kernel_epilogue, layout_problem,
+                        mma_w4a16, mma_w4a16_ref, persistent_programs, program_tiles)
 from .norm_fold import N_PARTS, parts_block
-from .w4a16 import dequantize_int4
 
 
 def _cuda_or_interpret(t: torch.Tensor, name: str) -> None:
@@ -208,7 +208,7 @@ def bench_fold(cases: dict | None = None, configs: list[MmaConfig] | None = None
     with its words rotated out of L2 (PDL launches). plain: also each config's plain launch (`mma_w4a16`) on the
     same two rows and words, what the fold adds. Prints a table; returns one dict per (case, config)."""
     from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer_or_graphs
-    from .w4a16 import pack_int4, quantize_int4
+    from .int4_pack import pack_int4, quantize_int4
 
     dev = torch.device(device)
     timer = timer_or_graphs(timer, "bench_fold")

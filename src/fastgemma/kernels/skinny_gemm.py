@@ -18,7 +18,8 @@ import triton.language as tl
 
 from .counters import arrival_counters
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
-from .w4a16 import _INTERPRET, _SMS, EPILOGUES, _split_store, apply_epilogue, check_epilogue
+from .w4a16 import EPILOGUES, _INTERPRET, _split_store, apply_epilogue, check_epilogue
+from .w4a16_table import _SMS
 
 MAX_M = 16
 

@@ -36,7 +36,7 @@ program merges them; decode_attention.MERGE_MAX_ELEMS);
 `attn_qkv=True` does the q/k/v norms, RoPE and cache writes inside the attention's split kernel
 (kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step;
 `attn_tiles` (e.g. "full_store:32x16s2") sets that mode's tiles per layer kind instead of the
-kernel's own choice (`decode_attention.parse_qkv_tiles`), so tile choices compare in one process.
+kernel's own choice (`attention_tiles.parse_qkv_tiles`), so tile choices compare in one process.
 """
 from __future__ import annotations
 
@@ -74,10 +74,11 @@ def _layer_linears(i: int, layer) -> dict:
 def _mma_cfg(mod, M: int, epilogue: str, dtype, invariant: bool = False):
     """The tensor-core kernel's config for M rows through `mod`, or None: it takes an Int4Linear that
     holds its fragment-order copy (int4_mma), bf16 rows, an epilogue it has, a shape in its table.
-    invariant: one config at every row count (mma_w4a16.mma_config's; up to the kernel's 8, more is
+    invariant: one config at every row count (mma_table.mma_config's; up to the kernel's 8, more is
     refused), so a row sums in the same order whatever rows sit beside it (the mma's columns are
     independent)."""
-    from ..kernels.mma_w4a16 import EPILOGUES, MAX_ROWS, mma_config
+    from ..kernels.mma_table import MAX_ROWS, mma_config
+    from ..kernels.mma_w4a16 import EPILOGUES
     from .quant import Int4Linear
 
     if not (isinstance(mod, Int4Linear) and mod.mma and epilogue in EPILOGUES and dtype == torch.bfloat16):
@@ -96,7 +97,7 @@ def _mma_cfg(mod, M: int, epilogue: str, dtype, invariant: bool = False):
 def _no_invariant_config(mod, epilogue: str) -> ValueError:
     return ValueError(f"fuse.batch_invariant: the tensor-core kernel does not take the int4 {mod.out_features} x "
                       f"{mod.in_features} with epilogue {epilogue} (int4_mma on, the shape in "
-                      "kernels/mma_w4a16.MMA_CONFIGS or INVARIANT_CONFIGS)")
+                      "kernels/mma_table.MMA_CONFIGS or INVARIANT_CONFIGS)")
 
 
 def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = False):
@@ -256,7 +257,7 @@ def _attn_kind(s) -> str:
 
 def _attn_splits(layer, cache, tiles: dict | None) -> int:
     """The split count of the layer's one-row attention in the q/k/v mode (its own rows' split included)."""
-    from ..kernels.decode_attention import qkv_splits
+    from ..kernels.attention_tiles import qkv_splits
 
     at, s = layer.self_attn, layer.spec
     src = s.index if s.stores_kv else s.kv_source
@@ -595,7 +596,7 @@ class FuseLayers:
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
                  attn_fold: bool = False):
-        from ..kernels.decode_attention import parse_qkv_tiles
+        from ..kernels.attention_tiles import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
@@ -702,7 +703,7 @@ class FuseLayers:
                if isinstance(mod, Int4Linear) and _mma_cfg(mod, 1, epi, torch.bfloat16, invariant=True) is None]
         if bad:
             raise ValueError("fuse.batch_invariant runs int4 linears on the tensor-core kernel's one-row configs "
-                             f"(fuse.int4_mma=true, kernels/mma_w4a16.MMA_CONFIGS); none for {', '.join(bad[:4])}"
+                             f"(fuse.int4_mma=true, kernels/mma_table.MMA_CONFIGS); none for {', '.join(bad[:4])}"
                              + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""))
         if getattr(decode_head(model), "kind", None) == "int4":
             raise ValueError("fuse.batch_invariant: an int4 head picks through the w4a16 GEMV, whose tiles follow the "
@@ -711,7 +712,7 @@ class FuseLayers:
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
         more rows): the others would never read it."""
-        from ..kernels.mma_w4a16 import INVARIANT_CONFIGS, MMA_CONFIGS, settle_cuda_entries, table_pairs
+        from ..kernels.mma_table import INVARIANT_CONFIGS, MMA_CONFIGS, settle_cuda_entries, table_pairs
         from .quant import Int4Linear
 
         if not (self.int4_mma and self.backend == "triton"):
@@ -730,7 +731,7 @@ class FuseLayers:
                     mod.enable_mma(pairs)
 
     def describe(self) -> dict:
-        from ..kernels.decode_attention import qkv_tiles_text
+        from ..kernels.attention_tiles import qkv_tiles_text
 
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,

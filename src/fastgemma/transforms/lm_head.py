@@ -137,13 +137,13 @@ class Int8Rows(HeadRows):
 
 
 class Int4Rows(HeadRows):
-    """W4A16 rows (qweight uint8 [N, K/2], scales / zeros [K/G, N]; layout in kernels/w4a16.py).
+    """W4A16 rows (qweight uint8 [N, K/2], scales / zeros [K/G, N]; layout in kernels/int4_pack.py).
     Two launches per pick: the w4a16 GEMV, then argmax over [M, N] and a gather of keep_ids."""
 
     kind = "int4"
 
     def __init__(self, w, vocab_size, softcap, keep_ids=None, group_size: int = 128, backend="torch"):
-        from ..kernels.w4a16 import pack_int4, quantize_int4
+        from ..kernels.int4_pack import pack_int4, quantize_int4
 
         super().__init__(vocab_size, softcap, keep_ids, backend)
         q, s, z = quantize_int4(w, group_size)
@@ -421,7 +421,7 @@ class Int4Head(_QuantHead):
     kind = "int4"
 
     def __init__(self, group_size: int = 128, backend: str = "auto"):
-        from ..kernels.w4a16 import check_group_size
+        from ..kernels.int4_pack import check_group_size
 
         check_group_size(group_size)
         self.group_size = group_size
@@ -462,7 +462,7 @@ class PrunedHead:
         elif source == "corpus":
             raise ValueError("lm_head.rows=null is only for source=file (keep every id of the file)")
         if dtype == "int4":
-            from ..kernels.w4a16 import check_group_size
+            from ..kernels.int4_pack import check_group_size
 
             check_group_size(group_size)
         self.rows, self.keepset, self.source, self.corpus = rows, keepset, source, corpus

@@ -15,10 +15,11 @@ import warnings
 import torch
 import torch.nn as nn
 
-from fastgemma.kernels.w4a16 import (
-    GROUP_SIZES, W4A16Config, check_group_size, pack_int4, pack_scale_zero, quantize_int4, unpack_int4,
-    w4a16_matmul, w4a16_matmul_op, w4a16_torch,
+from fastgemma.kernels.int4_pack import (
+    GROUP_SIZES, check_group_size, pack_int4, pack_scale_zero, quantize_int4, unpack_int4,
 )
+from fastgemma.kernels.w4a16 import w4a16_matmul, w4a16_matmul_op, w4a16_torch
+from fastgemma.kernels.w4a16_table import W4A16Config
 
 
 def _triton(x, qweight, scales, zeros, group_size, config=None, sz=None):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..kernels.w4a16 import GROUP_SIZES
+from ..kernels.int4_pack import GROUP_SIZES
 from ..transforms.quant import Int4Linear
 from .hf import CheckpointError
 
