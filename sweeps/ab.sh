@@ -12,7 +12,8 @@
 # AB_DIR (default .ab) is where revisions are kept. Two processes per part on one machine, base first
 # (AB_FIRST=new: this checkout first). The first process also fills the compile caches, and the order
 # can show in the figures (runs FB / FC: the second int4 step 0.02-0.03 ms faster whichever code it
-# ran), so repeat a part with the order swapped when its rows are close.
+# ran), so repeat a part with the order swapped when its rows are close. The int4, mma and fold parts
+# import kernels.w4a16_bench / mma_bench / mma_table, which revisions before a2bb2b0 do not have.
 set -u
 cd "$(dirname "$0")/.."
 ab_dir="${AB_DIR:-.ab}"
