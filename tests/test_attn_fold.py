@@ -148,7 +148,8 @@ def test_fused_step_with_the_combine_folded(monkeypatch, wide_tiles):
     import fastgemma.kernels.mma_table as mma_table
     from fastgemma.engine.cache import KVCache
     from fastgemma.model.config import FULL, GEMMA4_TINY, SLIDING
-    from fastgemma.transforms.fuse_layers import FuseLayers, _layer_linears
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.fused_layer_ops import _layer_linears
     from fastgemma.transforms.quant import Int4Linear, Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 

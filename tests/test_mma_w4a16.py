@@ -194,7 +194,8 @@ def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles, pairs):
     from fastgemma.kernels.decode_attention import decode_attention_ref
     from fastgemma.metrics.memory import weight_bytes_per_step
     from fastgemma.model.config import GEMMA4_TINY
-    from fastgemma.transforms.fuse_layers import FuseLayers, _layer_linears
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.fused_layer_ops import _layer_linears
     from fastgemma.transforms.quant import Int4Linear, Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 

@@ -128,7 +128,8 @@ def test_fused_step_with_the_norms_folded(family, monkeypatch, wide_tiles):
     from fastgemma.engine.cache import KVCache
     from fastgemma.kernels.decode_attention import decode_attention_ref
     from fastgemma.model.config import GEMMA4_TINY
-    from fastgemma.transforms.fuse_layers import FuseLayers, _layer_linears
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.fused_layer_ops import _layer_linears
     from fastgemma.transforms.quant import Int4Linear, Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 

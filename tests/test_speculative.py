@@ -278,7 +278,7 @@ def test_fused_spec_equals_ar(model, fused_pair, k):
 
 
 def test_fuse_drafter_refuses_non_dense_layers():
-    from fastgemma.transforms.fuse_layers import fuse_drafter
+    from fastgemma.transforms.fused_steps import fuse_drafter
     from fastgemma.transforms.quant import Int4Quant
 
     d = synthetic_drafter(TINY, dtype=torch.float32, seed=0)

@@ -78,15 +78,15 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
     from ..engine.cache import KVCache
     from ..engine.compile import compile_step
     from ..engine.speculative import draft_steps
+    from ..kernels import fused_gemv
     from ..kernels.decode_attention import decode_attention_op
     from ..kernels.draft_head import draft_head_op
-    from ..kernels import fused_gemv
     from ..kernels.draft_loop import DraftLoop
     from ..kernels.fused_gemv import fused_gemv_op
     from ..kernels.fused_w4a16 import fused_w4a16_op
     from ..model import preset
     from ..model.drafter import synthetic_drafter
-    from ..transforms.fuse_layers import fuse_drafter
+    from ..transforms.fused_steps import fuse_drafter
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_draft_loop needs a CUDA device")

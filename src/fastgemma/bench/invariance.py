@@ -75,7 +75,7 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     from ..kernels.residual_norm import residual_norm
     from ..kernels.skinny_gemm import skinny_matmul
     from ..kernels.sparse_argmax import ROW_INVARIANT_CONFIG, default_config, head_argmax
-    from ..transforms.fuse_layers import _mma_call
+    from ..transforms.fused_layer_ops import _mma_call
 
     rnd = _randn(dev)
     names = {(N, K): name for name, (N, K, _) in E4B_CASES.items()}

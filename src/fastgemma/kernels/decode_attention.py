@@ -19,8 +19,9 @@ with num_splits == 1 the split kernel writes the output.
 `decode_attention_qkv` takes the merged q|k|v projection's rows instead of q and does
 kernels/qkv_finish.py's work in the split kernel (q norm + RoPE per program; a store layer's own K /
 V rows made, written and attended by each row tile's last split), so a layer's attention is one
-launch fewer; its positions are read and its first K / V block prefetched into L2 before the PDL
-wait (`QKV` > 0).
+launch fewer; its positions are read and each split's first K / V block loaded before the PDL wait, into
+registers or L2 (`QKV` > 0; kernels/attention_tiles.py's `early_block` says which). The launch plan (tiles,
+split counts, `fuse.attn_tiles`' text form) is kernels/attention_tiles.py's.
 """
 from __future__ import annotations
 
