@@ -227,10 +227,11 @@ def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
 
     out = tmp_path / "stack.jsonl"
     stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "int4", "--heads", "full",
-                "int8", "pruned:40", "--prompts", "2", "--prompt-len", "12", "--new", "6", "--out", str(out)])
+                "int8", "pruned:40", "pruned:40:int4", "--prompts", "2", "--prompt-len", "12", "--new", "6",
+                "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["body"], r["head"]) for r in rows] == [
-        (b, h) for b in ("bf16", "int4") for h in ("full", "int8", "pruned:40")]
+        (b, h) for b in ("bf16", "int4") for h in ("full", "int8", "pruned:40", "pruned:40:int4")]
     assert all("error" not in r for r in rows)
     by = {(r["body"], r["head"]): r for r in rows}
     for b in ("bf16", "int4"):
@@ -238,13 +239,19 @@ def test_stack_bench_bodies_and_heads_on_the_cpu(tmp_path, capsys):
         assert full["identity_rate"] == 1.0 and pruned["identity_rate"] == 1.0 and pruned["prefix_mean"] == 6
         assert pruned["lm_head"]["rows"] == 40 and pruned["head_mb"] < full["head_mb"]
         assert by[(b, "int8")]["head_mb"] < full["head_mb"]
+        pruned4 = by[(b, "pruned:40:int4")]  # the same keepset in int4: a quarter of the bytes and then some
+        assert pruned4["lm_head"]["rows"] == 40 and pruned4["lm_head"]["dtype"] == "int4"
+        assert pruned4["head_mb"] < 0.5 * pruned["head_mb"]
         assert "FuseLayers" in full["stack"]
     body_gb = {b: by[(b, "full")]["gb_per_token"] - by[(b, "full")]["head_mb"] / 1e3 for b in ("bf16", "int4")}
     assert 0 < body_gb["int4"] < 0.4 * body_gb["bf16"]
     table = capsys.readouterr().out.split("| body | variant | head |")[1]
-    assert table.count("\n| bf16 | base |") == 3 and table.count("\n| int4 | base |") == 3
+    assert table.count("\n| bf16 | base |") == 4 and table.count("\n| int4 | base |") == 4
     assert stack.keepset([5, 3, 5], 4, 10)[:2] == [5, 3] and len(set(stack.keepset([5, 3], 6, 10))) == 6
-    for bad in ("pruned", "pruned:0", "int3", "full:3"):
+    assert stack.parse_head("pruned:40:int4") == ("pruned", 40, "int4") and stack.parse_head("int8") == (
+        "int8", None, "auto")
+    assert stack.head_name(*stack.parse_head("pruned:40:int8")) == "pruned:40:int8"
+    for bad in ("pruned", "pruned:0", "int3", "full:3", "pruned:40:int3", "int4:8"):
         with pytest.raises(SystemExit, match="bad head"):
             stack.parse_head(bad)
 

@@ -1,9 +1,9 @@
 """GPU-only kernel variants compile for sm_90a here (no GPU needed): PDL launches, every
-fused-GEMV prologue / epilogue (dense and int4), the int4 per-group dot kernel, the verify pass's
-PDL launches (nothing read before the wait, the GEMMs' trigger after the main loop) and the
-q/k/v kernel, without register spills, with the PDL wait after the dense kernels' weight loads
-and before the int4 kernel's first load, and with the per-group kernel's inline PTX and
-tensor-core dots in place."""
+fused-GEMV prologue / epilogue (dense and int4), the int4 per-group dot kernel, the int4 head's
+pick, the verify pass's PDL launches (nothing read before the wait, the GEMMs' trigger after the
+main loop) and the q/k/v kernel, without register spills, with the PDL wait after the dense
+kernels' weight loads and before the int4 kernel's first load, and with the per-group kernel's
+inline PTX and tensor-core dots in place."""
 import os
 import subprocess
 import sys
@@ -18,7 +18,7 @@ def test_gpu_only_variants_compile_for_sm90():
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
             if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "rope", "loop",
-                            "stream", "floor", "accept")}
+                            "stream", "floor", "accept", "head4")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy) but the norm kernels' parameters (the residual norm's post, pre
@@ -98,6 +98,11 @@ def test_gpu_only_variants_compile_for_sm90():
     accept = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "accept"}
     regs, spills, bars, stores_before = accept["accept k=7 replay"]
     assert spills == 0 and bars == 2 and stores_before <= 4, accept
+    # the int4 head's pick in the w4a16 GEMV's store: both loops compile without spills, storing the block's
+    # max, its row and the logits (three global stores), at most 200 registers (the plain GEMV: 127 / 149)
+    head4 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "head4"}
+    assert set(head4) == {"full head words", "pruned head bytes"}, head4
+    assert all(sp == 0 and st == 3 and regs <= 200 for regs, sp, st in head4.values()), head4
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}

@@ -164,6 +164,88 @@ def test_bad_inputs_are_refused(fn):
         fn(x, w, None, logits_out=torch.empty(2, V))
 
 
+# ---- int4 rows: the w4a16 GEMV with the argmax in its store ----------------------------------------
+def _int4_case(M, dtype, G, keep=True, seed=0, n=N, k=256):
+    from fastgemma.kernels.int4_pack import pack_int4, quantize_int4
+
+    g = torch.Generator().manual_seed(seed)
+    q, s, z = quantize_int4(torch.randn(n, k, generator=g), G, scale_dtype=dtype)
+    x = torch.randn(M, k, generator=g).to(dtype)
+    ids = torch.randperm(V, generator=g)[:n].sort().values if keep else None
+    return x, pack_int4(q), s, z, ids
+
+
+@pytest.mark.parametrize("M,dtype", [(1, torch.float32), (3, torch.float16)])
+@pytest.mark.parametrize("G,words", [(32, False), (64, True), (128, False), (128, True)])
+def test_int4_rows_pick_in_the_gemv_store(M, dtype, G, words):
+    """head_argmax_int4's ids are argmax(w4a16_matmul) over the rows on the same tiles, bit for bit (the same
+    sums, rounded to x's dtype as the GEMV's store rounds them), through the keepset; its logits are the
+    softcapped GEMV outputs at their ids, -inf elsewhere; the byte and the word loop, odd N (a partial block)."""
+    from fastgemma.kernels.sparse_argmax import head_argmax_int4
+    from fastgemma.kernels.w4a16 import w4a16_matmul
+    from fastgemma.kernels.w4a16_table import W4A16Config
+
+    x, qw, sc, zr, keep = _int4_case(M, dtype, G, seed=G + M)
+    cfg = W4A16Config(16 if words else 4, 128, 1, 2, words=words)
+    raw = w4a16_matmul(x, qw, sc, zr, G, cfg).float()
+    out = torch.full((M, V), float("-inf"))
+    ids = head_argmax_int4(x, qw, sc, zr, G, keep, logits_out=out, softcap=30.0, config=cfg)
+    assert ids.dtype == torch.int64 and torch.equal(ids, keep[raw.argmax(-1)])
+    kept = torch.zeros(V, dtype=torch.bool)
+    kept[keep] = True
+    assert torch.isinf(out[:, ~kept]).all() and (out[:, ~kept] < 0).all()
+    err = (out[:, keep] - softcap_torch(raw, 30.0)).abs().max().item()
+    print(f"int4 M={M} {dtype} G={G} words={words}: logits max err {err:.2e} against the GEMV's")
+    assert err < 1e-4
+    # no keepset: row ids; a split config runs unsplit (the store needs whole sums): the same ids
+    x, qw, sc, zr, _ = _int4_case(M, dtype, G, keep=False, seed=G)
+    raw = w4a16_matmul(x, qw, sc, zr, G, cfg).float()
+    assert torch.equal(head_argmax_int4(x, qw, sc, zr, G, config=cfg), raw.argmax(-1))
+    split = W4A16Config(cfg.block_n, 128, 2, 2, words=words)
+    assert torch.equal(head_argmax_int4(x, qw, sc, zr, G, config=split), raw.argmax(-1))
+
+
+def test_int4_rows_logits_only_the_op_and_the_head():
+    """want_ids=False stores the logits only; the registered op gives the launcher's ids and logits; Int4Rows
+    on the Triton backend picks one row through it and agrees with its torch path (fp32: the same ids)."""
+    from fastgemma.kernels.sparse_argmax import head_argmax_int4, head_argmax_int4_op
+    from fastgemma.transforms.lm_head import Int4Rows
+
+    x, qw, sc, zr, keep = _int4_case(1, torch.float32, 64, seed=9)
+    out = torch.full((1, V), float("-inf"))
+    assert head_argmax_int4(x, qw, sc, zr, 64, keep, logits_out=out, softcap=30.0, want_ids=False) is None
+    buf = torch.full((1, V), float("-inf"))
+    ids = head_argmax_int4_op(x, qw, sc, zr, 64, keep, buf, 30.0)
+    assert torch.equal(buf, out) and torch.equal(ids, head_argmax_int4(x, qw, sc, zr, 64, keep))
+    g = torch.Generator().manual_seed(10)
+    w, h = torch.randn(N, 256, generator=g), torch.randn(2, 256, generator=g)
+    heads = {b: Int4Rows(w, V, 30.0, keep, 64, b) for b in ("triton", "torch")}
+    for M in (1, 2):  # one row: the GEMV's store; two: the GEMM, then argmax
+        got = {b: (hd.pick(h[:M], torch.full((M, V), float("-inf"))), hd.pick(h[:M])) for b, hd in heads.items()}
+        assert torch.equal(got["triton"][0], got["torch"][0]) and torch.equal(got["triton"][1], got["torch"][0])
+    with pytest.raises(ValueError, match="batch-invariant"):
+        heads["triton"].pick(h[:1], row_invariant=True)
+
+
+def test_int4_rows_bad_inputs_are_refused():
+    from fastgemma.kernels.sparse_argmax import head_argmax_int4
+    from fastgemma.kernels.w4a16_table import W4A16Config
+
+    x, qw, sc, zr, keep = _int4_case(2, torch.float32, 64)
+    with pytest.raises(ValueError, match="uint8 \\[N, K/2\\]"):
+        head_argmax_int4(x[:, :-2], qw, sc, zr, 64, keep)
+    with pytest.raises(ValueError, match="uint8"):
+        head_argmax_int4(x, qw.view(torch.int8), sc, zr, 64, keep)
+    with pytest.raises(ValueError, match="scales / zeros must be \\[K/G, N\\]"):
+        head_argmax_int4(x, qw, sc, zr, 32, keep)
+    with pytest.raises(ValueError, match="x's dtype"):
+        head_argmax_int4(x, qw, sc.half(), zr.half(), 64, keep)
+    with pytest.raises(ValueError, match="keep_ids must be int64"):
+        head_argmax_int4(x, qw, sc, zr, 64, keep[:-1])
+    with pytest.raises(ValueError, match="one-row GEMV"):
+        head_argmax_int4(x, qw, sc, zr, 64, keep, config=W4A16Config(32, 128, 1, 4, 3, 16, per_group=True))
+
+
 def test_bench_head_runs_on_a_tiny_head(capsys):
     from fastgemma.bench.head import bench_head
 
@@ -171,4 +253,7 @@ def test_bench_head_runs_on_a_tiny_head(capsys):
                       group_size=32, timer=lambda fn: (fn(), 1.0)[1])
     assert {r["dtype"] for r in rows} == {"fp32", "int8", "int4"}
     assert all(r["ids_ok"] in (True, None) for r in rows)
+    int4 = {(r["head"], r["path"]) for r in rows if r["dtype"] == "int4"}
+    for head in ("full", "pruned 40"):  # the GEMV's argmax store beside the GEMV, then torch's argmax
+        assert {(head, "int4 GEMV, then argmax"), (head, "fused (ids only)"), (head, "fused (+logits)")} <= int4
     assert "fused (ids only)" in capsys.readouterr().out

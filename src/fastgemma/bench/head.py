@@ -2,7 +2,8 @@
 
 Rows timed (CUDA graphs, weights rotated out of L2, median of repeats):
 - full bf16: cuBLAS GEMV alone; + softcap + argmax (sampler=argmax); the fused argmax kernel.
-- int8 (per-row scales) and int4 (w4a16, group 128): logits, and the pick (fused kernel / GEMV + argmax).
+- int8 (per-row scales) and int4 (w4a16, group 128): logits, and the pick (the fused kernel; int4: the w4a16
+  GEMV with the argmax in its store at one row, against its GEMV, then torch's argmax and gather).
 - pruned 12,288 / 16,384 / 32,768 rows in bf16: GEMV + argmax + id gather (torch), the scatter path
   (compute_logits: -inf fill + index_copy + argmax over V), the fused kernel; int8 / int4 at 12,288.
 Run: python -m fastgemma.bench.head [--m 1 4] [--sweep]
@@ -92,10 +93,12 @@ def bench_head(ms=(1,), rows=(12288, 16384, 32768), dtype=torch.bfloat16, sweep:
             else:
                 paths.append(("GEMV+argmax+gather", lambda h: _torch_pick(h, x), None))
                 paths.append(("scatter+argmax(V)", lambda h: h(x).argmax(-1), None))
+            if kind == "int4":  # the pick before the GEMV's argmax store: its outputs, then torch's argmax
+                paths.append(("int4 GEMV, then argmax", lambda h: _two_step_int4(h, x), None))
             buf = head.new_logits(M, dev)
             paths.append(("fused (+logits)", lambda h: h.pick(x, buf), None))
+            paths.append(("fused (ids only)", lambda h: h.pick(x), None))
             if kind != "int4":
-                paths.append(("fused (ids only)", lambda h: h.pick(x), None))
                 if sweep:
                     for cfg in _candidates(M):
                         paths.append(("fused ids, sweep", lambda h, c=cfg: _pick_cfg(h, x, c), cfg))
@@ -134,7 +137,13 @@ def _ref_ids(head, x):
 
 
 def _torch_pick(head, x):
-    return head.pick(x, None, "torch") if not isinstance(head, Int4Rows) else head.pick(x, None)
+    return head.pick(x, None, "torch") if not isinstance(head, Int4Rows) else _two_step_int4(head, x)
+
+
+def _two_step_int4(head, x):
+    # the w4a16 GEMV's outputs (its own kernel), then argmax and the keepset's gather in torch
+    idx = head.raw(x).argmax(-1)
+    return head.keep_ids[idx] if head.keep_ids is not None else idx
 
 
 def _pick_cfg(head, x, cfg):

@@ -50,17 +50,17 @@ def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, v
     """Synthetic weights -> merged projections -> int4 body -> Triton attention (bench.stack's int4
     body; fuse: with its fused one-row step, which the AR rows and the drafter can take and the
     k+1-row passes do not) -> head (on a CPU, a smoke test of this script: the torch
-    twins of every kernel). head: full | int8 | int4 | pruned:N (bf16 rows: the eos ids, then seeded
+    twins of every kernel). head: full | int8 | int4 | pruned:N[:int8|:int4] (rows: the eos ids, then seeded
     random ids; the pruned model's own greedy trace is the reference, so the keepset only sets the
     cost). variant: the fused step's options (bench.stack.parse_variant); attn_tiles: fuse.attn_tiles."""
     from ..transforms.sampler import FusedArgmax
     from .stack import build_body, keepset, parse_head, set_head
 
-    kind, rows = parse_head(head)
+    kind, rows, rows_dtype = parse_head(head)
     model, desc = build_body(cfg, dev, "int4", dtype, fuse=fuse, variant=variant, attn_tiles=attn_tiles)
     with tempfile.TemporaryDirectory() as tmp:  # a pruned head's keepset file, read by apply()
         keep = keepset(list(cfg.eos_ids), rows, cfg.vocab_size) if rows else None
-        desc["lm_head"] = set_head(model, kind, rows, keep, dev, tmp)[1]
+        desc["lm_head"] = set_head(model, kind, rows, keep, dev, tmp, rows_dtype)[1]
     return model, FusedArgmax("triton" if dev.startswith("cuda") else "torch"), desc
 
 
@@ -191,7 +191,8 @@ def main(argv=None):
     ap.add_argument("--depths", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--profiles", default="frontier,stock,chat", help=f"names from {sorted(PROFILES)}")
     ap.add_argument("--windows", default="native,188", help="native or a number of keys")
-    ap.add_argument("--head", default="int4", help="full, int8, int4 or pruned:N (N bf16 rows, fused sparse argmax)")
+    ap.add_argument("--head", default="int4", help="full, int8, int4 or pruned:N[:int8|:int4] (N rows in bf16, or int8 / int4; fused sparse "
+                         "argmax)")
     ap.add_argument("--mtp-depth", type=int, default=7, help="depth of the untrained-drafter cost row (0: skip)")
     ap.add_argument("--centroid-top-k", type=int, default=0, help="0: the drafter's own (32)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the step bodies before capture (slow)")

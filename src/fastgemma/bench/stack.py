@@ -2,6 +2,7 @@
 and pruned heads, on the same synthetic weights. The AR decode step of each pair, and the head alone.
 
     python -m fastgemma.bench.stack --bodies bf16 int4 nf4 --heads full int8 int4 pruned:12288 pruned:16384 pruned:32768
+        [pruned:12288:int4 ...]
 
 Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.compile):
 - bf16: `fuse=layers fuse.pdl=true` (the fused one-row GEMVs of kernels/fused_gemv.py);
@@ -53,14 +54,22 @@ from .ladder import copy_bandwidth, decode_bytes
 BODIES = ("bf16", "int4", "nf4")
 
 
-def parse_head(spec: str) -> tuple[str, int | None]:
-    """'full' | 'int8' | 'int4' | 'pruned:N' -> (kind, rows)."""
-    kind, _, n = spec.partition(":")
-    if kind in ("full", "int8", "int4") and not n:
-        return kind, None
-    if kind == "pruned" and n.isdigit() and int(n) > 0:
-        return kind, int(n)
-    raise SystemExit(f"bad head {spec!r}: use full, int8, int4 or pruned:N (N rows kept)")
+def parse_head(spec: str) -> tuple[str, int | None, str]:
+    """'full' | 'int8' | 'int4' | 'pruned:N[:int8|:int4]' -> (kind, rows, the pruned rows' dtype: auto, the
+    model's, unless given)."""
+    kind, _, rest = spec.partition(":")
+    n, _, dtype = rest.partition(":")
+    if kind in ("full", "int8", "int4") and not rest:
+        return kind, None, "auto"
+    if kind == "pruned" and n.isdigit() and int(n) > 0 and dtype in ("", "int8", "int4"):
+        return kind, int(n), dtype or "auto"
+    raise SystemExit(f"bad head {spec!r}: use full, int8, int4 or pruned:N[:int8|:int4] (N rows kept, in the "
+                     "model's dtype or int8 / int4)")
+
+
+def head_name(kind: str, rows: int | None, dtype: str) -> str:
+    """`parse_head`'s spec back: the rows' name in the tables and records."""
+    return kind if rows is None else f"{kind}:{rows}" + ("" if dtype == "auto" else f":{dtype}")
 
 
 def int4_group_size(cfg) -> int:
@@ -150,7 +159,8 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str 
     return model, {type(t).__name__: (t.describe() if hasattr(t, "describe") else {}) for t in parts}
 
 
-def set_head(model, kind: str, rows: int | None, keep_ids: list[int] | None, dev: str, workdir: str):
+def set_head(model, kind: str, rows: int | None, keep_ids: list[int] | None, dev: str, workdir: str,
+             dtype: str = "auto"):
     """Swap the model's head; -> (bytes the head reads per token, describe())."""
     from ..transforms.lm_head import FullHead, Int4Head, Int8Head, PrunedHead, write_keepset
 
@@ -165,7 +175,8 @@ def set_head(model, kind: str, rows: int | None, keep_ids: list[int] | None, dev
         t = Int4Head(group_size=int4_group_size(model.config), backend=backend)
     else:
         path = write_keepset(os.path.join(workdir, f"keep{rows}.txt"), keep_ids[:rows])
-        t = PrunedHead(rows=rows, keepset=str(path), source="file", backend=backend)
+        t = PrunedHead(rows=rows, keepset=str(path), source="file", dtype=dtype,
+                       group_size=int4_group_size(model.config), backend=backend)
     t.apply(model)
     info = t.describe()
     return info["head_bytes_per_token"], info
@@ -225,7 +236,8 @@ def main(argv=None):
     ap.add_argument("--model", default="gemma4_e4b")
     ap.add_argument("--bodies", nargs="+", default=list(BODIES), choices=BODIES)
     ap.add_argument("--heads", nargs="+", default=["full", "int8", "int4", "pruned:12288", "pruned:16384",
-                                                   "pruned:32768"])
+                                                   "pruned:32768"],
+                    help="full, int8, int4, pruned:N (N rows in the model's dtype) or pruned:N:int8 / pruned:N:int4")
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[256],
                     help="prompt tokens; several: rows for each, one cache sized for the longest (long context "
@@ -298,7 +310,8 @@ def main(argv=None):
     if a.attn_tiles and not any("attn_qkv" in v.split("+") for v in variants):
         raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give a variant with attn_qkv")
     # the full head first: the reference of identity, and the pruned keepsets' first ids
-    heads = [("full", None)] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads) if h != ("full", None)]
+    heads = [("full", None, "auto")] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads)
+                                        if h != ("full", None, "auto")]
     dev = a.device
     cuda = dev.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -342,11 +355,11 @@ def main(argv=None):
             model.step = compile_step(step_fn)
         cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
         refs, full_tokens = {}, []
-        for kind, n in heads:
-            name = kind if n is None else f"{kind}:{n}"
+        for kind, n, hdtype in heads:
+            name = head_name(kind, n, hdtype)
             try:
                 nhead, hinfo = set_head(model, kind, n, keepset(eos + full_tokens, n, cfg.vocab_size) if n else None,
-                                        dev, workdir)
+                                        dev, workdir, hdtype)
                 cache.reset()
                 step = (GraphStep if cuda else StaticStep)(model, cache, sampler)
                 gen = Generator(model, cache, step, sampler=sampler)

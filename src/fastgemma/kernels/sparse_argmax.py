@@ -22,6 +22,10 @@ Two launches, grid from shapes only (no host sync, CUDA-graph safe):
    writes keep_ids[index].
 Bytes per token: N * K * 2 (bf16; 12,288 x 2560 = 62.9 MB, full 1.34 GB) or N * (K + 4) (int8), plus
 4 * N written when logits are stored.
+
+int4 rows (`head_argmax_int4`): kernels/w4a16.py's one-row GEMV with `_block_pick` in its store instead
+of step 1 (the GEMV's own tiles and sums; 12,288 rows: 15.7 MB + 0.5 MB of scales / zeros at group 128),
+then step 2.
 """
 from __future__ import annotations
 
@@ -97,13 +101,24 @@ def _head_block_kernel(
         acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND:
         acc = acc.to(xdt).to(tl.float32)
-    acc = tl.where(n_ok[None, :], acc, float("-inf"))
+    _block_pick(acc, offs_m, m_ok, offs_n, n_ok, pid_n * BLOCK_N, pmax_ptr + pid_n, pidx_ptr + pid_n, keep_ptr,
+                logit_ptr, stride_lm, softcap, NUM_P, HAS_KEEP, STORE_LOGITS, WANT_IDS, SOFTCAP)
 
+
+@triton.jit
+def _block_pick(acc, offs_m, m_ok, offs_n, n_ok, n0, pmax_ptr, pidx_ptr, keep_ptr, logit_ptr, stride_lm, softcap,
+                NUM_P: tl.constexpr, HAS_KEEP: tl.constexpr, STORE_LOGITS: tl.constexpr, WANT_IDS: tl.constexpr,
+                SOFTCAP: tl.constexpr):
+    """A block's pre-softcap logits acc [BLOCK_M, BLOCK_N] fp32 (rows offs_n, the first n0) -> its max and
+    lowest row index per x row at pmax_ptr / pidx_ptr + m * NUM_P (this block's partial), and the softcapped
+    logits at logit_ptr[m, keep_ids[n]] (STORE_LOGITS). Shared by the dense / int8 kernel above and the int4
+    GEMV's argmax store (kernels/w4a16.py)."""
+    acc = tl.where(n_ok[None, :], acc, float("-inf"))
     if WANT_IDS:
         bmax = tl.max(acc, axis=1)                       # [BLOCK_M]
         barg = tl.argmax(acc, axis=1, tie_break_left=True)
-        tl.store(pmax_ptr + offs_m * NUM_P + pid_n, bmax, mask=m_ok)
-        tl.store(pidx_ptr + offs_m * NUM_P + pid_n, pid_n * BLOCK_N + barg, mask=m_ok)
+        tl.store(pmax_ptr + offs_m * NUM_P, bmax, mask=m_ok)
+        tl.store(pidx_ptr + offs_m * NUM_P, n0 + barg, mask=m_ok)
     if STORE_LOGITS:
         y = acc
         if SOFTCAP:
@@ -182,6 +197,11 @@ def _check(x, w, scales, keep_ids, logits_out):
         raise ValueError(f"dense rows must have x's dtype {x.dtype}, got {w.dtype}")
     elif scales is not None:
         raise ValueError("scales are for int8 rows only")
+    _check_out(x, N, keep_ids, logits_out)
+
+
+def _check_out(x, N: int, keep_ids, logits_out):
+    """keep_ids [N] int64 and logits_out fp32 [M, V] (V = N without a keepset) as the kernels write them."""
     if keep_ids is not None and (keep_ids.dtype != torch.int64 or tuple(keep_ids.shape) != (N,)):
         raise ValueError(f"keep_ids must be int64 [N] = [{N}], got {keep_ids.dtype} {tuple(keep_ids.shape)}")
     if logits_out is not None:
@@ -239,6 +259,69 @@ def head_argmax(x, w, keep_ids=None, *, scales=None, logits_out=None, softcap: f
     return ids
 
 
+def head_argmax_int4(x, qweight, scales, zeros, group_size: int, keep_ids=None, *, logits_out=None,
+                     softcap: float | None = None, want_ids: bool = True, config=None):
+    """int4 rows (kernels/int4_pack.py: qweight uint8 [N, K/2], scales / zeros [K/G, N] in x's dtype) in two
+    launches: kernels/w4a16.py's CUDA-core GEMV (`_gemv_kernel`, the one-row tiles of w4a16_table at these
+    shapes, or `config`; K not split), whose store keeps each block's max and lowest row per x row instead of
+    its outputs (and writes the softcapped logits at their ids when logits_out is given), then
+    `_argmax_reduce_kernel`. The logits are the GEMV's outputs, rounded to x's dtype as `w4a16_matmul` rounds
+    them, so the ids are argmax(w4a16_matmul(x, ...)) over the rows, mapped through keep_ids. Each x row is
+    its own program: a row's pick does not depend on the rows beside it. -> ids [M] int64 (None with
+    want_ids=False). No host sync."""
+    import dataclasses
+
+    from . import w4a16
+    from .w4a16_table import resolve_config
+
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError("head_argmax_int4 runs on CUDA tensors (or with TRITON_INTERPRET=1); "
+                           "use w4a16_torch and argmax on the CPU")
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise ValueError(f"x must be [M, K] fp32 / fp16 / bf16, got {x.dtype} {tuple(x.shape)}")
+    M, K = x.shape
+    N = qweight.shape[0]
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] * 2 != K:
+        raise ValueError(f"int4 rows must be uint8 [N, K/2] with K = {K}, got {qweight.dtype} {tuple(qweight.shape)}")
+    if K % group_size or scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
+        raise ValueError(f"scales / zeros must be [K/G, N] = [{K // group_size if K % group_size == 0 else '?'}, {N}] "
+                         f"for group size {group_size}, got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+    if scales.dtype != x.dtype or zeros.dtype != x.dtype:
+        raise ValueError(f"scales / zeros must have x's dtype {x.dtype}, got {scales.dtype} / {zeros.dtype}")
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        raise ValueError("qweight, scales and zeros must be contiguous")
+    _check_out(x, N, keep_ids, logits_out)
+    cfg = resolve_config(1, N, K, group_size, config)
+    if cfg.block_m != 1:
+        raise ValueError(f"head_argmax_int4 runs the one-row GEMV: block_m 1, got {cfg}")
+    if cfg.split_k != 1:  # the argmax store needs a block's whole sums
+        cfg = resolve_config(1, N, K, group_size, dataclasses.replace(cfg, split_k=1))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    P = triton.cdiv(N, cfg.block_n)
+    dev = x.device
+    pmax = torch.empty(M, P, device=dev, dtype=torch.float32)
+    pidx = torch.empty(M, P, device=dev, dtype=torch.int32)
+    store = logits_out is not None
+    keep = keep_ids if keep_ids is not None else pidx  # unused pointer without a keepset
+    w4a16._gemv_kernel[(P, 1, M)](
+        x, qweight, scales, zeros, pmax, pmax, pmax, M, N, x.stride(0), qweight.stride(0), 0,
+        K_SPLIT=K, SPLIT=1, FIXUP=False, GROUP=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        FACTORED=cfg.factored, WORDS=cfg.words and cfg.factored, ASM=not _INTERPRET, EXACT=x.dtype == torch.float32,
+        ARGMAX=True, pmax_ptr=pmax, pidx_ptr=pidx, keep_ptr=keep, logit_ptr=logits_out if store else pmax,
+        stride_lm=logits_out.stride(0) if store else 0, softcap=float(softcap or 1.0), NUM_P=P,
+        HAS_KEEP=keep_ids is not None, STORE_LOGITS=store, WANT_IDS=want_ids, SOFTCAP=bool(softcap),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not want_ids:
+        return None
+    ids = torch.empty(M, device=dev, dtype=torch.int64)
+    _argmax_reduce_kernel[(M,)](pmax, pidx, keep_ids if keep_ids is not None else ids, ids,
+                                NUM_P=P, BLOCK_P=min(GEMV_CONFIG.block_p, triton.next_power_of_2(P)),
+                                HAS_KEEP=keep_ids is not None, num_warps=4)
+    return ids
+
+
 # ---------------------------------------------------------------------------------------------
 # torch twin
 
@@ -285,4 +368,18 @@ def head_argmax_op(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None
 
 @head_argmax_op.register_fake
 def _(x, w, scales, keep_ids, logits_out, softcap, round_to_input, row_invariant=False):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
+
+
+# The int4 rows' pick as an opaque op (the decode path: ids and the logits at their ids).
+@torch.library.custom_op("fastgemma::head_argmax_int4", mutates_args=("logits_out",))
+def head_argmax_int4_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int, keep_ids: torch.Tensor | None, logits_out: torch.Tensor,
+                        softcap: float) -> torch.Tensor:
+    return head_argmax_int4(x, qweight, scales, zeros, group_size, keep_ids, logits_out=logits_out,
+                            softcap=softcap or None)
+
+
+@head_argmax_int4_op.register_fake
+def _(x, qweight, scales, zeros, group_size, keep_ids, logits_out, softcap):
     return x.new_empty(x.shape[0], dtype=torch.int64)

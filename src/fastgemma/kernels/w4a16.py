@@ -34,6 +34,7 @@ from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _rnd
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 from .int4_pack import dequantize_int4
+from .sparse_argmax import _block_pick
 from .w4a16_table import W4A16Config, resolve_config
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)  # read where @triton.jit reads it: at import
@@ -211,6 +212,12 @@ def _gemv_kernel(
     K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FACTORED: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
+    # ARGMAX (SPLIT 1; kernels/sparse_argmax.head_argmax_int4): the block's outputs, rounded to x's dtype as
+    # the store rounds them, go to sparse_argmax's `_block_pick` (max / row index partials [M, NUM_P],
+    # softcapped logits at their ids) instead of out
+    ARGMAX: tl.constexpr = False, pmax_ptr=None, pidx_ptr=None, keep_ptr=None, logit_ptr=None, stride_lm=0,
+    softcap=1.0, NUM_P: tl.constexpr = 1, HAS_KEEP: tl.constexpr = False, STORE_LOGITS: tl.constexpr = False,
+    WANT_IDS: tl.constexpr = True, SOFTCAP: tl.constexpr = False,
 ):
     # At one row the GEMV is bound by its per-weight instructions, not by its tiles. Factored: codes
     # become f = 1 + q/16 by bit operations and one FMA with x each; per group g and row n, with
@@ -282,7 +289,12 @@ def _gemv_kernel(
             x_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)[:, None]  # [BLOCK_N, 1]: one row of x per program
     offs_m = pid_m + tl.arange(0, 1)
-    _split_store(y, offs_n, offs_m, n_ok, offs_m < M, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP)
+    if ARGMAX:
+        r = tl.reshape(y, (1, BLOCK_N)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        _block_pick(r, offs_m, offs_m < M, offs_n, n_ok, pid_n * BLOCK_N, pmax_ptr + pid_n, pidx_ptr + pid_n, keep_ptr,
+                    logit_ptr, stride_lm, softcap, NUM_P, HAS_KEEP, STORE_LOGITS, WANT_IDS, SOFTCAP)
+    else:
+        _split_store(y, offs_n, offs_m, n_ok, offs_m < M, out_ptr, ws_ptr, cnt_ptr, M, N, stride_om, SPLIT, FIXUP)
 
 
 @triton.jit

@@ -215,6 +215,7 @@ E4B_SHAPES: dict[str, tuple[int, int]] = {  # name: (N, K)
     "qkv": (3072, 2560), "qkv_full": (6144, 2560),
     "gate/up": (10240, 2560), "gate|up": (20480, 2560), "down": (2560, 10240),
     "ple_gate": (256, 2560), "ple_proj": (2560, 256), "w_plm": (10752, 2560),
+    "head_12k": (12288, 2560),  # the pruned head's rows in int4 (lm_head=pruned lm_head.dtype=int4)
 }
 
 

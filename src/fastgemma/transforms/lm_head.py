@@ -138,7 +138,9 @@ class Int8Rows(HeadRows):
 
 class Int4Rows(HeadRows):
     """W4A16 rows (qweight uint8 [N, K/2], scales / zeros [K/G, N]; layout in kernels/int4_pack.py).
-    Two launches per pick: the w4a16 GEMV, then argmax over [M, N] and a gather of keep_ids."""
+    A one-row pick on the Triton backend: the w4a16 GEMV with the argmax in its store, then the blocks'
+    reduce (kernels/sparse_argmax.head_argmax_int4: the same ids and logits as the two-step path, no
+    logits round trip); wider picks: the w4a16 GEMM, then argmax over [M, N] and a gather of keep_ids."""
 
     kind = "int4"
 
@@ -164,6 +166,15 @@ class Int4Rows(HeadRows):
         if row_invariant:
             raise ValueError("an int4 head picks through the w4a16 GEMV, whose tiles follow the row count: not "
                              "batch-invariant (use lm_head=full, int8 or pruned)")
+        if (backend or self.backend) == "triton" and x.shape[0] == 1:  # the GEMV's store picks
+            from ..kernels.sparse_argmax import head_argmax_int4, head_argmax_int4_op
+
+            s, z = self.scales.to(x.dtype), self.zeros.to(x.dtype)
+            if logits_out is not None and want_ids:  # the decode path: an opaque op for torch.compile
+                return head_argmax_int4_op(x.contiguous(), self.qweight, s, z, self.group_size, self.keep_ids,
+                                           logits_out, float(self.softcap or 0.0))
+            return head_argmax_int4(x, self.qweight, s, z, self.group_size, self.keep_ids, logits_out=logits_out,
+                                    softcap=self.softcap, want_ids=want_ids)
         raw = self.raw(x, backend)  # [M, N], rounded to x's dtype like F.linear
         if logits_out is not None:
             y = softcap_torch(raw, self.softcap)
