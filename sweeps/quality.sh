@@ -8,7 +8,7 @@
 # untied copies of the tied embedding); LM-head pruning at 8k / 12k / 16k / 32k rows with the keepset
 # from MPL-2.0 (never the scored text), scatter=false so that ppl stays the full head's and the ppl
 # pass counts the keepset misses, sampler=fused_argmax so that greedy decode goes through the pruned
-# head.
+# head; the 12k keepset's rows also in int8 and int4 (g128).
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -29,6 +29,7 @@ windows=window=native,w256,w192,w188,w160,w128
 int4=(quant=int4 quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
 heads=(lm_head=int8,int4)
 pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
+pruned_q=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8,int4 lm_head.scatter=false sampler=fused_argmax)
 
 read -r -a ppl_args <<< "${PPL_ARGS:-}"
 read -r -a identity_args <<< "${IDENTITY_ARGS:-}"
@@ -44,6 +45,7 @@ for task in ppl identity; do
   fi
   sweep "task=$task" "${heads[@]}" "${common[@]}"
   sweep "task=$task" "${pruned[@]}" "${common[@]}"
+  sweep "task=$task" "${pruned_q[@]}" "${common[@]}"
 done
 
 echo "== fastgemma task=report task.inputs=[$results]" >&2
