@@ -250,11 +250,15 @@ def head_argmax(x, w, keep_ids=None, *, scales=None, logits_out=None, softcap: f
         SOFTCAP=bool(softcap), ROUND=bool(round_to_input), IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not want_ids:
-        return None
-    ids = torch.empty(M, device=dev, dtype=torch.int64)
+    return _reduce_ids(pmax, pidx, keep_ids, cfg.block_p) if want_ids else None
+
+
+def _reduce_ids(pmax, pidx, keep_ids, block_p: int) -> torch.Tensor:
+    """The blocks' partials [M, P] -> ids [M] int64 (`_argmax_reduce_kernel`, one program a row)."""
+    M, P = pmax.shape
+    ids = torch.empty(M, device=pmax.device, dtype=torch.int64)
     _argmax_reduce_kernel[(M,)](pmax, pidx, keep_ids if keep_ids is not None else ids, ids,
-                                NUM_P=P, BLOCK_P=min(cfg.block_p, triton.next_power_of_2(P)),
+                                NUM_P=P, BLOCK_P=min(block_p, triton.next_power_of_2(P)),
                                 HAS_KEEP=keep_ids is not None, num_warps=4)
     return ids
 
@@ -313,13 +317,7 @@ def head_argmax_int4(x, qweight, scales, zeros, group_size: int, keep_ids=None, 
         HAS_KEEP=keep_ids is not None, STORE_LOGITS=store, WANT_IDS=want_ids, SOFTCAP=bool(softcap),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not want_ids:
-        return None
-    ids = torch.empty(M, device=dev, dtype=torch.int64)
-    _argmax_reduce_kernel[(M,)](pmax, pidx, keep_ids if keep_ids is not None else ids, ids,
-                                NUM_P=P, BLOCK_P=min(GEMV_CONFIG.block_p, triton.next_power_of_2(P)),
-                                HAS_KEEP=keep_ids is not None, num_warps=4)
-    return ids
+    return _reduce_ids(pmax, pidx, keep_ids, GEMV_CONFIG.block_p) if want_ids else None
 
 
 # ---------------------------------------------------------------------------------------------
