@@ -18,7 +18,7 @@ def test_gpu_only_variants_compile_for_sm90():
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
             if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "rope", "loop",
-                            "stream", "floor", "accept", "head4")}
+                            "stream", "floor", "accept", "head4", "head8")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy) but the norm kernels' parameters (the residual norm's post, pre
@@ -103,6 +103,10 @@ def test_gpu_only_variants_compile_for_sm90():
     head4 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "head4"}
     assert set(head4) == {"full head words", "pruned head bytes"}, head4
     assert all(sp == 0 and st == 3 and regs <= 200 for regs, sp, st in head4.values()), head4
+    # the int8 head's one-row pick reads its rows as words: 16-byte loads, no I2F, no spills
+    head8 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "head8"}
+    (regs, spills, i2f, v4), = head8.values()
+    assert spills == 0 and i2f == 0 and v4 >= 4, head8
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}

@@ -63,6 +63,25 @@ def test_kernel_matches_twin(M, dtype, int8):
         assert (raw.gather(1, pos[:, None]).squeeze(1) >= raw.max(-1).values - TOL[dtype]).all()
 
 
+@pytest.mark.parametrize("k,offset", [(72, 0), (70, 0), (72, 1)], ids=["words", "K%4", "unaligned rows"])
+def test_int8_rows_one_row_read_as_words_or_bytes(k, offset):
+    """One row of int8 rows: as int32 words (each code exact without I2F) where every row starts 4-byte
+    aligned, else element by element; both give the twin's ids and logits (fp32 x: exact products)."""
+    g = torch.Generator().manual_seed(k + offset)
+    x = torch.randn(1, k, generator=g)
+    base = torch.randint(-128, 128, (N, k + offset), generator=g, dtype=torch.int8)
+    w = base[:, offset:] if offset else base  # offset 1: rows start 1 byte past an aligned address
+    s = torch.rand(N, generator=g) * 0.02 + 0.001
+    keep = torch.randperm(V, generator=g)[:N].sort().values
+    for cfg in (GEMV, HeadArgmaxConfig(16, 64, 1, 2, 2), None):  # None: the int8 default (512 k)
+        out_k = torch.full((1, V), float("-inf"))
+        out_t = out_k.clone()
+        ids_k = head_argmax(x, w, keep, scales=s, logits_out=out_k, softcap=30.0, config=cfg)
+        ids_t = head_argmax_torch(x, w, keep, scales=s, logits_out=out_t, softcap=30.0)
+        assert torch.equal(ids_k, ids_t), (k, offset, cfg)
+        torch.testing.assert_close(out_k, out_t, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("M", [1, 3])
 def test_full_head_without_keepset(M):
     x, w, _, _ = _case(M, torch.float32, keep=False, n=300)

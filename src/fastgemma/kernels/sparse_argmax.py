@@ -15,7 +15,8 @@ rounding boundary can still flip a near-tie; greedy identity in bf16 is a rate, 
 
 Two launches, grid from shapes only (no host sync, CUDA-graph safe):
 1. `_head_block_kernel`: one program = BLOCK_N rows x BLOCK_M rows of x, the whole K; M = 1 uses
-   CUDA-core dot products ([BLOCK_N, BLOCK_K] fp32 accumulator), M > 1 tl.dot with BLOCK_M = 16
+   CUDA-core dot products ([BLOCK_N, BLOCK_K] fp32 accumulator; int8 rows read as int32 words, each
+   code made exact without I2F: `_int8_byte`), M > 1 tl.dot with BLOCK_M = 16
    (each weight tile read once for all rows). Writes its block's max and row index per x row:
    partials [M, P] fp32 + int32, P = cdiv(N, BLOCK_N) (E4B full head, BLOCK_N 16: 16,384 x 8 bytes).
 2. `_argmax_reduce_kernel`: one program per x row scans the P partials (max, lowest index) and
@@ -54,13 +55,21 @@ def _softcap(z, cap):
 
 
 @triton.jit
+def _int8_byte(v, J: tl.constexpr):
+    # byte J of int32 words v as the int8 it holds, exactly and without I2F (a quarter-rate pipe): the byte
+    # with its sign bit flipped is s + 128, OR-ed into the mantissa of 2^23; minus 2^23 + 128 leaves s
+    t = v >> (8 * J) if J > 0 else v
+    return ((t & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _head_block_kernel(
     x_ptr, w_ptr, s_ptr, keep_ptr, pmax_ptr, pidx_ptr, logit_ptr,
     M, N, stride_xm, stride_wn, stride_lm, softcap,
     K: tl.constexpr, NUM_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, STORE_LOGITS: tl.constexpr, WANT_IDS: tl.constexpr,
-    SOFTCAP: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr, WORDS8: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -74,7 +83,28 @@ def _head_block_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
 
-    if BLOCK_M == 1:
+    if BLOCK_M == 1 and WORDS8:  # int8 rows read as int32 words (16-byte vectors), 4 codes each
+        WK: tl.constexpr = BLOCK_K // 4
+        offs_w = tl.arange(0, WK)
+        v_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_wn // 4)
+                  + offs_w[None, :])
+        xw_ptrs = x_ptr + pid_m * stride_xm + offs_w * 4  # x of each word's code 0
+        acc4 = tl.zeros((BLOCK_N, WK), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w_ok = (k0 // 4 + offs_w) < K // 4
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & w_ok[None, :], other=0)
+            x0 = tl.load(xw_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+            x1 = tl.load(xw_ptrs + 1, mask=w_ok, other=0.0).to(tl.float32)
+            x2 = tl.load(xw_ptrs + 2, mask=w_ok, other=0.0).to(tl.float32)
+            x3 = tl.load(xw_ptrs + 3, mask=w_ok, other=0.0).to(tl.float32)
+            acc4 += _int8_byte(v, 0) * x0[None, :]
+            acc4 += _int8_byte(v, 1) * x1[None, :]
+            acc4 += _int8_byte(v, 2) * x2[None, :]
+            acc4 += _int8_byte(v, 3) * x3[None, :]
+            v_ptrs += WK
+            xw_ptrs += BLOCK_K
+        acc = tl.reshape(tl.sum(acc4, axis=1), (1, BLOCK_N))  # [BLOCK_M = 1, BLOCK_N]
+    elif BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + offs_k) < K
@@ -174,13 +204,17 @@ class HeadArgmaxConfig:
 # M > 1: 64 rows x 128 k per tl.dot step. Starting points, not yet timed on the H200 (bench_head sweeps).
 GEMV_CONFIG = HeadArgmaxConfig(16, 256, 1, 4, 3)
 DOT_CONFIG = HeadArgmaxConfig(64, 128, 16, 4, 3)
+# int8 rows at M = 1, read as int32 words: 16 rows x 512 k = 8 KB per iteration as for bf16 (not yet
+# timed). Read per element with GEMV_CONFIG, the sm_90a code took 4-byte loads, a layout change through
+# shared memory and an I2F per weight, and the full head's 672 MB took 312 us (2.2 TB/s, run GV)
+INT8_GEMV_CONFIG = HeadArgmaxConfig(16, 512, 1, 4, 3)
 # fuse.batch_invariant: one config at every M (1..16 rows in one tile), so a row's logits are the same
 # bits at one row and in a verify pass (the tl.dot's columns are independent)
 ROW_INVARIANT_CONFIG = DOT_CONFIG
 
 
-def default_config(M: int) -> HeadArgmaxConfig:
-    return GEMV_CONFIG if M == 1 else DOT_CONFIG
+def default_config(M: int, int8: bool = False) -> HeadArgmaxConfig:
+    return (INT8_GEMV_CONFIG if int8 else GEMV_CONFIG) if M == 1 else DOT_CONFIG
 
 
 def _check(x, w, scales, keep_ids, logits_out):
@@ -225,7 +259,7 @@ def head_argmax(x, w, keep_ids=None, *, scales=None, logits_out=None, softcap: f
     _check(x, w, scales, keep_ids, logits_out)
     M, K = x.shape
     N = w.shape[0]
-    cfg = config or default_config(M)
+    cfg = config or default_config(M, w.dtype == torch.int8)
     if cfg.block_m != 1 and (cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16):
         raise ValueError(f"tl.dot tiles must be >= 16, got {cfg}")
     if w.stride(1) != 1:
@@ -240,6 +274,9 @@ def head_argmax(x, w, keep_ids=None, *, scales=None, logits_out=None, softcap: f
     else:
         pmax = pidx = x  # unused pointers
     store = logits_out is not None
+    # int8 rows as int32 words where every row starts 4-byte aligned
+    words8 = (w.dtype == torch.int8 and cfg.block_m == 1 and K % 4 == 0 and w.stride(0) % 4 == 0
+              and w.data_ptr() % 4 == 0 and cfg.block_k % 4 == 0)
     grid = (P, triton.cdiv(M, cfg.block_m))
     _head_block_kernel[grid](
         x, w, scales if scales is not None else x, keep_ids if keep_ids is not None else x,
@@ -247,7 +284,7 @@ def head_argmax(x, w, keep_ids=None, *, scales=None, logits_out=None, softcap: f
         M, N, x.stride(0), w.stride(0), logits_out.stride(0) if store else 0, float(softcap or 1.0),
         K=K, NUM_P=P, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_SCALE=scales is not None, HAS_KEEP=keep_ids is not None, STORE_LOGITS=store, WANT_IDS=want_ids,
-        SOFTCAP=bool(softcap), ROUND=bool(round_to_input), IEEE=x.dtype == torch.float32,
+        SOFTCAP=bool(softcap), ROUND=bool(round_to_input), IEEE=x.dtype == torch.float32, WORDS8=words8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return _reduce_ids(pmax, pidx, keep_ids, cfg.block_p) if want_ids else None
