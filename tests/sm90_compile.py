@@ -327,16 +327,17 @@ def floor_lines():
 
 def head4_lines():
     """The int4 head's pick in the w4a16 GEMV's store (kernels/sparse_argmax.head_argmax_int4) on E4B's full
-    head tiles (the word loop, 32 rows x 512 k, 2 warps) and the pruned head's default (the byte loop, 8 x 512,
-    4 warps), with stored logits and a keepset ("head4" lines: name, registers, spill bytes, argmax stores:
-    the block's max and row)."""
+    head tiles (the word loop, 32 rows x 512 k, 2 warps), the pruned head's (16 x 512, 2 warps) and the byte
+    loop of the other shapes' default (8 x 512, 4 warps), with stored logits and a keepset ("head4" lines:
+    name, registers, spill bytes, global stores: the block's max, its row, the logits)."""
     from fastgemma.kernels.w4a16 import _gemv_kernel
 
     sig = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*fp32", "ws_ptr": "*fp32",
            "cnt_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_qn": "i32", "stride_om": "i32",
            "pmax_ptr": "*fp32", "pidx_ptr": "*i32", "keep_ptr": "*i64", "logit_ptr": "*fp32", "stride_lm": "i32",
            "softcap": "fp32"}
-    for name, bn, words, warps in (("full head words", 32, True, 2), ("pruned head bytes", 8, False, 4)):
+    for name, bn, words, warps in (("full head words", 32, True, 2), ("pruned head words", 16, True, 2),
+                                   ("default bytes", 8, False, 4)):
         ce = dict(K_SPLIT=2560, SPLIT=1, FIXUP=False, GROUP=128, BLOCK_N=bn, BLOCK_K=512, FACTORED=True, WORDS=words,
                   ASM=True, EXACT=False, ARGMAX=True, NUM_P=262144 // bn, HAS_KEEP=True, STORE_LOGITS=True,
                   WANT_IDS=True, SOFTCAP=True)

@@ -78,6 +78,9 @@ CONFIGS: dict[tuple[int, int, int], W4A16Config] = {
     (1, 10752, 2560): _gemv(16, 512, 1, 2, words=True),  # W_plm: 9.62 / 12.44 / 15.40
     # the int4 head (lm_head=int4), run V: 106.98 us (3.3 TB/s) / the byte loop at 16 x 512, 8 warps 218.99
     (1, 262144, 2560): _gemv(32, 512, 1, 2, words=True),
+    # the pruned head's 12,288 rows in int4 (lm_head.dtype=int4): not timed; W_plm's tiles, the nearest shape
+    # timed (10,752 rows: the word loop 9.62 us against the byte loop's 12.44, run P)
+    (1, 12288, 2560): _gemv(16, 512, 1, 2, words=True),
     # M = 2..16 (the verify pass): the per-group kernel on packed scale / zero words (`pack_scale_zero`,
     # streamed ahead with the codes). bench_shapes(ms=(8,), sweep=True, per_group_only=True, packed=True)
     # on the H200 (2026-11-30, graph-timed, weights out of L2), us at M = 8: this config (run BD, which
