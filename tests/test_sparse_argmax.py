@@ -225,8 +225,9 @@ def test_int4_rows_pick_in_the_gemv_store(M, dtype, G, words):
 
 
 def test_int4_rows_logits_only_the_op_and_the_head():
-    """want_ids=False stores the logits only; the registered op gives the launcher's ids and logits; Int4Rows
-    on the Triton backend picks one row through it and agrees with its torch path (fp32: the same ids)."""
+    """want_ids=False stores the logits only; the registered op gives the launcher's ids and logits (and passes
+    torch's schema and fake-tensor checks); Int4Rows on the Triton backend picks one row through it and agrees
+    with its torch path (fp32: the same ids)."""
     from fastgemma.kernels.sparse_argmax import head_argmax_int4, head_argmax_int4_op
     from fastgemma.transforms.lm_head import Int4Rows
 
@@ -236,6 +237,8 @@ def test_int4_rows_logits_only_the_op_and_the_head():
     buf = torch.full((1, V), float("-inf"))
     ids = head_argmax_int4_op(x, qw, sc, zr, 64, keep, buf, 30.0)
     assert torch.equal(buf, out) and torch.equal(ids, head_argmax_int4(x, qw, sc, zr, 64, keep))
+    torch.library.opcheck(head_argmax_int4_op, (x, qw, sc, zr, 64, keep, buf, 30.0),
+                          test_utils=("test_schema", "test_faketensor"))  # what torch.compile traces
     g = torch.Generator().manual_seed(10)
     w, h = torch.randn(N, 256, generator=g), torch.randn(2, 256, generator=g)
     heads = {b: Int4Rows(w, V, 30.0, keep, 64, b) for b in ("triton", "torch")}
