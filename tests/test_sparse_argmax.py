@@ -275,6 +275,8 @@ def test_bench_head_runs_on_a_tiny_head(capsys):
                       group_size=32, timer=lambda fn: (fn(), 1.0)[1])
     assert {r["dtype"] for r in rows} == {"fp32", "int8", "int4"}
     assert all(r["ids_ok"] in (True, None) for r in rows)
+    int8 = {(r["head"], r["path"]) for r in rows if r["dtype"] == "int8"}
+    assert {("full", "fused ids, int8 elements"), ("pruned 40", "fused ids, int8 elements")} <= int8
     int4 = {(r["head"], r["path"]) for r in rows if r["dtype"] == "int4"}
     for head in ("full", "pruned 40"):  # the GEMV's argmax store beside the GEMV, then torch's argmax
         assert {(head, "int4 GEMV, then argmax"), (head, "fused (ids only)"), (head, "fused (+logits)")} <= int4

@@ -2,8 +2,9 @@
 
 Rows timed (CUDA graphs, weights rotated out of L2, median of repeats):
 - full bf16: cuBLAS GEMV alone; + softcap + argmax (sampler=argmax); the fused argmax kernel.
-- int8 (per-row scales) and int4 (w4a16, group 128): logits, and the pick (the fused kernel; int4: the w4a16
-  GEMV with the argmax in its store at one row, against its GEMV, then torch's argmax and gather).
+- int8 (per-row scales) and int4 (w4a16, group 128): logits, and the pick (the fused kernel; int8 at one row:
+  the rows as int32 words, against the element loop; int4: the w4a16 GEMV with the argmax in its store at one
+  row, against its GEMV, then torch's argmax and gather).
 - pruned 12,288 / 16,384 / 32,768 rows in bf16: GEMV + argmax + id gather (torch), the scatter path
   (compute_logits: -inf fill + index_copy + argmax over V), the fused kernel; int8 / int4 at 12,288.
 Run: python -m fastgemma.bench.head [--m 1 4] [--sweep]
@@ -95,6 +96,8 @@ def bench_head(ms=(1,), rows=(12288, 16384, 32768), dtype=torch.bfloat16, sweep:
                 paths.append(("scatter+argmax(V)", lambda h: h(x).argmax(-1), None))
             if kind == "int4":  # the pick before the GEMV's argmax store: its outputs, then torch's argmax
                 paths.append(("int4 GEMV, then argmax", lambda h: _two_step_int4(h, x), None))
+            if kind == "int8" and M == 1:  # the one-row loop element by element, as before the word loop
+                paths.append(("fused ids, int8 elements", lambda h: _int8_elements(h, x), None))
             buf = head.new_logits(M, dev)
             paths.append(("fused (+logits)", lambda h: h.pick(x, buf), None))
             paths.append(("fused (ids only)", lambda h: h.pick(x), None))
@@ -138,6 +141,16 @@ def _ref_ids(head, x):
 
 def _torch_pick(head, x):
     return head.pick(x, None, "torch") if not isinstance(head, Int4Rows) else _two_step_int4(head, x)
+
+
+def _int8_elements(head, x):
+    from ..kernels import sparse_argmax
+
+    sparse_argmax.INT8_WORDS = False  # read at launch: the graph the timer captures keeps the element loop
+    try:
+        return head.pick(x)
+    finally:
+        sparse_argmax.INT8_WORDS = True
 
 
 def _two_step_int4(head, x):

@@ -208,6 +208,9 @@ DOT_CONFIG = HeadArgmaxConfig(64, 128, 16, 4, 3)
 # timed). Read per element with GEMV_CONFIG, the sm_90a code took 4-byte loads, a layout change through
 # shared memory and an I2F per weight, and the full head's 672 MB took 312 us (2.2 TB/s, run GV)
 INT8_GEMV_CONFIG = HeadArgmaxConfig(16, 512, 1, 4, 3)
+# int8 rows at one row as int32 words where they are 4-byte aligned (True), or element by element (False: the
+# baseline of bench.head's int8 rows). Read at launch
+INT8_WORDS = True
 # fuse.batch_invariant: one config at every M (1..16 rows in one tile), so a row's logits are the same
 # bits at one row and in a verify pass (the tl.dot's columns are independent)
 ROW_INVARIANT_CONFIG = DOT_CONFIG
@@ -275,7 +278,7 @@ def head_argmax(x, w, keep_ids=None, *, scales=None, logits_out=None, softcap: f
         pmax = pidx = x  # unused pointers
     store = logits_out is not None
     # int8 rows as int32 words where every row starts 4-byte aligned
-    words8 = (w.dtype == torch.int8 and cfg.block_m == 1 and K % 4 == 0 and w.stride(0) % 4 == 0
+    words8 = (INT8_WORDS and w.dtype == torch.int8 and cfg.block_m == 1 and K % 4 == 0 and w.stride(0) % 4 == 0
               and w.data_ptr() % 4 == 0 and cfg.block_k % 4 == 0)
     grid = (P, triton.cdiv(M, cfg.block_m))
     _head_block_kernel[grid](
