@@ -264,7 +264,7 @@ def main():
               (0, 1, 2))
     draft_loop_line()
     head4_lines()
-    head8_line()
+    head8_lines()
     accept_line()
     stream_lines()
     floor_lines()
@@ -345,19 +345,25 @@ def head4_lines():
         print(f"head4\t{name}\t{regs}\t{spills}\t{len(re.findall(r'st[.]global', ptx))}")
 
 
-def head8_line():
-    """The int8 head's one-row pick (kernels/sparse_argmax.py, its int8 default tiles: 16 rows x 512 k, the rows
-    read as int32 words): "head8" line: registers, spill bytes, I2F conversions, 16-byte loads."""
-    from fastgemma.kernels.sparse_argmax import INT8_GEMV_CONFIG as c, _head_block_kernel
+def head8_lines():
+    """The dense / int8 head's one-row pick (kernels/sparse_argmax.py at its default tiles: bf16 rows, and int8
+    rows read as int32 words): "head8" lines: name, registers, spill bytes, I2F conversions, 16-byte loads and
+    barriers in the K loop."""
+    from fastgemma.kernels.sparse_argmax import GEMV_CONFIG, INT8_GEMV_CONFIG, _head_block_kernel
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "keep_ptr": "*i64", "pmax_ptr": "*fp32",
-           "pidx_ptr": "*i32", "logit_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_lm": "i32", "softcap": "fp32"}
-    ce = dict(K=2560, NUM_P=262144 // c.block_n, BLOCK_M=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_SCALE=True,
-              HAS_KEEP=True, STORE_LOGITS=True, WANT_IDS=True, SOFTCAP=True, ROUND=True, IEEE=False, WORDS8=True)
-    ptx, regs, spills = build(_head_block_kernel, sig, ce, (0, 1, 2, 3, 4, 5, 6, 10), c.num_warps)
-    print(f"head8\tint8 head words\t{regs}\t{spills}\t{len(re.findall(r'cvt[.]rn[.]f32[.]s', ptx))}\t"
-          f"{ptx.count('ld.global.v4')}")
+    for name, c, w, int8 in (("bf16 head", GEMV_CONFIG, "*bf16", False), ("int8 head words", INT8_GEMV_CONFIG, "*i8",
+                                                                            True)):
+        sig = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": "*fp32", "keep_ptr": "*i64", "pmax_ptr": "*fp32",
+               "pidx_ptr": "*i32", "logit_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
+               "stride_wn": "i32", "stride_lm": "i32", "softcap": "fp32"}
+        ce = dict(K=2560, NUM_P=262144 // c.block_n, BLOCK_M=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_SCALE=int8,
+                  HAS_KEEP=True, STORE_LOGITS=True, WANT_IDS=True, SOFTCAP=True, ROUND=True, IEEE=False, WORDS8=int8)
+        # the launch specialises the strides of 16-element multiples (x's and w's rows, the logits' rows)
+        ptx, regs, spills = build(_head_block_kernel, sig, ce, (0, 1, 2, 3, 4, 5, 6, 9, 10, 11), c.num_warps)
+        loop = ptx[ptx.find("Inner Loop Header"):]
+        loop = loop[:loop.find("bra")]
+        print(f"head8\t{name}\t{regs}\t{spills}\t{len(re.findall(r'cvt[.]rn[.]f32[.]s', ptx))}\t"
+              f"{loop.count('ld.global.v4')}\t{loop.count('bar.sync')}")
 
 
 def accept_line():

@@ -103,10 +103,11 @@ def test_gpu_only_variants_compile_for_sm90():
     head4 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "head4"}
     assert set(head4) == {"full head words", "pruned head words", "default bytes"}, head4
     assert all(sp == 0 and st == 3 and regs <= 200 for regs, sp, st in head4.values()), head4
-    # the int8 head's one-row pick reads its rows as words: 16-byte loads, no I2F, no spills
+    # the dense and int8 heads' one-row loops: 16-byte loads and no barrier an iteration (no layout change through
+    # shared memory), no I2F, no spills
     head8 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "head8"}
-    (regs, spills, i2f, v4), = head8.values()
-    assert spills == 0 and i2f == 0 and v4 >= 4, head8
+    assert set(head8) == {"bf16 head", "int8 head words"}, head8
+    assert all(sp == 0 and i2f == 0 and v4 >= 4 and bars == 0 for _, sp, i2f, v4, bars in head8.values()), head8
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}
