@@ -232,6 +232,9 @@ def candidates(M: int, N: int, K: int, per_group_only: bool = False) -> list[W4A
         out += [_gemv(bn, bk, sk, w, words=True) for bn, bk, sk, w in (
             (8, 512, 1, 2), (16, 512, 1, 2), (16, 512, 2, 2), (32, 512, 1, 2), (32, 512, 2, 2), (32, 512, 4, 2),
             (16, 1024, 1, 4), (32, 1024, 1, 4), (32, 1024, 2, 4))]
+        # one group an iteration (block_k = 128): no reshape into groups, so on sm_90a the word loop has no
+        # barrier and no shared memory (22-24 barriers an iteration at block_k 512); not timed yet
+        out += [_gemv(bn, 128, sk, w, words=True) for bn, sk, w in ((16, 1, 1), (32, 1, 2), (64, 1, 4), (32, 2, 2))]
         return out + per_group_candidates(M)
     if M > MAX_DECODE_M:  # prefill: large tiles, no splits; the first tl.dot kernel's default as the baseline
         return [default_config(M, N, K), _mma(128, 128, 1, 8, 3, 128)] + prefill_candidates() + [
