@@ -497,8 +497,6 @@ def _combine_kernel(
              res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-
-
 def _check_kv(B, T, H, D, k_cache, v_cache, q_pos, slot_pos, what: str) -> None:
     Bk, S, Hkv, Dk = k_cache.shape
     if (Bk, Dk) != (B, D) or v_cache.shape != k_cache.shape or H % Hkv:
@@ -570,7 +568,6 @@ def decode_attention_qkv(qkv, q_w, k_w, cos, sin, k_cache, v_cache, idx, q_pos, 
     return _attention(qkv, (qkv.stride(0), qkv.stride(1), 0, 0), (B, T, heads, D), k_cache, v_cache, q_pos,
                       slot_pos, window, scale, num_splits, pdl, merge, extra, per_position, tiles=tiles, parts=parts,
                       early=early)
-
 
 
 def _attention(q, q_strides, shape, k_cache, v_cache, q_pos, slot_pos, window, scale, num_splits, pdl, merge,
