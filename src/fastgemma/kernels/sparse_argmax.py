@@ -326,19 +326,11 @@ def head_argmax_int4(x, qweight, scales, zeros, group_size: int, keep_ids=None, 
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("head_argmax_int4 runs on CUDA tensors (or with TRITON_INTERPRET=1); "
                            "use w4a16_torch and argmax on the CPU")
-    if x.dim() != 2 or x.dtype not in _DTYPES:
-        raise ValueError(f"x must be [M, K] fp32 / fp16 / bf16, got {x.dtype} {tuple(x.shape)}")
-    M, K = x.shape
-    N = qweight.shape[0]
-    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] * 2 != K:
-        raise ValueError(f"int4 rows must be uint8 [N, K/2] with K = {K}, got {qweight.dtype} {tuple(qweight.shape)}")
-    if K % group_size or scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
-        raise ValueError(f"scales / zeros must be [K/G, N] = [{K // group_size if K % group_size == 0 else '?'}, {N}] "
-                         f"for group size {group_size}, got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be fp32 / fp16 / bf16, got {x.dtype}")
+    M, N, K = w4a16.check_int4_operands(x, qweight, scales, zeros, group_size)
     if scales.dtype != x.dtype or zeros.dtype != x.dtype:
         raise ValueError(f"scales / zeros must have x's dtype {x.dtype}, got {scales.dtype} / {zeros.dtype}")
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        raise ValueError("qweight, scales and zeros must be contiguous")
     _check_out(x, N, keep_ids, logits_out)
     cfg = resolve_config(1, N, K, group_size, config)
     if cfg.block_m != 1:

@@ -565,6 +565,27 @@ def check_epilogue(epilogue: str, M: int, N: int, aux: torch.Tensor | None) -> N
                          f"strides {aux.stride()}")
 
 
+def check_int4_operands(x, qweight, scales, zeros, group_size: int) -> tuple[int, int, int]:
+    """x [M, K] and W as `quantize_int4` + `pack_int4` give it (qweight uint8 [N, K/2], scales / zeros [K/G, N],
+    contiguous, int32 offsets) -> (M, N, K); a ValueError names what does not fit. The GEMV kernel's launchers
+    (`w4a16_matmul`, kernels/sparse_argmax.head_argmax_int4) check with it."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    M, K = x.shape
+    N = qweight.shape[0]
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] * 2 != K:
+        raise ValueError(f"qweight must be uint8 [N, K/2] = [{N}, {K // 2}], "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    if K % group_size or scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
+        raise ValueError(f"scales / zeros must be [K/G, N] = [{K // group_size}, {N}] for group size {group_size}, "
+                         f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        raise ValueError("qweight, scales and zeros must be contiguous")
+    if N * K // 2 >= 2**31:
+        raise ValueError(f"int32 offsets: N * K / 2 must stay below 2^31, got {N} x {K}")
+    return M, N, K
+
+
 def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config | None = None,
                  epilogue: str = "none", aux: torch.Tensor | None = None, sz: torch.Tensor | None = None,
                  pdl: bool = False):
@@ -580,20 +601,7 @@ def w4a16_matmul(x, qweight, scales, zeros, group_size: int, config: W4A16Config
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("w4a16_matmul runs on CUDA tensors (or with TRITON_INTERPRET=1); "
                            "use w4a16_torch on the CPU")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
-    M, K = x.shape
-    N = qweight.shape[0]
-    if qweight.dtype != torch.uint8 or qweight.shape[1] * 2 != K:
-        raise ValueError(f"qweight must be uint8 [N, K/2] = [{N}, {K // 2}], "
-                         f"got {qweight.dtype} {tuple(qweight.shape)}")
-    if scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
-        raise ValueError(f"scales / zeros must be [K/G, N] = [{K // group_size}, {N}], "
-                         f"got {tuple(scales.shape)} / {tuple(zeros.shape)}")
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        raise ValueError("qweight, scales and zeros must be contiguous")
-    if N * K // 2 >= 2**31:
-        raise ValueError(f"int32 offsets: N * K / 2 must stay below 2^31, got {N} x {K}")
+    M, N, K = check_int4_operands(x, qweight, scales, zeros, group_size)
     check_epilogue(epilogue, M, N, aux)
     if sz is not None and (sz.dtype != torch.int32 or sz.shape != scales.shape or not sz.is_contiguous()):
         raise ValueError(f"sz must be contiguous int32 {tuple(scales.shape)} (pack_scale_zero), "
