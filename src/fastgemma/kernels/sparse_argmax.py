@@ -105,17 +105,17 @@ def _head_block_kernel(
             xw_ptrs += BLOCK_K
         acc = tl.reshape(tl.sum(acc4, axis=1), (1, BLOCK_N))  # [BLOCK_M = 1, BLOCK_N]
     elif BLOCK_M == 1:
-        # x read in w's shape, each thread the x of its own weights (from L1): as [1, BLOCK_K] it set the product's
-        # layout, and every iteration moved the weight tile through shared memory to it (sm_90a: 8 barriers and
-        # 4 ldmatrix an iteration; none this way)
-        xb_ptrs = x_ptr + pid_m * stride_xm + (offs_n * 0)[:, None] + offs_k[None, :]
+        # x as [1, BLOCK_K]: it sets the product's layout, so the weight tile passes through shared memory an
+        # iteration (sm_90a: 8 barriers, 4 ldmatrix). x read in w's shape instead (no barrier, each thread its
+        # own x from L1) was slower: the full head 310 -> 346 us, 12,288 rows 22.0 -> 22.5 (run KD)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = ((k0 + offs_k) < K)[None, :]
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok, other=0).to(tl.float32)
-            acc2 += w * tl.load(xb_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            k_ok = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_K]
+            acc2 += w * x
             w_ptrs += BLOCK_K
-            xb_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
         acc = tl.reshape(tl.sum(acc2, axis=1), (1, BLOCK_N))  # [BLOCK_M = 1, BLOCK_N]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -207,11 +207,11 @@ class HeadArgmaxConfig:
 # M > 1: 64 rows x 128 k per tl.dot step. Starting points, not yet timed on the H200 (bench_head sweeps).
 GEMV_CONFIG = HeadArgmaxConfig(16, 256, 1, 4, 3)
 DOT_CONFIG = HeadArgmaxConfig(64, 128, 16, 4, 3)
-# int8 rows at M = 1, read as int32 words: 32 rows x 256 k = 8 KB per iteration as for bf16 (not yet
-# timed; sm_90a: 56 registers, four 16-byte loads and no barrier an iteration, where 16 x 512 moved x
-# through shared memory behind 8 barriers). Read per element with GEMV_CONFIG, the code took 4-byte
-# loads, a layout change through shared memory and an I2F per weight, and the full head's 672 MB took
-# 312 us (2.2 TB/s, run GV)
+# int8 rows at M = 1, read as int32 words: 32 rows x 256 k = 8 KB per iteration as for bf16 (sm_90a: 56
+# registers, four 16-byte loads and no barrier an iteration, where 16 x 512 moved x through shared memory
+# behind 8 barriers; run KD, ids only: the full head 173.0 -> 161.5 us, 12,288 rows 13.8 -> 15.0). Read per
+# element with GEMV_CONFIG, the code took 4-byte loads, a layout change through shared memory and an I2F per
+# weight, and the full head's 672 MB took 312 us (2.2 TB/s, run GV)
 INT8_GEMV_CONFIG = HeadArgmaxConfig(32, 256, 1, 4, 3)
 # int8 rows at one row as int32 words where they are 4-byte aligned (True), or element by element (False: the
 # baseline of bench.head's int8 rows). Read at launch
