@@ -101,6 +101,7 @@ def test_experiment_overrides_and_command_line_wins():
     ch = cfg.hydra.runtime.choices
     assert cfg.window.size == 188 and ch.quant == "int4" and ch.fuse == "layers" and cfg.fuse.pdl
     assert ch.lm_head == "pruned" and cfg.lm_head.rows == 12288 and ch.sampler == "fused_argmax"
+    assert cfg.lm_head.dtype == "int8"  # the kept rows in int8 (run KE)
     cfg = compose_cfg(["experiment=frontier", "window=native"])
     assert cfg.window.size is None
 
