@@ -9,6 +9,8 @@ sweep "${common[@]}"                                          # the full stack
 sweep "${common[@]}" window=native
 sweep "${common[@]}" fuse=none
 sweep "${common[@]}" quant=bf16
+sweep "${common[@]}" lm_head=full                             # every head row, bf16
+sweep "${common[@]}" lm_head.dtype=auto                       # the kept rows in the model's dtype, not int8
 sweep "${common[@]}" graphs=eager
 sweep "${common[@]}" attention=torch
 finish

@@ -274,7 +274,13 @@ def test_stack_bench_step_variants_on_the_cpu(tmp_path, capsys):
     fl = [r["stack"]["FuseLayers"] for r in rows]
     assert [(f["attn_pdl"], f["qkv_kernel"], f["attn_merge"]) for f in fl] == [(False,) * 3] * 2 + [(True,) * 3] * 2
     assert [r["identity_vs_first"] for r in rows] == [1.0, None, 1.0, None]
-    assert "identity vs first variant" in capsys.readouterr().out
+    # each later variant's step against the first variant's with the same head (a leave-one-out's deltas)
+    assert [r["step_ms_vs_first"] is None for r in rows] == [True, True, False, False]
+    assert all(abs(r["step_ms_vs_first"] - (r["step_ms"] - f["step_ms"])) < 1e-9 for r, f in zip(rows[2:], rows))
+    text = capsys.readouterr().out
+    assert "identity vs first variant" in text and "| vs first variant |" in text
+    table = [line for line in text.splitlines() if line.startswith("| int4 | attn_pdl")]
+    assert len(table) == 2 and all(f"{r['step_ms_vs_first']:+.3f}" in t for r, t in zip(rows[2:], table))
     assert stack.parse_variant("attn_pdl+qkv") == {"attn_pdl": True, "qkv_kernel": True}
     assert stack.parse_variant("attn_merge") == {"attn_merge": True}
     assert stack.parse_variant("base") == {}

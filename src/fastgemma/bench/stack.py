@@ -11,7 +11,9 @@ Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.
 `--variants base,attn_pdl,attn_pdl+qkv` builds each fused body once per variant of the step (`fuse.attn_pdl`:
 the attention kernels under PDL too; `fuse.qkv_kernel`: kernels/qkv_finish.py), each compiled on its own;
 the full head's tokens of each variant are compared with the first variant's (`identity vs first variant`:
-launch options must give 1.00). `--attn-tiles` (repeated) builds the variants with `attn_qkv` once per
+launch options must give 1.00), and each row's step with the first variant's on the same head (`vs first
+variant`: with the whole stack first and one option left out of each later variant, what each option buys, in
+one process: `bash sweeps/h200.sh loo`). `--attn-tiles` (repeated) builds the variants with `attn_qkv` once per
 tile choice of the attention's q/k/v mode (`fuse.attn_tiles`), in the same process. `--window 188`:
 the sliding layers' window (`window=w188`, the frontier's; default the model's own).
 The body is compiled once; each head is then swapped in and the step re-captured, the head's pick
@@ -333,6 +335,7 @@ def main(argv=None):
             for at in (attn_tiles if "attn_qkv" in v.split("+") else [""])
             for ft in (fused_tables if b != "nf4" else [""])]
     first = {}  # body -> prompt length -> the first variant's full-head tokens
+    first_ms = {}  # (body, head, prompt length) -> the first variant's step ms: each later variant's delta
     for body, variant, table, tiles, ftable in plan:
         mma_table.set_table(tables.get(table, shipped))  # read when the body is built and traced
         fused_gemv.set_fused_table(fused_tables.get(ftable, shipped_fused), forced=bool(ftable))
@@ -397,9 +400,12 @@ def main(argv=None):
                     first.setdefault(body, {}).setdefault(L, tokens)
                 ref = refs[L]
                 step_ms = statistics.median(s for o in outs for s in o.step_s) * 1e3
+                base_ms = first_ms.get((body, name, L))  # None: this is the first variant with this head
+                first_ms.setdefault((body, name, L), step_ms)
                 per_tok = nbody + nhead
                 row = dict(body=body, variant=label, head=name, gb_per_token=per_tok / 1e9, head_mb=nhead / 1e6,
                            tps=sum(len(t) for t in tokens) / wall, step_ms=step_ms,
+                           step_ms_vs_first=None if base_ms is None else step_ms - base_ms,
                            ttft_ms=statistics.median(o.ttft_s for o in outs) * 1e3,
                            mbu=per_tok / (step_ms / 1e3) / bw if cuda else None, head_us=hus,
                            identity_rate=sum(t == r for t, r in zip(tokens, ref)) / len(ref),
@@ -436,20 +442,24 @@ def main(argv=None):
     def f(x, nd=2):
         return "" if x is None else f"{x:.{nd}f}"
 
+    def delta(x):  # step ms against the first variant's, same body, head and prompt length
+        return "" if x is None else f"{x:+.3f}"
+
     print(f"\n{cfg.name} synthetic, merged + Triton attention + CUDA graphs{' + compile' if compiled else ''}, "
           f"fused argmax; {a.prompts} prompts x {'/'.join(map(str, lengths))} -> {a.new} new (cache {max_ctx}, "
           f"window {window or cfg.sliding_window}); "
           f"{gpu}, copy bw {bw / 1e12:.2f} TB/s")
-    print("| body | variant | head | GB/token | head MB | tok/s | step ms | MBU | head us | identity vs full | "
-          "prefix | identity vs first variant | prompt |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| body | variant | head | GB/token | head MB | tok/s | step ms | vs first variant | MBU | head us | "
+          "identity vs full | prefix | identity vs first variant | prompt |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['body']} | {r['variant']} | {r['head']} | failed: {r['error'][:80]} | | | | | | | | | |")
+            print(f"| {r['body']} | {r['variant']} | {r['head']} | failed: {r['error'][:80]} | | | | | | | | | | |")
             continue
         print(f"| {r['body']} | {r['variant']} | {r['head']} | {r['gb_per_token']:.3f} | {r['head_mb']:.1f} | "
-              f"{r['tps']:.1f} | {r['step_ms']:.3f} | {f(r['mbu'])} | {r['head_us']:.1f} | {r['identity_rate']:.2f} | "
-              f"{r['prefix_mean']:.0f} | {f(r['identity_vs_first'])} | {r['prompt_len']} |")
+              f"{r['tps']:.1f} | {r['step_ms']:.3f} | {delta(r['step_ms_vs_first'])} | {f(r['mbu'])} | "
+              f"{r['head_us']:.1f} | {r['identity_rate']:.2f} | {r['prefix_mean']:.0f} | {f(r['identity_vs_first'])} | "
+              f"{r['prompt_len']} |")
 
 
 if __name__ == "__main__":
