@@ -8,7 +8,8 @@
 # untied copies of the tied embedding); LM-head pruning at 8k / 12k / 16k / 32k rows with the keepset
 # from MPL-2.0 (never the scored text), scatter=false so that ppl stays the full head's and the ppl
 # pass counts the keepset misses, sampler=fused_argmax so that greedy decode goes through the pruned
-# head; the 12k keepset's rows also in int8 and int4 (g128).
+# head; the 12k keepset's rows also in int8 and int4 (g128); an int8 body (W8A16, a scale per row); the frontier's
+# lossy choices together (window 188, the 12k rows in int8), alone, with int4 g128 and with the int8 body.
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -30,6 +31,9 @@ int4=(quant=int4 quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4
 heads=(lm_head=int8,int4)
 pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
 pruned_q=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8,int4 lm_head.scatter=false sampler=fused_argmax)
+stacked=(window=w188 lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8 lm_head.scatter=false sampler=fused_argmax)
+int4_g128=(quant=int4 quant.group_size=128 "quant.skip=[]" "quant.backend=$int4_backend")
+int8=(quant=int8 "quant.backend=$int4_backend")  # the same backend choice as int4's
 
 read -r -a ppl_args <<< "${PPL_ARGS:-}"
 read -r -a identity_args <<< "${IDENTITY_ARGS:-}"
@@ -43,9 +47,13 @@ for task in ppl identity; do
   else
     echo "quality: quant=nf4 skipped: it needs bitsandbytes, >= 0.46 on a CPU (pip install 'fastgemma[nf4]')" >&2
   fi
+  sweep "task=$task" "${int8[@]}" "${common[@]}"
   sweep "task=$task" "${heads[@]}" "${common[@]}"
   sweep "task=$task" "${pruned[@]}" "${common[@]}"
   sweep "task=$task" "${pruned_q[@]}" "${common[@]}"
+  sweep "task=$task" "${stacked[@]}" "${common[@]}"
+  sweep "task=$task" "${stacked[@]}" "${int4_g128[@]}" "${common[@]}"
+  sweep "task=$task" "${stacked[@]}" "${int8[@]}" "${common[@]}"
 done
 
 echo "== fastgemma task=report task.inputs=[$results]" >&2

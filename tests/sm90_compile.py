@@ -346,18 +346,20 @@ def head4_lines():
 
 
 def head8_lines():
-    """The dense / int8 head's one-row pick (kernels/sparse_argmax.py at its default tiles: bf16 rows, and int8
-    rows read as int32 words): "head8" lines: name, registers, spill bytes, I2F conversions, 16-byte loads and
-    barriers in the K loop."""
+    """The dense / int8 head's one-row pick (kernels/sparse_argmax.py at its default tiles: bf16 rows, int8 rows read
+    as int32 words), and the same int8 loop as quant=int8's one-row matmul (kernels/w8a16.py: the logits store of
+    every row, no keepset, argmax or softcap): "head8" lines: name, registers, spill bytes, I2F conversions,
+    16-byte loads and barriers in the K loop."""
     from fastgemma.kernels.sparse_argmax import GEMV_CONFIG, INT8_GEMV_CONFIG, _head_block_kernel
 
-    for name, c, w, int8 in (("bf16 head", GEMV_CONFIG, "*bf16", False), ("int8 head words", INT8_GEMV_CONFIG, "*i8",
-                                                                            True)):
+    cases = (("bf16 head", GEMV_CONFIG, "*bf16", False, True), ("int8 head words", INT8_GEMV_CONFIG, "*i8", True, True),
+             ("int8 body words", INT8_GEMV_CONFIG, "*i8", True, False))
+    for name, c, w, int8, head in cases:
         sig = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": "*fp32", "keep_ptr": "*i64", "pmax_ptr": "*fp32",
                "pidx_ptr": "*i32", "logit_ptr": "*fp32", "M": "i32", "N": "i32", "stride_xm": "i32",
                "stride_wn": "i32", "stride_lm": "i32", "softcap": "fp32"}
         ce = dict(K=2560, NUM_P=262144 // c.block_n, BLOCK_M=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k, HAS_SCALE=int8,
-                  HAS_KEEP=True, STORE_LOGITS=True, WANT_IDS=True, SOFTCAP=True, ROUND=True, IEEE=False, WORDS8=int8)
+                  HAS_KEEP=head, STORE_LOGITS=True, WANT_IDS=head, SOFTCAP=head, ROUND=True, IEEE=False, WORDS8=int8)
         # the launch specialises the strides of 16-element multiples (x's and w's rows, the logits' rows)
         ptx, regs, spills = build(_head_block_kernel, sig, ce, (0, 1, 2, 3, 4, 5, 6, 9, 10, 11), c.num_warps)
         loop = ptx[ptx.find("Inner Loop Header"):]

@@ -103,13 +103,13 @@ def test_gpu_only_variants_compile_for_sm90():
     head4 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "head4"}
     assert set(head4) == {"full head words", "pruned head words", "default bytes"}, head4
     assert all(sp == 0 and st == 3 and regs <= 200 for regs, sp, st in head4.values()), head4
-    # the dense and int8 heads' one-row loops: 16-byte loads, no I2F, no spills; the int8 words without a barrier
-    # an iteration (no layout change through shared memory). The bf16 loop keeps its 8: without them (x read in
-    # w's shape) it ran slower (run KD)
+    # the dense and int8 heads' one-row loops and quant=int8's (the same int8 loop, logits only): 16-byte loads, no I2F,
+    # no spills; the int8 words without a barrier an iteration (no layout change through shared memory). The bf16
+    # loop keeps its 8: without them (x read in w's shape) it ran slower (run KD)
     head8 = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "head8"}
-    assert set(head8) == {"bf16 head", "int8 head words"}, head8
+    assert set(head8) == {"bf16 head", "int8 head words", "int8 body words"}, head8
     assert all(sp == 0 and i2f == 0 and v4 >= 4 for _, sp, i2f, v4, _ in head8.values()), head8
-    assert head8["int8 head words"][4] == 0, head8
+    assert head8["int8 head words"][4] == 0 and head8["int8 body words"][4] == 0, head8
     norms = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "norm"}
     assert len(norms) == 3 and all(sp == 0 for _, sp in norms.values()), norms  # residual_norm: no spills
     packed = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "packed"}

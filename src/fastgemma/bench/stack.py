@@ -1,4 +1,4 @@
-"""Body x head on one GPU, in one process: bf16 / int4 / nf4 bodies, each with the full / int8 / int4
+"""Body x head on one GPU, in one process: bf16 / int4 / int8 / nf4 bodies, each with the full / int8 / int4
 and pruned heads, on the same synthetic weights. The AR decode step of each pair, and the head alone.
 
     python -m fastgemma.bench.stack --bodies bf16 int4 nf4 --heads full int8 int4 pruned:12288 pruned:16384 pruned:32768
@@ -7,6 +7,7 @@ and pruned heads, on the same synthetic weights. The AR decode step of each pair
 Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.compile):
 - bf16: `fuse=layers fuse.pdl=true` (the fused one-row GEMVs of kernels/fused_gemv.py);
 - int4: `quant=int4` g128 (per_layer_input_gate kept bf16) + `fuse=layers fuse.pdl=true`;
+- int8: `quant=int8` (W8A16, a scale per row: kernels/w8a16.py's row kernel; no fused step);
 - nf4: `quant=nf4`, bitsandbytes Linear4bit (its own kernels; no fused step).
 `--variants base,attn_pdl,attn_pdl+qkv` builds each fused body once per variant of the step (`fuse.attn_pdl`:
 the attention kernels under PDL too; `fuse.qkv_kernel`: kernels/qkv_finish.py), each compiled on its own;
@@ -53,7 +54,8 @@ from ..weights.synthetic import synthetic_model
 from .floor import floor_option
 from .ladder import copy_bandwidth, decode_bytes
 
-BODIES = ("bf16", "int4", "nf4")
+BODIES = ("bf16", "int4", "int8", "nf4")
+UNFUSED = ("int8", "nf4")  # bodies without fused one-row GEMVs: merged + compiled + CUDA graphs
 
 
 def parse_head(spec: str) -> tuple[str, int | None, str]:
@@ -140,6 +142,7 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str 
     from ..transforms.fuse import MergeProjections
     from ..transforms.fuse_layers import FuseLayers
     from ..transforms.quant import Int4Quant, Nf4Quant
+    from ..transforms.quant_int8 import Int8Quant
 
     cuda = dev.startswith("cuda")
     backend = "triton" if cuda else "torch"
@@ -148,11 +151,13 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str 
     parts = [MergeProjections()]
     if body == "int4":
         parts.append(Int4Quant(group_size=gs, skip=skip, backend=backend))
+    elif body == "int8":
+        parts.append(Int8Quant(backend=backend))
     elif body == "nf4":
         parts.append(Nf4Quant())
     elif body != "bf16":
         raise SystemExit(f"unknown body {body!r}; known: {', '.join(BODIES)}")
-    if fuse and body != "nf4":
+    if fuse and body not in UNFUSED:
         parts.append(FuseLayers(backend=backend, pdl=cuda, attn_tiles=attn_tiles, **parse_variant(variant)))
     parts.append(TritonAttention() if cuda else TorchAttention())
     model = synthetic_model(cfg, dev, dtype, seed=0)
@@ -247,7 +252,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--variants", default="base",
                     help="fused-step variants per body, comma-separated: base, or options joined by '+' "
-                         f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
+                         f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (int8, nf4: base only)")
     ap.add_argument("--mma-table", action="append", default=[],
                     help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
                          "CASE@ROWS=CONFIG joined by ',' (ROWS 1.., or 'inv': fuse.batch_invariant's entry; CONFIG "
@@ -330,10 +335,10 @@ def main(argv=None):
     print(f"{gpu} | {cfg.name} synthetic | copy bw {bw / 1e12:.2f} TB/s | compile {compiled}", flush=True)
     workdir = tempfile.mkdtemp(prefix="fastgemma-stack-")  # the pruned heads' keepset files
     eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
-    plan = [(b, v, t, at, ft) for b in a.bodies for v in (variants if b != "nf4" else variants[:1])
+    plan = [(b, v, t, at, ft) for b in a.bodies for v in (variants if b not in UNFUSED else variants[:1])
             for t in (tables if "mma" in v.split("+") else [""])
             for at in (attn_tiles if "attn_qkv" in v.split("+") else [""])
-            for ft in (fused_tables if b != "nf4" else [""])]
+            for ft in (fused_tables if b not in UNFUSED else [""])]
     first = {}  # body -> prompt length -> the first variant's full-head tokens
     first_ms = {}  # (body, head, prompt length) -> the first variant's step ms: each later variant's delta
     for body, variant, table, tiles, ftable in plan:

@@ -34,6 +34,7 @@ import torch.nn as nn
 from ..kernels.sparse_argmax import (
     _INTERPRET, ROW_INVARIANT_CONFIG, head_argmax, head_argmax_op, head_argmax_torch, softcap_torch,
 )
+from ..kernels.w8a16 import quantize_int8_rows
 
 _BACKENDS = ("auto", "triton", "torch")
 _ROW_DTYPES = ("auto", "int8", "int4")
@@ -195,15 +196,6 @@ def _dense_pick(x, w, scales, keep_ids, logits_out, softcap, backend, want_ids, 
         return head_argmax(x, w, keep_ids, scales=scales, logits_out=logits_out, softcap=softcap, want_ids=want_ids,
                            config=ROW_INVARIANT_CONFIG if row_invariant else None)
     return head_argmax_torch(x, w, keep_ids, scales=scales, logits_out=logits_out, softcap=softcap, want_ids=want_ids)
-
-
-def quantize_int8_rows(w: torch.Tensor):
-    """w [N, K] -> (int8 [N, K], fp32 scales [N]); |w - q * s| <= s / 2, s = max|w[n]| / 127."""
-    wf = w.detach().float()
-    s = wf.abs().amax(-1) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row: codes 0, any scale
-    q = torch.round(wf / s[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, s
 
 
 class _LogitsThenArgmax:
