@@ -20,6 +20,7 @@ from fastgemma.kernels.decode_attention import _combine_kernel, _split_kernel
 from fastgemma.kernels.draft_head import CENTROID_BLOCK, _centroid_kernel, _select_kernel
 from fastgemma.kernels.fused_gemv import _fused_gemv_kernel
 from fastgemma.kernels.fused_w4a16 import _fused_w4a16_kernel
+from fastgemma.kernels.fused_w8a16 import _fused_w8a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
 from fastgemma.kernels.qkv_finish import _qkv_finish_kernel
 from fastgemma.kernels.residual_norm import _residual_norm_kernel
@@ -92,6 +93,16 @@ def main():
         ce = dict(K=K, GROUP=128, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
                   HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True, WORDS=words, ASM=True, EXACT=False)
         cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)), warps))
+    # quant=int8's fused GEMV (kernels/fused_w8a16.py) on the dense one's pinned tiles
+    int8_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr")}
+    int8_sig.update(w_ptr="*i8", ws_ptr="*fp32", aux_ptr="*bf16", out_ptr="*bf16", N="i32", HALF="i32",
+                    stride_wn="i32", eps="fp32", off="fp32")
+    for name, pro, epi, K, bn, bk, warps in [
+            ("int8 fused residual qkv", 2, 0, 2560, 8, 1024, 4), ("int8 fused geglu gate|up", 2, 1, 2560, 8, 512, 4),
+            ("int8 fused plain down", 0, 0, 10240, 2, 1024, 4), ("int8 fused ple gate", 2, 2, 2560, 1, 1024, 4)]:
+        ce = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
+                  HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True)
+        cases.append((name, _fused_w8a16_kernel, int8_sig, ce, tuple(range(10)) + (12,), warps))
     # the per-group int4 tl.dot kernel with its bf16 PTX dequantization: tensor-core dots, the
     # asm's packed fmas, no spills ("dot" lines: name, registers, spills, bf16x2 fmas, mma instructions)
     # split 4 with the fixup: the last program of a tile sums the partials (an acq_rel atomic at GPU

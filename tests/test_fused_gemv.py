@@ -87,6 +87,38 @@ def test_fused_w4a16_matches_twin(case, group, dtype, words):
         assert ((h.float() - href.float()).abs().max() / href.float().abs().max()).item() < tol
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_w8a16_matches_twin(case, dtype):
+    """The int8 kernel (codes and row scales loaded before the wait, F.linear on the codes, then the scale)
+    against the dense twin's prologue / epilogue around kernels/w8a16.py's twin; N = 38 (19 GeGLU pairs) not
+    a multiple of the tile, K = 300: a masked tail block. The op passes torch's schema and fake checks."""
+    from fastgemma.kernels.fused_w8a16 import fused_w8a16, fused_w8a16_op, fused_w8a16_ref
+    from fastgemma.kernels.w8a16 import quantize_int8_rows
+
+    N, K = 38, 300
+    t = _tensors(N, K, dtype, seed=5)
+    q, s = quantize_int8_rows(t["w"])
+    build, epi = CASES[case]
+    kw = dict(build(t), eps=1e-6, epilogue=epi)
+    out, h = fused_w8a16(t["a"], q, s, config=GemvConfig(4, 64, 2), **kw)
+    ref, href = fused_w8a16_ref(t["a"], q, s, **kw)
+    assert out.dtype == dtype and out.shape == ref.shape == (1, N // 2 if epi == "geglu" else N)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < tol
+    if "y" in kw:
+        assert ((h.float() - href.float()).abs().max() / href.float().abs().max()).item() < tol
+    else:
+        assert h is None and href is None
+    if case == "residual_scale_norm":
+        args = (t["a"], q, s, t["y"], t["post"], t["scale"], t["pre"], None, 1e-6, 0.0, "none", False)
+        torch.library.opcheck(fused_w8a16_op, args, test_utils=("test_schema", "test_faketensor"))
+        with pytest.raises(ValueError, match="streamed config"):
+            fused_w8a16(t["a"], q, s, config=GemvConfig(4, 64, 2, per_sm=2, depth=4), **kw)
+        with pytest.raises(ValueError, match="must be int8"):
+            fused_w8a16(t["a"], t["w"], s, **kw)
+
+
 def test_fused_gemv_gemma3_offset_and_op():
     t = _tensors(16, 96, torch.float32, seed=3)
     kw = dict(eps=1e-6, offset=1.0, epilogue="none")
@@ -153,12 +185,13 @@ def _decode(model, cfg, prompt, new):
     return out.tokens, gen.step.last_logits.clone()
 
 
-@pytest.mark.parametrize("family,int4", [("gemma4", False), ("gemma3", False), ("gemma4", True)])
-def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
+@pytest.mark.parametrize("family,quant", [("gemma4", "bf16"), ("gemma3", "bf16"), ("gemma4", "int4"),
+                                          ("gemma4", "int8")])
+def test_fuse_layers_step_equals_ordinary_step(family, quant, monkeypatch):
     """fp32 on the tiny model (sliding and full layers, KV sharing, PLE; a Gemma 3 variant without
     PLE, with the +1 norm offset): the fused step (twins, then the Triton kernels under the
-    interpreter) gives the ordinary step's tokens and logits over 3 new tokens. The window (16) is
-    shorter than the context, so ring-buffer slots wrap."""
+    interpreter) gives the ordinary step's tokens and logits over 3 new tokens, with dense, int4 and
+    int8 linears. The window (16) is shorter than the context, so ring-buffer slots wrap."""
     import fastgemma.kernels.gemv as gemv_mod
     import fastgemma.kernels.w4a16_table as w4a16_table
     from fastgemma.kernels.decode_attention import decode_attention_ref
@@ -173,13 +206,16 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     model = synthetic_model(cfg, "cpu", torch.float32, seed=1)
     model.step_attention = decode_attention_ref
     t = FuseLayers(backend="torch")
-    if int4:  # fuse (merge) first, then quantise, as the builder orders them; PLE projection (K=16) stays dense
+    if quant != "bf16":  # fuse (merge) first, then quantise, as the builder orders them
         from fastgemma.transforms.quant import Int4Quant
+        from fastgemma.transforms.quant_int8 import Int8Quant
 
         t.apply(model)
         fused = model.fused_decode, model.fused_verify
         model.fused_decode = model.fused_verify = None
-        Int4Quant(group_size=32, skip=("per_layer_projection",), backend="torch").apply(model)
+        # int4: the PLE projection (K=16) stays dense; int8 takes every linear
+        (Int4Quant(group_size=32, skip=("per_layer_projection",), backend="torch") if quant == "int4"
+         else Int8Quant(backend="torch")).apply(model)
         t.validate(model)
         ref_tokens, ref_logits = _decode(model, cfg, prompt, 3)
         model.fused_decode, model.fused_verify = fused
@@ -195,7 +231,7 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
     FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
     tokens, logits = _decode(model, cfg, prompt, 3)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
-    if not int4:  # q/k/v norms, RoPE and the cache writes in kernels/qkv_finish.py (Gemma 3: no v norm)
+    if quant == "bf16":  # q/k/v norms, RoPE and the cache writes in kernels/qkv_finish.py (Gemma 3: no v norm)
         model.fused_decode = functools.partial(model.fused_decode, qkv_kernel=True)
         tokens, logits = _decode(model, cfg, prompt, 3)
         assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
@@ -233,12 +269,13 @@ def test_fuse_layers_step_equals_ordinary_step(family, int4, monkeypatch):
                             ("store", True, (32, 4, 1), 2, True), ("query", True, (16, 4, 2), None, False)}, seen
 
 
-@pytest.mark.parametrize("int4", [False, True])
+@pytest.mark.parametrize("quant", ["bf16", "int4", "int8"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_verify_step_equals_the_ordinary_step(int4, backend, monkeypatch):
+def test_fused_verify_step_equals_the_ordinary_step(quant, backend, monkeypatch):
     """fuse=layers' wider step (5 rows: a verify pass) with GeGLU and the PLE gate's gelu * input in
-    GEMM stores (the int4 per-group kernel, the dense skinny GEMM; twins, then the Triton kernels
-    under the interpreter) gives the ordinary step's hidden states and cache writes, fp32."""
+    GEMM stores (the int4 per-group kernel, the dense skinny GEMM; int8: its own matmul, then the
+    epilogue; twins, then the Triton kernels under the interpreter) gives the ordinary step's hidden
+    states and cache writes, fp32."""
     from fastgemma.engine.cache import KVCache
     from fastgemma.kernels.decode_attention import decode_attention_ref
     from fastgemma.model.config import GEMMA4_TINY
@@ -256,8 +293,12 @@ def test_fused_verify_step_equals_the_ordinary_step(int4, backend, monkeypatch):
     model.step_attention = decode_attention_ref
     t = FuseLayers(backend=backend)
     t.apply(model)
-    if int4:  # the PLE gate quantised too (skip only the K=16 projection): int4 gelu_mul
+    if quant == "int4":  # the PLE gate quantised too (skip only the K=16 projection): int4 gelu_mul
         Int4Quant(group_size=32, skip=("per_layer_projection",), backend=backend).apply(model)
+    elif quant == "int8":
+        from fastgemma.transforms.quant_int8 import Int8Quant
+
+        Int8Quant(backend=backend).apply(model)
     assert model.fused_verify is not None and t.describe()["verify_epilogues"]
     fused_verify = model.fused_verify
     qkv = functools.partial(fused_verify, qkv_kernel=True)  # + kernels/qkv_finish.py (triton backend)
@@ -333,7 +374,7 @@ def test_fuse_layers_wide_steps_and_refusals():
     model.step(ids[:, :1], torch.tensor([[2]]), cache)
     assert called == [1]
     model.layers[2].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
-    with pytest.raises(ValueError, match=r"fuse=layers runs bias-free dense or int4 .* layers.2.self_attn.o_proj"):
+    with pytest.raises(ValueError, match=r"runs bias-free dense, int4 or int8 .* layers.2.self_attn.o_proj"):
         model.step(ids[:, :1], torch.tensor([[3]]), cache)
     with pytest.raises(ValueError, match="backend must be triton or torch"):
         FuseLayers(backend="cuda")

@@ -1,5 +1,5 @@
 """GPU-only kernel variants compile for sm_90a here (no GPU needed): PDL launches, every
-fused-GEMV prologue / epilogue (dense and int4), the int4 per-group dot kernel, the int4 head's
+fused-GEMV prologue / epilogue (dense, int4 and int8), the int4 per-group dot kernel, the int4 head's
 pick, the verify pass's PDL launches (nothing read before the wait, the GEMMs' trigger after the
 main loop) and the q/k/v kernel, without register spills, with the PDL wait after the dense
 kernels' weight loads and before the int4 kernel's first load, and with the per-group kernel's
@@ -131,7 +131,7 @@ def test_gpu_only_variants_compile_for_sm90():
     assert set(heads) == {"draft head select", "draft head centroids"}, heads
     assert heads["draft head select"][1:5] == [0, 1, 1, 0], heads
     assert heads["draft head centroids"][1:4] == [0, 0, 1] and heads["draft head centroids"][4] > 0, heads
-    assert len(rows) == 13 and len(dots) == 9, r.stdout
+    assert len(rows) == 17 and len(dots) == 9, r.stdout
     for name, (regs, spills, fmas, mmas, atoms, bars, cg_loads, split) in dots.items():
         # the inline PTX survived (8 packed fmas per 4 code bytes) and the dots run on tensor cores
         assert spills == 0 and fmas >= 8 and fmas % 8 == 0 and mmas > 0, (name, regs, spills, fmas, mmas)

@@ -1,7 +1,8 @@
 """quant=int8 (W8A16, a scale per output row): the Triton path (the int8 row kernel under the CPU interpreter)
 against its torch twin on odd shapes, one and several rows; the quantization's error bound; the transform on
 the tiny model (layers swapped, skip patterns, bytes, the scales fp32 through dtype casts); the op's schema
-for torch.compile; the CLI with quant=int8, and fuse=layers refusing its layers in one line.
+for torch.compile; the CLI with quant=int8 (merged, and the fused one-row step), and fuse.batch_invariant
+refusing it in one line.
 
 The interpreter computes tl.dot on bf16 wrongly, so several rows run fp32 / fp16; one row (no tl.dot) runs bf16.
 """
@@ -103,15 +104,17 @@ def test_transform_on_the_tiny_model():
         Int8Quant(skip=("no_such_layer",), backend="torch").apply(synthetic_model(cfg, "cpu", torch.float32))
 
 
-def test_cli_runs_int8_and_fuse_layers_refuses_it(tmp_path, capsys):
+def test_cli_runs_int8_merged_and_fused_and_refuses_batch_invariant(tmp_path, capsys):
     from fgcli_helpers import TINY, results, run_job
 
-    rec = run_job(TINY + ["quant=int8", "quant.backend=torch", "fuse=merged", "workload.num_prompts=1",
-                          "workload.warmup=0"], tmp_path)
-    assert rec["status"] == "ok", rec["error"]
-    assert rec["choices"]["quant"] == "int8" and rec["metrics"]["tps"] > 0
+    base = TINY + ["quant=int8", "quant.backend=torch", "workload.num_prompts=1", "workload.warmup=0"]
+    for fuse in (["fuse=merged"], ["fuse=layers", "fuse.backend=torch"]):
+        rec = run_job(base + fuse, tmp_path)
+        assert rec["status"] == "ok", rec["error"]
+        assert rec["choices"]["quant"] == "int8" and rec["metrics"]["tps"] > 0
     with pytest.raises(SystemExit):
-        run_job(TINY + ["quant=int8", "quant.backend=torch", "fuse=layers", "fuse.backend=torch"], tmp_path)
+        run_job(base + ["fuse=layers", "fuse.backend=torch", "fuse.batch_invariant=true", "fuse.qkv_kernel=true"],
+                tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is Int8Linear: use fuse=merged" in err[0], err
+    assert len(err) == 1 and "fuse.batch_invariant has no int8 form" in err[0], err
     assert results(tmp_path)[-1]["status"] == "error"

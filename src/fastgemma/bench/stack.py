@@ -7,7 +7,7 @@ and pruned heads, on the same synthetic weights. The AR decode step of each pair
 Bodies (merged q|k|v and gate|up, Triton split-KV attention, CUDA graphs, torch.compile):
 - bf16: `fuse=layers fuse.pdl=true` (the fused one-row GEMVs of kernels/fused_gemv.py);
 - int4: `quant=int4` g128 (per_layer_input_gate kept bf16) + `fuse=layers fuse.pdl=true`;
-- int8: `quant=int8` (W8A16, a scale per row: kernels/w8a16.py's row kernel; no fused step);
+- int8: `quant=int8` (W8A16, a scale per row) + `fuse=layers fuse.pdl=true` (kernels/fused_w8a16.py's GEMVs);
 - nf4: `quant=nf4`, bitsandbytes Linear4bit (its own kernels; no fused step).
 `--variants base,attn_pdl,attn_pdl+qkv` builds each fused body once per variant of the step (`fuse.attn_pdl`:
 the attention kernels under PDL too; `fuse.qkv_kernel`: kernels/qkv_finish.py), each compiled on its own;
@@ -55,7 +55,7 @@ from .floor import floor_option
 from .ladder import copy_bandwidth, decode_bytes
 
 BODIES = ("bf16", "int4", "int8", "nf4")
-UNFUSED = ("int8", "nf4")  # bodies without fused one-row GEMVs: merged + compiled + CUDA graphs
+UNFUSED = ("nf4",)  # bodies without fused one-row GEMVs: merged + compiled + CUDA graphs
 
 
 def parse_head(spec: str) -> tuple[str, int | None, str]:
@@ -252,7 +252,7 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--variants", default="base",
                     help="fused-step variants per body, comma-separated: base, or options joined by '+' "
-                         f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (int8, nf4: base only)")
+                         f"({', '.join(VARIANT_OPTS)}), e.g. base,attn_pdl,attn_pdl+qkv (nf4: base only)")
     ap.add_argument("--mma-table", action="append", default=[],
                     help="variants with 'mma': the tensor-core int4 kernel's table instead of its own: entries "
                          "CASE@ROWS=CONFIG joined by ',' (ROWS 1.., or 'inv': fuse.batch_invariant's entry; CONFIG "

@@ -519,8 +519,9 @@ def _rms(v, w, eps, offset):
 
 
 def fused_gemv_ref(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, eps: float, offset: float = 0.0,
-                   epilogue: str = "none", config=None, pdl: bool = False):
-    """The torch twin: the eager layer's ops in its order."""
+                   epilogue: str = "none", config=None, pdl: bool = False, linear=None):
+    """The torch twin: the eager layer's ops in its order (`linear`: x -> x W^T in place of F.linear(x, w),
+    for weights stored otherwise: kernels/fused_w8a16.py's int8 rows)."""
     N, K = _check_dense(w)
     _check(a, N, K, y, post, scale, pre, aux, epilogue)
     a = a.reshape(1, K)
@@ -532,7 +533,7 @@ def fused_gemv_ref(a, w, y=None, post=None, scale=None, pre=None, aux=None, *, e
         x = _rms(h, pre, eps, offset) if pre is not None else h
     else:
         x = _rms(a, pre, eps, offset) if pre is not None else a
-    out = F.linear(x, w)
+    out = F.linear(x, w) if linear is None else linear(x)
     if epilogue == "geglu":
         g, u = out.chunk(2, dim=-1)
         out = F.gelu(g, approximate="tanh") * u

@@ -26,8 +26,8 @@ post-projection), set on the drafter by `model.fuse_drafter` when speculative de
 Its centroid-masked head is kernels/draft_head.py's two launches (the twin on the torch backend):
 draft loop 0.760 -> 0.719 ms at k=7 against torch's topk path on the H200 (run EA); `model.draft_head`
 is that op, `head=None` torch's path.
-Linears may be dense 16-bit (`fused_gemv`) or Int4Linear (quant=int4: `fused_w4a16`), each layer
-as it is; other kinds (nf4) are refused in one line (use fuse=merged).
+Linears may be dense 16-bit (`fused_gemv`), Int4Linear (quant=int4: `fused_w4a16`) or Int8Linear
+(quant=int8: `fused_w8a16`), each layer as it is; other kinds (nf4) are refused in one line (use fuse=merged).
 `pdl=True` launches every fused GEMV with programmatic dependent launch (sm90+), and in wider
 steps the GEMMs, norm kernels and the q/k/v kernel; `attn_pdl=True` the attention's split and
 combine kernels as well (without it they launch plainly, and so does the kernel after them);
@@ -144,12 +144,18 @@ class FuseLayers:
         return model
 
     def validate(self, model) -> None:
-        """Every linear the fused step reads is dense or int4 (after quant and the other groups ran);
+        """Every linear the fused step reads is dense, int4 or int8 (after quant and the other groups ran);
         with int4_mma, the int4 ones get the tensor-core kernel's copy of their weights; with
-        batch_invariant, every int4 linear (the PLE context projection too) has a one-row entry in
-        the kernel's table and the head picks in one kernel at every row count."""
+        batch_invariant, no int8 linear (its one-row GEMV and its wider matmul sum in other orders), every
+        int4 linear (the PLE context projection too) has a one-row entry in the kernel's table and the head
+        picks in one kernel at every row count."""
+        from .quant_int8 import Int8Linear
+
         for i, layer in enumerate(model.layers):
             _layer_linears(i, layer)
+        if self.batch_invariant and any(isinstance(m, Int8Linear) for m in model.modules()):
+            raise ValueError("fuse.batch_invariant has no int8 form: the one-row int8 GEMV and the wider int8 "
+                             "matmul sum in other orders; use quant=int4 or bf16 with it, or batch_invariant=false")
         self._enable_mma(model)
         if self.batch_invariant and self.backend == "triton":
             self._check_invariant(model)

@@ -12,9 +12,10 @@ from .fuse import split_qkv
 
 def _layer_linears(i: int, layer) -> dict:
     """The linears the fused step reads in layer i, by role, each checked: dense bias-free
-    nn.Linear (incl. GemvLinear) or Int4Linear."""
+    nn.Linear (incl. GemvLinear), Int4Linear or Int8Linear."""
     from .gemv import GemvLinear
     from .quant import Int4Linear
+    from .quant_int8 import Int8Linear
 
     at, m = layer.self_attn, layer.mlp
     named = {"in": ("self_attn.qkv_proj", at.qkv_proj) if layer.spec.stores_kv else ("self_attn.q_proj", at.q_proj),
@@ -24,8 +25,8 @@ def _layer_linears(i: int, layer) -> dict:
         named["ple_gate"] = ("per_layer_input_gate", layer.per_layer_input_gate)
         named["ple_proj"] = ("per_layer_projection", layer.per_layer_projection)
     for name, mod in named.values():
-        if type(mod) not in (nn.Linear, GemvLinear, Int4Linear) or mod.bias is not None:
-            raise ValueError(f"fuse=layers runs bias-free dense or int4 linears through its fused GEMVs; "
+        if type(mod) not in (nn.Linear, GemvLinear, Int4Linear, Int8Linear) or mod.bias is not None:
+            raise ValueError(f"fuse=layers runs bias-free dense, int4 or int8 linears through its fused GEMVs; "
                              f"layers.{i}.{name} is {type(mod).__name__}: use fuse=merged")
     return {role: mod for role, (_, mod) in named.items()}
 
@@ -87,11 +88,19 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
     (kernels/residual_norm.py, the verify pass's kernel: the same rounding). invariant
     (fuse.batch_invariant): every linear as the wider steps run it, the prologue on its own, then
     int4 on the tensor-core kernel (no other int4 path is taken) and dense on the skinny GEMM with
-    the epilogue in its store; triton_ops=False: their twins (the torch backend)."""
+    the epilogue in its store; triton_ops=False: their twins (the torch backend). An Int8Linear takes
+    kernels/fused_w8a16.py's GEMV (no tensor-core or invariant form: FuseLayers refuses batch_invariant with it)."""
+    from ..kernels.fused_w8a16 import fused_w8a16_op, fused_w8a16_ref
     from ..kernels.skinny_gemm import skinny_matmul_op, skinny_matmul_ref
     from .quant import Int4Linear
+    from .quant_int8 import Int8Linear
 
     def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
+        if isinstance(mod, Int8Linear):
+            if triton_ops:
+                return fused_w8a16_op(a, mod.qweight, mod.scales, y, post, scale, pre, aux, eps, off, epilogue, pdl)
+            return fused_w8a16_ref(a, mod.qweight, mod.scales, y, post, scale, pre, aux, eps=eps, offset=off,
+                                   epilogue=epilogue)
         cfg = _mma_cfg(mod, 1, epilogue, a.dtype, invariant) if mma and aux is None else None
         dense = invariant and not isinstance(mod, Int4Linear)
         if invariant and isinstance(mod, Int4Linear) and cfg is None and triton_ops:

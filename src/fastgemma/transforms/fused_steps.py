@@ -116,7 +116,8 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
                    int4_mma: bool = False, invariant: bool = False):
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
-    rows); otherwise the GEMM, then torch's epilogue. No epilogue: a dense linear is mod(x) itself;
+    rows); otherwise the GEMM (an Int8Linear's own), then torch's epilogue. No epilogue: a dense or int8
+    linear is mod(x) itself;
     an Int4Linear's tile override (`config`) holds, as in its forward.
     `pdl`: the Triton GEMMs launch with programmatic dependent launch. `int4_mma`: an Int4Linear goes
     to the tensor-core kernel where `_mma_call` takes it (<= 8 rows, a shape in its table). invariant
@@ -125,6 +126,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
     from ..kernels.w4a16 import apply_epilogue
     from .quant import Int4Linear
+    from .quant_int8 import Int8Linear
 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -138,6 +140,8 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
             y = _int4_epilogue(mod, x2, epilogue, a2, triton, pdl)
     elif epilogue == "none" and not invariant:
         return mod(x)
+    elif isinstance(mod, Int8Linear):  # its own matmul (kernels/w8a16.py), then torch's epilogue
+        y = apply_epilogue(mod(x2), epilogue, a2)
     elif fits(*x2.shape) and (invariant or mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES):
         y = (skinny_matmul_op(x2, mod.weight, epilogue, a2, pdl) if triton_ops
              else skinny_matmul_ref(x2, mod.weight, epilogue=epilogue, aux=a2))

@@ -2,8 +2,9 @@
 round-to-nearest; kernels/w8a16.py). Half the bytes of bf16 at a fraction of int4's error: on Gemma 3 270M,
 the LM head in this format costs 0.3% perplexity and no greedy token (README, quality).
 
-fuse=layers has no fused int8 GEMVs and refuses these layers in one line; fuse=merged (merged q|k|v and
-gate|up, quantized after merging) and the captured / compiled steps take them.
+fuse=layers runs them at one row through kernels/fused_w8a16.py (the norms, residuals, GeGLU and PLE gate in
+the GEMV, as for bf16 and int4; no fuse.batch_invariant form); fuse=merged (merged q|k|v and gate|up, quantized
+after merging) and the captured / compiled steps take them too.
 """
 from __future__ import annotations
 
