@@ -93,7 +93,7 @@ def main():
         ce = dict(K=K, GROUP=128, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
                   HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True, WORDS=words, ASM=True, EXACT=False)
         cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)), warps))
-    # quant=int8's fused GEMV (kernels/fused_w8a16.py) on the dense one's pinned tiles
+    # quant=int8's fused GEMV (kernels/fused_w8a16.py, its codes as int32 words) on the dense one's pinned tiles
     int8_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr")}
     int8_sig.update(w_ptr="*i8", ws_ptr="*fp32", aux_ptr="*bf16", out_ptr="*bf16", N="i32", HALF="i32",
                     stride_wn="i32", eps="fp32", off="fp32")
@@ -101,7 +101,7 @@ def main():
             ("int8 fused residual qkv", 2, 0, 2560, 8, 1024, 4), ("int8 fused geglu gate|up", 2, 1, 2560, 8, 512, 4),
             ("int8 fused plain down", 0, 0, 10240, 2, 1024, 4), ("int8 fused ple gate", 2, 2, 2560, 1, 1024, 4)]:
         ce = dict(K=K, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
-                  HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True)
+                  HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True, WORDS=True)
         cases.append((name, _fused_w8a16_kernel, int8_sig, ce, tuple(range(10)) + (12,), warps))
     # the per-group int4 tl.dot kernel with its bf16 PTX dequantization: tensor-core dots, the
     # asm's packed fmas, no spills ("dot" lines: name, registers, spills, bf16x2 fmas, mma instructions)
@@ -286,8 +286,10 @@ def main():
         first_wait = ptx.index("griddepcontrol.wait")
         w_loads_before = ptx[:first_wait].count("ld.global")
         expect = -(-ce["K"] // ce["BLOCK_K"])
-        # the word loop's nibble pairs: one LOP3 with the 0x3F803F80 magic per pair of codes
-        pairs = ptx.count("0x3F803F80") if ce.get("WORDS") else 0
+        # the int4 word loop's nibble pairs: one LOP3 with the 0x3F803F80 magic per pair of codes; the int8 kernel's
+        # int-to-float conversions (none from its words)
+        pairs = (ptx.count("0x3F803F80") if ce.get("WORDS") and fn is _fused_w4a16_kernel else
+                 ptx.count("cvt.rn.f32.s") if fn is _fused_w8a16_kernel else 0)
         print(f"{name}\t{regs}\t{spills}\t{waits}\t{w_loads_before}\t{expect}\t{pairs}")
 
 

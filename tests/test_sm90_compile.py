@@ -150,5 +150,6 @@ def test_gpu_only_variants_compile_for_sm90():
             assert loads_before_wait == 0, (name, loads_before_wait)
         else:
             assert loads_before_wait >= k_blocks, (name, loads_before_wait)
-        # the word loop's LOP3 survived: 4 pairs per word position and K block (at least)
+        # the word loop's LOP3 survived: 4 pairs per word position and K block (at least); the int8 fused GEMV's
+        # words become floats without an I2F (its column counts them: 0)
         assert pairs >= 4 * k_blocks if "words" in name else pairs == 0, (name, pairs)
