@@ -29,8 +29,8 @@
 #             then with each left out (an option that needs it leaves with it: afold, fold, attn_qkv, mma,
 #             attn_pdl, all), each with the full head and the frontier's pruned int8 rows, in one process, so
 #             the `vs first variant` column is what each option buys; then two more processes, the whole stack at
-#             the native window and the bf16 body's fastest step at window 188 (their steps against the first
-#             row: across processes). LOO_HEADS (default "pruned:12288:int8") for other heads
+#             the native window, and the bf16 and int8 (quant=int8) bodies' one-row steps at window 188 (their
+#             steps against the first row: across processes). LOO_HEADS (default "pruned:12288:int8") for other heads
 #   attention a store layer's attention with its q/k/v work at one row by path and tiles, full layers at
 #             300-32k tokens of context (bench.attention; ATTENTION_ARGS, default --qkv; "" for the split
 #             kernel alone vs its twin)
@@ -94,7 +94,7 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
   mkdir -p "$COMPILE_CACHE/inductor" "$COMPILE_CACHE/triton"
   export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi
-part_s="${PART_S:-420}"  # or per part: LOO_S, LOO_NATIVE_S, LOO_BF16_S, GEMV_S, STREAM_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, FLOOR_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: LOO_S, LOO_NATIVE_S, LOO_BODIES_S, GEMV_S, STREAM_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, FLOOR_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -125,7 +125,7 @@ bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh 
          run loo python3 -m fastgemma.bench.stack --bodies int4 --heads $h --window 188 --new 256 --out "$out/loo.jsonl" \
            --variants "$f,attn_pdl+mma+attn_qkv+fold,attn_pdl+mma+attn_qkv,attn_pdl+mma+fold,attn_pdl+attn_qkv,mma+attn_qkv+fold+afold,base"
          run loo_native python3 -m fastgemma.bench.stack --bodies int4 --heads $h --window native --new 256 --variants "$f"
-         run loo_bf16 python3 -m fastgemma.bench.stack --bodies bf16 --heads $h --window 188 --new 256 \
+         run loo_bodies python3 -m fastgemma.bench.stack --bodies bf16 int8 --heads $h --window 188 --new 256 \
            --variants attn_pdl+attn_qkv ;;
     attention) run attention python3 -m fastgemma.bench.attention ${ATTENTION_ARGS---qkv} ;;
     int4fused) run int4fused python3 -c "from fastgemma.kernels.fused_w4a16 import bench_tiles, E4B_CASES as C
@@ -180,7 +180,7 @@ for p in "${parts[@]}"; do
     fold) grep -E ' \| ' "$out/fold.log" | head -40 ;;
     stream) grep -E ' \| |skip|^fused table' "$out/stream.log" | tail -40 ;;
     draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;
-    loo) for l in loo loo_native loo_bf16; do grep -E '^\|' "$out/$l.log" | tail -16; done ;;
+    loo) for l in loo loo_native loo_bodies; do grep -E '^\|' "$out/$l.log" | tail -16; done ;;
     cli) grep -E '^\[bench\]|^\||\.\.\.$|: [0-9.]+ s( \([0-9]+ graphs? compiled\))?$|^timed:|error' "$out/cli.log" | tail -30 ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
