@@ -21,7 +21,7 @@
 #             (written to stream_table.txt) with each case's fastest tiles
 #   int4fused the fused int4 GEMV's tiles per fuse=layers case, each output checked (fused_w4a16.bench_tiles;
 #             prints TILES lines); INT4FUSED_CASES="gate|up,down" a subset (names of fused_w4a16.E4B_CASES)
-#   stack     body (bf16 / int4 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
+#   stack     body (bf16 / int4 / int8 / nf4) x head (full / int8 / int4 / pruned) decode table (bench.stack;
 #             STACK_ARGS, e.g. "--bodies int4 --variants base,attn_pdl+qkv": the fused step's options per
 #             body; "--timeline 3 --floor $OUT/floor.jsonl" after the floor part: each kernel against its
 #             boundary); nf4 needs bitsandbytes (a wheel in .whl)
