@@ -76,8 +76,15 @@ def test_linear_from_nn_linear_both_backends_and_casts():
         assert y.shape == (2, 3, 40)
         assert (y - ref).abs().max() < 0.02 * ref.abs().max(), b
     assert torch.allclose(mods["triton"](x[0, :1]), mods["torch"](x[0, :1]), rtol=1e-5, atol=1e-6)
+    scales = mods["torch"].scales.clone()
     m = mods["torch"].to(torch.bfloat16)
     assert m.scales.dtype == torch.float32 and m.qweight.dtype == torch.int8 and m.bias.dtype == torch.bfloat16
+    assert torch.equal(m.scales, scales)  # not rounded through bf16 on the way
+    from fastgemma.transforms.lm_head import Int8Rows  # the int8 head rows keep theirs the same way
+
+    rows = Int8Rows.from_weight(lin.weight.detach(), 100, 30.0)
+    scales = rows.scales.clone()
+    assert rows.to(torch.bfloat16).scales.dtype == torch.float32 and torch.equal(rows.scales, scales)
     assert m.weight_bytes() == 40 * 64 + 40 * 4
     m.set_backend("triton")
     assert m.backend == "triton" and "backend=triton" in repr(m)
@@ -90,7 +97,7 @@ def test_transform_on_the_tiny_model():
     cfg = preset("gemma4_tiny")
     model = synthetic_model(cfg, "cpu", torch.float32, seed=0)
     dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)
-                and m.weight is not getattr(model, "embed_tokens").weight)
+                and m.weight is not model.embed_tokens.weight)
     t = Int8Quant(skip=("per_layer_input_gate",), backend="torch")
     model = t.apply(model)
     info = t.describe()

@@ -35,6 +35,7 @@ from ..kernels.sparse_argmax import (
     _INTERPRET, ROW_INVARIANT_CONFIG, head_argmax, head_argmax_op, head_argmax_torch, softcap_torch,
 )
 from ..kernels.w8a16 import quantize_int8_rows
+from .quant_int8 import ExactScales
 
 _BACKENDS = ("auto", "triton", "torch")
 _ROW_DTYPES = ("auto", "int8", "int4")
@@ -117,8 +118,9 @@ class DenseRows(HeadRows):
                            backend or self.backend, want_ids, row_invariant)
 
 
-class Int8Rows(HeadRows):
-    """qweight int8 [N, K] + scales fp32 [N]: w[n] ~= qweight[n] * scales[n] (symmetric, per row)."""
+class Int8Rows(ExactScales, HeadRows):
+    """qweight int8 [N, K] + scales fp32 [N]: w[n] ~= qweight[n] * scales[n] (symmetric, per row); the scales
+    stay exactly fp32 through dtype casts (ExactScales)."""
 
     kind = "int8"
 
