@@ -13,7 +13,8 @@
 #             per-group kernel on separate scales / zeros (default: the packed words, as the engine runs it)
 #   mma       the int4 GEMV on the tensor cores (kernels/mma_w4a16.py) vs the current kernels, 1 and 8 rows,
 #             every E4B shape (kernels/mma_bench.py); MMA_CASES=name,..., MMA_MS=1,8, MMA_TRY=1x4s4,2x4d2,...
-#             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS[cC][g]); writes the entries
+#             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS[cC][g]); MMA_HOT=1
+#             each kernel also on weights kept in the L2 (one copy, called again and again); writes the entries
 #             faster alone than the shipped table's to mma_faster.txt (`bench.stack --mma-table +$(cat ...)`)
 #   stream    the fused one-row bf16 GEMV streamed by a few programs a multiprocessor (kernels/stream_gemv.py)
 #             against the shipped one-program-per-tile launch, alone, outputs checked; STREAM_ARGS, e.g.
@@ -43,6 +44,10 @@
 #             dot, write a share) as stream-ordered launches, PDL launches, or one launch with grid
 #             barriers, per program count, each chain checked against its twin (bench.floor; FLOOR_ARGS,
 #             default "--no-work": the boundary alone too)
+#   l2ahead   the store layer's four int4 GEMVs (E4B shapes, the table's one-row configs, PDL) with the next
+#             kernels' weights asked into the L2 from a side branch of the graph (kernels/l2_prefetch.py), per
+#             plan TARGET[+1]@PHASE,..., outputs checked against the plan 'none' (bench.l2_ahead; L2AHEAD_ARGS,
+#             e.g. "--plans none down@gu --layers 16 --chunk-kb 16")
 #   floorstep a step's chain of phases at its own shapes: a layer's launches (programs, MB streamed each) repeated,
 #             pdl vs pdl_ahead, checked against the twin (bench.floor_step; FLOORSTEP_ARGS, e.g. "--layer
 #             96:4.2,64:0,... --layers 42"; default: the int4 frontier step's store layer)
@@ -136,7 +141,7 @@ from fastgemma.kernels.mma_table import parse_config
 from fastgemma.kernels.fused_w4a16 import E4B_CASES as C
 cs, try_ = '${MMA_CASES:-}', '${MMA_TRY:-}'
 rows = bench_mma({k: C[k] for k in cs.split(',')} if cs else None, ms=tuple(int(m) for m in '${MMA_MS:-1,8}'.split(',')),
-                 configs=[parse_config(c) for c in try_.split(',')] if try_ else None)
+                 configs=[parse_config(c) for c in try_.split(',')] if try_ else None, hot='${MMA_HOT:-0}' == '1')
 e = faster_entries(rows)
 open('$out/mma_faster.txt', 'w').write(e)
 print('# faster alone than the table (bench.stack --mma-table +ENTRIES):', e or 'none')" ;;
@@ -151,6 +156,7 @@ bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_conf
     drafthead) run drafthead python3 -m fastgemma.bench.draft_head ;;
     draftloop) run draftloop python3 -m fastgemma.bench.draft_loop ${DRAFTLOOP_ARGS:-} ;;
     floor) run floor python3 -m fastgemma.bench.floor ${FLOOR_ARGS:---no-work} --out "$out/floor.jsonl" ;;
+    l2ahead) run l2ahead python3 -m fastgemma.bench.l2_ahead ${L2AHEAD_ARGS:-} --out "$out/l2ahead.jsonl" ;;
     floorstep) run floorstep python3 -m fastgemma.bench.floor_step ${FLOORSTEP_ARGS:-} --out "$out/floorstep.jsonl" ;;
     prefill) run prefill python3 -m fastgemma.bench.prefill ${PREFILL_ARGS:-} --out "$out/prefill.jsonl" ;;
     invariance) run invariance python3 -m fastgemma.bench.invariance ${INVARIANCE_ARGS:-} --out "$out/invariance.jsonl" ;;

@@ -380,6 +380,15 @@ def test_bench_mma_checks_every_row_against_the_twin(capsys):
     assert faster_entries(timed, table, margin_us=0.6) == ""
     assert faster_entries(timed, {}) == ""  # the table's config not timed: nothing to beat
     assert all(r["ok"] for r in rows)
+    # hot: each kernel timed again on one copy of its weights (the timer sees a different callable);
+    # those rows never count as a config faster than the table's
+    seen = []
+    rows = bench_mma({"p": cases["p"]}, ms=(1,), device="cpu", configs=tried[:1], hot=True,
+                     timer=lambda fn: (fn(), seen.append(fn), 1.0 if len(seen) % 2 == 0 else 2.0)[2])
+    assert [(r["config"], r["hot"], r["us"]) for r in rows if r["config"]] == [("1x1s2", False, 2.0), ("1x1s2", True, 1.0)]
+    assert sum(r["hot"] for r in rows) == len(rows) // 2
+    assert faster_entries(rows, {(64, 256, False): parse_config("1x1s2")}, margin_us=0.0) == ""
+    assert "mma 1x16 rows, 1 warps, d64, iters 1, splits 2, weights in L2 |" in capsys.readouterr().out
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="bench_mma needs a CUDA device"):
             bench_mma(cases, ms=(1,), device="cpu")
