@@ -50,3 +50,5 @@ def test_bench_plans_on_tiny_layers():
     mb = sum(N * K // 2 + N * K // 128 * 4 for N, K in shapes.values()) / 1e6  # codes + bf16 scale / zero pairs
     assert rows[0]["mb_layer"] == pytest.approx(mb)
     assert "| down@gu,qkv+1@down | " in table(rows) and "+0.00" in table(rows)
+    assert table([dict(plan="none", mb_layer=48.74, us_layer=25.51)]).splitlines()[-1] == \
+        "| none | 48.74 | 25.51 | +0.00 | 1.91 |"  # MB a layer / us a layer: TB/s
