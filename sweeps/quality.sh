@@ -54,6 +54,7 @@ for task in ppl identity; do
   sweep "task=$task" "${stacked[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${int4_g128[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${int8[@]}" "${common[@]}"
+  sweep "task=$task" window=w192 "${int8[@]}" "${common[@]}"  # experiment=quality_safe's lossy choices
 done
 
 echo "== fastgemma task=report task.inputs=[$results]" >&2
