@@ -147,7 +147,8 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 CPU_SHRINK = {("graphs", "cuda_graph"): ["graphs=static"], ("graphs", "compiled"): ["graphs=static"], ("attention", "triton"): ["attention=torch"],
               ("quant", "int4"): ["quant.backend=torch", "quant.group_size=32",
                                   "quant.skip=[per_layer_input_gate,per_layer_projection]"],
-              ("quant", "bf16"): ["quant.backend=torch"], ("fuse", "layers"): ["fuse.backend=torch"],
+              ("quant", "bf16"): ["quant.backend=torch"], ("quant", "int8"): ["quant.backend=torch"],
+              ("fuse", "layers"): ["fuse.backend=torch"],
               ("lm_head", "pruned"): ["lm_head.rows=64", "lm_head.backend=torch"],
               ("sampler", "fused_argmax"): ["sampler.backend=torch"],
               ("weights", "gguf"): ["weights=synthetic"]}  # the real model runs in test_gemma3.py
