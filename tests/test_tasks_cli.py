@@ -129,6 +129,19 @@ def test_identity_of_nf4_runs_on_the_cpu(tmp_path):
     assert 0 <= rec["metrics"]["top1_agree"] <= 1
 
 
+def test_identity_of_gptq_int4_runs_on_the_cpu(tmp_path):
+    """quant=int4 quant.method=gptq through the whole job: calibrated on the default texts (the byte
+    tokenizer of synthetic weights), the record says how."""
+    rec = run_job(TINY + ["task=identity", "quant=int4", "quant.backend=torch", "quant.method=gptq",
+                          "quant.group_size=32", "quant.skip=[per_layer_input_gate,per_layer_projection]",
+                          "quant.calib_tokens=128", "quant.calib_seq_len=64"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    q = rec["details"]["parts"]["quant"]
+    assert q["method"] == "gptq" and q["quantized_layers"] > 0
+    assert q["gptq"]["calib_sequences"] == 2 and 0 < q["gptq"]["error_vs_rtn"] < 1
+    assert 0 <= rec["metrics"]["top1_agree"] <= 1
+
+
 def test_generate_text_and_ids(tmp_path, capsys):
     rec = run_job(TINY + ["task=generate", "task.prompt=Hello", "task.max_new_tokens=5"], tmp_path, "a")
     assert rec["status"] == "ok" and len(rec["details"]["output_ids"]) == 5
@@ -174,6 +187,7 @@ def test_every_experiment_runs_on_the_tiny_model(experiment, tmp_path):
     (["device=cuda"], "device=cuda asked for, but no CUDA GPU"),
     (["weights=hf"], "weights=hf needs weights.path"),
     (["model=checkpoint"], "weights=synthetic needs a model preset"),
+    (["quant=int4", "quant.backend=torch", "quant.method=awq"], "quant.method must be one of ('rtn', 'gptq')"),
 ])
 def test_bad_input_gives_one_clear_message(overrides, message, tmp_path, capsys):
     import torch

@@ -257,11 +257,9 @@ class EngineFactory:
     def tokenizer(self):
         """Made once per factory: a Gemma tokenizer.json (33 MB) takes ~9 s to load on a busy CPU."""
         if self._tokenizer is None:
-            from .workloads.tokenizer import make_tokenizer
+            from .workloads.tokenizer import tokenizer_for
 
-            c = self.config
-            src = self.weights.source_dir
-            self._tokenizer = make_tokenizer(self.tokenizer_spec, src, c.vocab_size, c.bos_id, c.eos_ids[0])
+            self._tokenizer = tokenizer_for(self.tokenizer_spec, self.weights, self.config)
         return self._tokenizer
 
     def reference(self) -> "EngineFactory":

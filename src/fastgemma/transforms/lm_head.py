@@ -491,10 +491,9 @@ class PrunedHead:
     def _get_tokenizer(self, cfg):
         if self._tokenizer is not None:
             return self._tokenizer, "bound"
-        from ..workloads.tokenizer import make_tokenizer
+        from ..workloads.tokenizer import tokenizer_for
 
-        src = getattr(self.weights, "source_dir", None) if self.weights is not None else None
-        tok = make_tokenizer(self.tokenizer_spec, src, cfg.vocab_size, cfg.bos_id, cfg.eos_ids[0])
+        tok = tokenizer_for(self.tokenizer_spec, self.weights, cfg)
         return tok, type(tok).__name__ if tok is not None else None
 
     def keep_ids(self, cfg) -> tuple[list[int], dict]:

@@ -129,10 +129,17 @@ class Int4Linear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, group_size: int, backend: str = "triton") -> "Int4Linear":
+        """Round to nearest (kernels/int4_pack.quantize_int4)."""
+        return cls.from_codes(linear, *quantize_int4(linear.weight, group_size), group_size, backend)
+
+    @classmethod
+    @torch.no_grad()
+    def from_codes(cls, linear: nn.Linear, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int, backend: str = "triton") -> "Int4Linear":
+        """The layer for `linear` from codes [N, K] and scales / zeros [K/G, N] made elsewhere (GPTQ)."""
         w = linear.weight
         mod = cls(linear.in_features, linear.out_features, group_size, linear.bias is not None,
                   backend, dtype=w.dtype, device=w.device)
-        q, scales, zeros = quantize_int4(w, group_size)
         mod.qweight.copy_(pack_int4(q))
         mod.set_scales(scales, zeros)
         if linear.bias is not None:
@@ -250,19 +257,58 @@ class NoQuant:
         return dict(self._info)
 
 
+METHODS = ("rtn", "gptq")
+
+
 class Int4Quant:
     """quant=int4: every nn.Linear whose qualified name matches no `skip` pattern (substring or
-    fnmatch) becomes an Int4Linear (W4A16, RTN asymmetric, group `group_size` along K). Int4Linear
+    fnmatch) becomes an Int4Linear (W4A16, asymmetric, group `group_size` along K). Int4Linear
     layers loaded from a checkpoint keep their codes and group size; only their backend is set.
     With backend=triton the layers left dense run one-row inputs through our GEMV (as quant=bf16
-    backend=triton does)."""
+    backend=triton does).
 
-    def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton"):
+    method: rtn (round to nearest, from the weights alone) | gptq (transforms/gptq.py: calibrated on
+    `calib_tokens` tokens of `calib` in sequences of `calib_seq_len`, Hessian damping `damp`; the text is
+    tokenized with `tokenizer` / `weights` as the pruned head's keepset text is). The same format and
+    kernels either way."""
+
+    def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton",
+                 method: str = "rtn", calib: str | None = None, calib_tokens: int = 8192, calib_seq_len: int = 512,
+                 damp: float = 0.01, tokenizer: str | None = "auto", weights=None):
         check_group_size(group_size)
         _check_backend(backend)
-        self.group_size, self.backend = group_size, backend
+        if method not in METHODS:
+            raise ValueError(f"quant.method must be one of {METHODS}, got {method!r}")
+        if method == "gptq":
+            if isinstance(calib_seq_len, bool) or not isinstance(calib_seq_len, int) or calib_seq_len < 2:
+                raise ValueError(f"quant.calib_seq_len must be an integer >= 2, got {calib_seq_len!r}")
+            if isinstance(calib_tokens, bool) or not isinstance(calib_tokens, int) or calib_tokens < calib_seq_len:
+                raise ValueError(f"quant.calib_tokens must be an integer >= calib_seq_len ({calib_seq_len}), "
+                                 f"got {calib_tokens!r}")
+            if not (isinstance(damp, (int, float)) and 0 < damp < 1):
+                raise ValueError(f"quant.damp must be in (0, 1) (a share of the Hessian's mean diagonal), got {damp!r}")
+        self.group_size, self.backend, self.method = group_size, backend, method
         self.skip = tuple(skip or ())
-        self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend}
+        self.calib, self.calib_tokens, self.calib_seq_len, self.damp = calib, calib_tokens, calib_seq_len, float(damp)
+        self.tokenizer_spec, self.weights = tokenizer, weights
+        self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend, "method": method}
+
+    def _gptq(self, model, targets) -> dict:
+        """GPTQ the targets in place (transforms/gptq.py); -> facts for describe()."""
+        from ..workloads.tokenizer import tokenizer_for
+        from .gptq import calibration_ids, calibration_sequences, gptq_model
+
+        cfg = model.config
+        tok = None if self.calib and str(self.calib).endswith(".jsonl") else tokenizer_for(self.tokenizer_spec,
+                                                                                            self.weights, cfg)
+        ids, paths = calibration_ids(self.calib, tok)
+        seqs = calibration_sequences(ids, self.calib_seq_len, self.calib_tokens, cfg.bos_id)
+
+        def make(lin, q, scales, zeros):
+            return Int4Linear.from_codes(lin, q, scales, zeros, self.group_size, self.backend)
+
+        facts = gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new), self.damp)
+        return {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp, **facts}
 
     @torch.no_grad()
     def apply(self, model: nn.Module) -> nn.Module:
@@ -273,20 +319,22 @@ class Int4Quant:
                 raise ValueError(f"int4 group_size {self.group_size} does not divide K={mod.in_features} "
                                  f"of layer '{name}' ({mod.out_features}x{mod.in_features}); "
                                  f"pick a group size in {GROUP_SIZES} that divides it or add it to skip")
-        new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend) for _, mod in targets}
         loaded = _loaded_int4(model)
         for mod in loaded:
             mod.set_backend(self.backend)
-        self._info = {
-            "quant": "int4", "group_size": self.group_size, "backend": self.backend,
-            "quantized_layers": len(targets),
-            "quantized_params": sum(m.weight.numel() for _, m in targets),
-            "weight_bytes": sum(m.weight_bytes() for m in new.values()),
-            "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets),
-            "skipped": skipped,
-            **_loaded_info(loaded),
-        }
-        model = _swap(model, new)
+        info = {"quant": "int4", "group_size": self.group_size, "backend": self.backend, "method": self.method,
+                "quantized_layers": len(targets), "quantized_params": sum(m.weight.numel() for _, m in targets),
+                "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets), "skipped": skipped,
+                **_loaded_info(loaded)}
+        if self.method == "gptq" and targets:
+            info["gptq"] = self._gptq(model, targets)  # swaps layer by layer: later layers see earlier codes
+            new = [m for m in model.modules() if isinstance(m, Int4Linear) and m not in loaded]
+        else:
+            new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend) for _, mod in targets}
+            model = _swap(model, new)
+            new = list(new.values())
+        info["weight_bytes"] = sum(m.weight_bytes() for m in new)
+        self._info = info
         if self.backend == "triton":  # the layers left dense (skip list) take our GEMV at one row
             from .gemv import use_gemv
 

@@ -59,3 +59,13 @@ def read_corpus(path: str | Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"corpus file {path} is not UTF-8 text: {err}") from None
+
+
+CALIBRATION_CORPORA = ("MPL-2.0", "Apache-2.0", "MPL-1.1", "Artistic", "CC0-1.0")
+
+
+def calibration_corpus_paths() -> list[Path]:
+    """The texts GPTQ calibrates on by default (`quant.method=gptq`): licences other than the scored
+    GPL-3, each sharing under 1% of its 8-word runs with it (MPL-2.0 is also the keepset text), ~14k
+    Gemma tokens together, in this order."""
+    return [_license_path(name, "calibration") for name in CALIBRATION_CORPORA]

@@ -56,3 +56,9 @@ def encode(tokenizer, text: str) -> list[int]:
 def encode_plain(tokenizer, text: str) -> list[int]:
     """Text -> ids without special tokens (corpus bodies, which the caller splits and prefixes)."""
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def tokenizer_for(spec: str | None, weights, cfg):
+    """make_tokenizer for a model config and a weights object (the checkpoint's directory, if it has one)."""
+    src = getattr(weights, "source_dir", None) if weights is not None else None
+    return make_tokenizer(spec, src, cfg.vocab_size, cfg.bos_id, cfg.eos_ids[0])

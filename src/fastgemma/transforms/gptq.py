@@ -1,0 +1,269 @@
+"""GPTQ for the int4 body (`quant=int4 quant.method=gptq`): the same W4A16 format as round-to-nearest
+(kernels/int4_pack: a float scale and zero per group of G consecutive k), so kernels, bytes and speed are
+unchanged; only which codes are stored differs.
+
+Each linear W [N, K] is quantized one input column at a time, left to right; the rounding error of a
+column is spread over the columns not yet quantized through the inverse Hessian of the layer's inputs,
+H = X^T X / n over calibration tokens (Frantar et al., "GPTQ", 2022, with its lazy blocks of 128
+columns). A group's scale and zero are taken from its columns as they stand when the group starts
+(min / max of the error-updated weights), as RTN takes them from the raw weights. Nothing is permuted
+(no act-order): groups stay contiguous along K, as the kernels read them.
+
+Calibration runs the model's own prompt forward over text (`calibration_sequences`), one decoder layer at
+a time: the inputs of layer i's linears come from the model with layers 0..i-1 already quantized, and
+the forward stops after layer i. Linears outside the decoder layers (the PLE model projection, which
+reads the embeddings) are done first, from one full forward.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..kernels.int4_pack import check_group_size, quantize_int4
+
+log = logging.getLogger(__name__)
+
+BLOCK = 128  # columns updated lazily at a time (GPTQ's B); a multiple of every group size
+
+
+class HessianError(ValueError):
+    """A Hessian that stays singular after damping, or a layer that saw no calibration input."""
+
+
+def _inverse_upper(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of H^-1 after adding damp * mean(diag H) to the diagonal; the damping
+    grows tenfold (up to four times) while H is not positive definite. -> (factor, damping used)."""
+    mean = float(torch.diag(H).mean())
+    if not math.isfinite(mean) or mean <= 0:
+        raise HessianError(f"Hessian with mean diagonal {mean}: the layer saw no (finite) calibration input")
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    for _ in range(5):
+        L, info = torch.linalg.cholesky_ex(H + damp * mean * eye)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info) == 0:
+                return U, damp
+        damp *= 10
+    raise HessianError(f"Hessian not positive definite even with damping {damp / 10:g} x its mean diagonal")
+
+
+@torch.no_grad()
+def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0.01,
+              scale_dtype: torch.dtype | None = None):
+    """w [N, K], H [K, K] (X^T X / n of its inputs) -> (codes [N, K] uint8, scales [K/G, N], zeros [K/G, N]),
+    the format of `quantize_int4`. Input columns that never fired (H's diagonal 0) are rounded as RTN
+    rounds them and pass no error on. fp32 arithmetic on w's device."""
+    check_group_size(group_size)
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"int4 group_size {group_size} does not divide K={K}")
+    if tuple(H.shape) != (K, K):
+        raise ValueError(f"Hessian {tuple(H.shape)} does not match a weight of K={K}")
+    if scale_dtype is None:
+        scale_dtype = w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    W = w.detach().float().clone()
+    H = H.detach().float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    U, _ = _inverse_upper(H, damp)
+    codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)
+    scales = torch.empty(K // group_size, N, dtype=scale_dtype, device=W.device)
+    zeros = torch.empty_like(scales)
+    s = z = safe = None
+    for i1 in range(0, K, BLOCK):
+        i2 = min(i1 + BLOCK, K)
+        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
+        E1 = torch.zeros_like(W1)
+        for j in range(i2 - i1):
+            col = i1 + j
+            if col % group_size == 0:  # the group's range as its columns stand now (i1 % G == 0, BLOCK % G == 0)
+                g = W1[:, j:j + group_size]
+                lo, hi = g.amin(1), g.amax(1)
+                scales[col // group_size] = ((hi - lo) / 15).to(scale_dtype)
+                zeros[col // group_size] = lo.to(scale_dtype)
+                s, z = scales[col // group_size].float(), zeros[col // group_size].float()
+                safe = torch.where(s > 0, s, 1.0)
+            x = W1[:, j]
+            q = torch.where(s > 0, torch.round((x - z) / safe), 0.0).clamp_(0, 15)
+            codes[:, col] = q.to(torch.uint8)
+            e = (x - (q * s + z)) / U1[j, j]
+            W1[:, j:] -= e[:, None] * U1[j, j:][None, :]
+            E1[:, j] = e
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return codes, scales, zeros
+
+
+def dequantized(codes, scales, zeros, group_size: int) -> torch.Tensor:
+    """codes [N, K], scales / zeros [K/G, N] -> W [N, K] fp32."""
+    N, K = codes.shape
+    q = codes.float().reshape(N, K // group_size, group_size)
+    return (q * scales.t().float()[..., None] + zeros.t().float()[..., None]).reshape(N, K)
+
+
+def output_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> float:
+    """trace((W - Wq) H (W - Wq)^T): the summed squared output error over the calibration inputs, / n."""
+    d = w.float() - wq.float()
+    return float(((d @ H.float()) * d).sum())
+
+
+# ---- calibration -----------------------------------------------------------------------------------
+
+
+def calibration_sequences(ids: list[int], seq_len: int, tokens: int, bos_id: int) -> list[list[int]]:
+    """Consecutive windows of <bos> + seq_len - 1 ids, at most `tokens` ids in all (<bos> counted)."""
+    if seq_len < 2:
+        raise ValueError(f"quant.calib_seq_len must be >= 2, got {seq_len}")
+    if tokens < seq_len:
+        raise ValueError(f"quant.calib_tokens={tokens} is below one sequence (calib_seq_len={seq_len})")
+    n = seq_len - 1
+    seqs = [[bos_id] + ids[i:i + n] for i in range(0, len(ids), n)]
+    seqs = [s for s in seqs if len(s) > 1]
+    out, left = [], tokens
+    for s in seqs:
+        if left < 2:
+            break
+        out.append(s[:left])
+        left -= len(out[-1])
+    if not out:
+        raise ValueError("the calibration text gave no tokens")
+    return out
+
+
+class _Stop(Exception):
+    """Raised after the layer being calibrated: the rest of the forward is not needed."""
+
+
+def _stop(*_):
+    raise _Stop()
+
+
+class _Hessians:
+    """Forward pre-hooks that sum X^T X (fp32) of each module's input rows."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, int] = {}
+        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
+
+    def _hook(self, name):
+        def hook(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            if name in self.sums:
+                self.sums[name].addmm_(x.t(), x)
+            else:
+                self.sums[name] = x.t() @ x
+            self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+        return hook
+
+    def hessian(self, name: str) -> torch.Tensor:
+        if name not in self.sums:
+            raise HessianError(f"layer '{name}' saw no calibration input (is it called by the model's forward?)")
+        return self.sums.pop(name) / self.rows[name]
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _forward(model, seqs, stop_at: nn.Module | None):
+    from ..engine.cache import KVCache
+
+    dev = next(model.parameters()).device
+    dtype = model.embed_tokens.weight.dtype
+    handle = stop_at.register_forward_hook(_stop) if stop_at is not None else None
+    try:
+        for ids in seqs:
+            t = torch.as_tensor(ids, dtype=torch.long, device=dev)[None]
+            cache = KVCache(model.config, 1, t.shape[1], device=dev, dtype=dtype)
+            try:
+                model(t, torch.arange(t.shape[1], device=dev)[None], cache, start=0, need="all")
+            except _Stop:
+                pass
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _stages(model, targets):
+    """[(stop module or None, [(name, Linear)])]: the linears outside the decoder layers (one full
+    forward), then each decoder layer's, in order."""
+    outer = [(n, m) for n, m in targets if not n.startswith("layers.")]
+    stages = [(None, outer)] if outer else []
+    for i, layer in enumerate(model.layers):
+        mine = [(n, m) for n, m in targets if n.startswith(f"layers.{i}.")]
+        if mine:
+            stages.append((layer, mine))
+    return stages
+
+
+@torch.no_grad()
+def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 0.01, progress=None) -> dict:
+    """Quantize `targets` [(name, nn.Linear)] of an engine model, stage by stage (each linear's weight
+    holds its dequantized int4 values from its stage on); then make(linear, codes, scales, zeros) -> the
+    new module, and swap({id(old): new}) puts them in the model. -> facts for describe():
+    sequences, tokens, seconds, and the output error against RTN's (sum over layers of
+    trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear."""
+    from tqdm.auto import tqdm
+
+    if not hasattr(model, "layers") or not hasattr(model, "embed_tokens"):
+        raise ValueError(f"quant.method=gptq calibrates through the engine's Gemma model; got {type(model).__name__}")
+    t0 = time.perf_counter()
+    stages = _stages(model, targets)
+    err = {"gptq": 0.0, "rtn": 0.0}
+    by_kind: dict[str, list[float]] = {}
+    done = []  # (linear, codes, scales, zeros): made into modules once every stage is calibrated
+    bar = tqdm(stages, desc="gptq", unit="layer", disable=progress is False or None, dynamic_ncols=True)
+    for stop_at, group in bar:
+        hooks = _Hessians(dict(group))
+        try:
+            _forward(model, seqs, stop_at)
+        finally:
+            hooks.remove()
+        for name, lin in group:
+            H = hooks.hessian(name)
+            w = lin.weight
+            codes, scales, zeros = gptq_int4(w, H, group_size, damp)
+            wq = dequantized(codes, scales, zeros, group_size)
+            e_gptq = output_error(w, wq, H)
+            e_rtn = output_error(w, dequantized(*quantize_int4(w, group_size), group_size), H)
+            err["gptq"] += e_gptq
+            err["rtn"] += e_rtn
+            kind = name.rsplit(".", 1)[-1]
+            by_kind.setdefault(kind, [0.0, 0.0])
+            by_kind[kind][0] += e_gptq
+            by_kind[kind][1] += e_rtn
+            # the later stages' forwards see this layer's int4 values, through its own dense matmul (a
+            # forward as fast as the float model's; the kernels' own rounding of them differs by ulps)
+            w.copy_(wq.to(w.dtype))
+            done.append((lin, codes, scales, zeros))
+            del H
+    swap({id(lin): make(lin, *parts) for lin, *parts in done})
+    seconds = time.perf_counter() - t0
+    ratio = err["gptq"] / err["rtn"] if err["rtn"] > 0 else None
+    log.info("gptq: %d linears in %d stages, %d sequences, %.1f s; output error vs RTN %.3f",
+             len(targets), len(stages), len(seqs), seconds, ratio or float("nan"))
+    return {"calib_sequences": len(seqs), "calib_tokens": sum(len(s) for s in seqs), "gptq_s": round(seconds, 2),
+            "error_vs_rtn": None if ratio is None else round(ratio, 4),
+            "error_vs_rtn_by_kind": {k: round(g / r, 4) if r > 0 else None for k, (g, r) in sorted(by_kind.items())}}
+
+
+def calibration_ids(corpus: str | None, tokenizer) -> tuple[list[int], list[str]]:
+    """Token ids of the calibration text: `corpus` (a text file, or a .jsonl of id lists), else the
+    Debian licence texts of workloads.corpus.calibration_corpus_paths(), concatenated. -> (ids, paths)."""
+    from ..workloads.corpus import calibration_corpus_paths
+    from .lm_head import corpus_ids
+
+    paths = [Path(corpus).expanduser()] if corpus else calibration_corpus_paths()
+    ids = []
+    for p in paths:
+        if p.suffix != ".jsonl" and tokenizer is None:
+            raise ValueError(f"quant.method=gptq calibrates on the text {p}: it needs the model's tokenizer "
+                             "(tokenizer=none), or quant.calib=<a .jsonl of token id lists>")
+        ids.extend(corpus_ids(p, tokenizer))
+    return ids, [str(p) for p in paths]
