@@ -9,7 +9,9 @@
 # from MPL-2.0 (never the scored text), scatter=false so that ppl stays the full head's and the ppl
 # pass counts the keepset misses, sampler=fused_argmax so that greedy decode goes through the pruned
 # head; the 12k keepset's rows also in int8 and int4 (g128); an int8 body (W8A16, a scale per row); the frontier's
-# lossy choices together (window 188, the 12k rows in int8), alone, with int4 g128 and with the int8 body.
+# lossy choices together (window 188, the 12k rows in int8), alone, with int4 g128 and with the int8 body;
+# int4 by GPTQ (quant.method=gptq, calibrated on the default licence texts, never the scored one) at g128 / 64 / 32,
+# and in the frontier's lossy choices.
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -33,6 +35,8 @@ pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false
 pruned_q=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8,int4 lm_head.scatter=false sampler=fused_argmax)
 stacked=(window=w188 lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8 lm_head.scatter=false sampler=fused_argmax)
 int4_g128=(quant=int4 quant.group_size=128 "quant.skip=[]" "quant.backend=$int4_backend")
+gptq=(quant=int4 quant.method=gptq quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
+gptq_g128=(quant=int4 quant.method=gptq quant.group_size=128 "quant.skip=[]" "quant.backend=$int4_backend")
 int8=(quant=int8 "quant.backend=$int4_backend")  # the same backend choice as int4's
 
 read -r -a ppl_args <<< "${PPL_ARGS:-}"
@@ -42,6 +46,7 @@ for task in ppl identity; do
   common=(weights=gguf workload=text logger=jsonl "logger.results=$results" progress=false "${extra[@]}" "$@")
   sweep "task=$task" "$windows" "${common[@]}"
   sweep "task=$task" "${int4[@]}" "${common[@]}"
+  sweep "task=$task" "${gptq[@]}" "${common[@]}"
   if [ "$has_nf4" = 1 ]; then
     sweep "task=$task" quant=nf4 "quant.skip=[]" "${common[@]}"
   else
@@ -53,6 +58,7 @@ for task in ppl identity; do
   sweep "task=$task" "${pruned_q[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${int4_g128[@]}" "${common[@]}"
+  sweep "task=$task" "${stacked[@]}" "${gptq_g128[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${int8[@]}" "${common[@]}"
   sweep "task=$task" window=w192 "${int8[@]}" "${common[@]}"  # experiment=quality_safe's lossy choices
 done

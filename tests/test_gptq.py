@@ -21,13 +21,14 @@ def correlated_inputs(n, K, seed=0):
     return x * (0.2 + 2 * torch.rand(K, generator=g))
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("G", [32, 64, 128])
-def test_gptq_lowers_the_output_error_below_rtn(G):
+def test_gptq_lowers_the_output_error_below_rtn(G, act_order):
     N, K = 48, 256
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(1))
     x = correlated_inputs(2048, K)
     H = x.t() @ x / x.shape[0]
-    q, s, z = gptq_int4(w, H, G)
+    q, s, z = gptq_int4(w, H, G, act_order=act_order)
     assert q.dtype == torch.uint8 and q.shape == (N, K) and int(q.max()) <= 15
     assert s.shape == z.shape == (K // G, N)
     e_gptq = output_error(w, dequantized(q, s, z, G), H)
@@ -42,6 +43,16 @@ def test_gptq_with_an_isotropic_hessian_is_rtn():
     """H = c I passes no error between columns: every code and scale equals round-to-nearest's."""
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
     q, s, z = gptq_int4(w, 3.0 * torch.eye(128), 32)
+    q0, s0, z0 = quantize_int4(w, 32)
+    assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0)
+
+
+def test_act_order_with_a_diagonal_hessian_is_rtn_in_the_original_column_order():
+    """A diagonal H passes no error either; its uneven diagonal permutes the columns, and the codes must
+    come back in the weight's own order, with RTN's static group ranges."""
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(4))
+    d = torch.rand(128, generator=torch.Generator().manual_seed(5)) + 0.1
+    q, s, z = gptq_int4(w, torch.diag(d), 32, act_order=True)
     q0, s0, z0 = quantize_int4(w, 32)
     assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0)
 

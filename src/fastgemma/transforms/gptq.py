@@ -55,10 +55,14 @@ def _inverse_upper(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
 
 @torch.no_grad()
 def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0.01,
-              scale_dtype: torch.dtype | None = None):
+              scale_dtype: torch.dtype | None = None, act_order: bool = False):
     """w [N, K], H [K, K] (X^T X / n of its inputs) -> (codes [N, K] uint8, scales [K/G, N], zeros [K/G, N]),
     the format of `quantize_int4`. Input columns that never fired (H's diagonal 0) are rounded as RTN
-    rounds them and pass no error on. fp32 arithmetic on w's device."""
+    rounds them and pass no error on. fp32 arithmetic on w's device.
+
+    act_order: the columns taken in descending order of H's diagonal (the strongest inputs first, while
+    the most columns are left to absorb their error), each group's scale and zero fixed beforehand from
+    the raw weights (RTN's: "static groups"), so the groups stay contiguous along K as the kernels read them."""
     check_group_size(group_size)
     N, K = w.shape
     if K % group_size:
@@ -71,10 +75,19 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
     H = H.detach().float().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
+    if act_order:
+        _, scales, zeros = quantize_int4(w, group_size, scale_dtype)
+        scales, zeros = scales.clone(), zeros.clone()
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
+        group_of = (perm // group_size).tolist()
+    else:
+        scales = torch.empty(K // group_size, N, dtype=scale_dtype, device=W.device)
+        zeros = torch.empty_like(scales)
+        perm = None
     U, _ = _inverse_upper(H, damp)
-    codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)
-    scales = torch.empty(K // group_size, N, dtype=scale_dtype, device=W.device)
-    zeros = torch.empty_like(scales)
+    codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)  # in the order the columns are taken
+    sf, zf = scales.float(), zeros.float()
     s = z = safe = None
     for i1 in range(0, K, BLOCK):
         i2 = min(i1 + BLOCK, K)
@@ -82,7 +95,11 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
         E1 = torch.zeros_like(W1)
         for j in range(i2 - i1):
             col = i1 + j
-            if col % group_size == 0:  # the group's range as its columns stand now (i1 % G == 0, BLOCK % G == 0)
+            if act_order:
+                g = group_of[col]
+                s, z = sf[g], zf[g]
+                safe = torch.where(s > 0, s, 1.0)
+            elif col % group_size == 0:  # the group's range as its columns stand now (i1 % G == 0, BLOCK % G == 0)
                 g = W1[:, j:j + group_size]
                 lo, hi = g.amin(1), g.amax(1)
                 scales[col // group_size] = ((hi - lo) / 15).to(scale_dtype)
@@ -96,6 +113,8 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
             W1[:, j:] -= e[:, None] * U1[j, j:][None, :]
             E1[:, j] = e
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
     return codes, scales, zeros
 
 
@@ -203,7 +222,8 @@ def _stages(model, targets):
 
 
 @torch.no_grad()
-def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 0.01, progress=None) -> dict:
+def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 0.01, act_order: bool = False,
+               progress=None) -> dict:
     """Quantize `targets` [(name, nn.Linear)] of an engine model, stage by stage (each linear's weight
     holds its dequantized int4 values from its stage on); then make(linear, codes, scales, zeros) -> the
     new module, and swap({id(old): new}) puts them in the model. -> facts for describe():
@@ -228,7 +248,7 @@ def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 
         for name, lin in group:
             H = hooks.hessian(name)
             w = lin.weight
-            codes, scales, zeros = gptq_int4(w, H, group_size, damp)
+            codes, scales, zeros = gptq_int4(w, H, group_size, damp, act_order=act_order)
             wq = dequantized(codes, scales, zeros, group_size)
             e_gptq = output_error(w, wq, H)
             e_rtn = output_error(w, dequantized(*quantize_int4(w, group_size), group_size), H)

@@ -268,13 +268,14 @@ class Int4Quant:
     backend=triton does).
 
     method: rtn (round to nearest, from the weights alone) | gptq (transforms/gptq.py: calibrated on
-    `calib_tokens` tokens of `calib` in sequences of `calib_seq_len`, Hessian damping `damp`; the text is
+    `calib_tokens` tokens of `calib` in sequences of `calib_seq_len`, Hessian damping `damp`, the columns in
+    descending order of their inputs' energy with `act_order` (each group's range fixed beforehand); the text is
     tokenized with `tokenizer` / `weights` as the pruned head's keepset text is). The same format and
     kernels either way."""
 
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton",
                  method: str = "rtn", calib: str | None = None, calib_tokens: int = 8192, calib_seq_len: int = 512,
-                 damp: float = 0.01, tokenizer: str | None = "auto", weights=None):
+                 damp: float = 0.01, act_order: bool = False, tokenizer: str | None = "auto", weights=None):
         check_group_size(group_size)
         _check_backend(backend)
         if method not in METHODS:
@@ -290,6 +291,7 @@ class Int4Quant:
         self.group_size, self.backend, self.method = group_size, backend, method
         self.skip = tuple(skip or ())
         self.calib, self.calib_tokens, self.calib_seq_len, self.damp = calib, calib_tokens, calib_seq_len, float(damp)
+        self.act_order = bool(act_order)
         self.tokenizer_spec, self.weights = tokenizer, weights
         self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend, "method": method}
 
@@ -307,8 +309,10 @@ class Int4Quant:
         def make(lin, q, scales, zeros):
             return Int4Linear.from_codes(lin, q, scales, zeros, self.group_size, self.backend)
 
-        facts = gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new), self.damp)
-        return {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp, **facts}
+        facts = gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new), self.damp,
+                           self.act_order)
+        return {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp, "act_order": self.act_order,
+                **facts}
 
     @torch.no_grad()
     def apply(self, model: nn.Module) -> nn.Module:

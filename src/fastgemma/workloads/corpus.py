@@ -10,6 +10,9 @@ under `/usr/share/common-licenses/`. They are long English prose and never chang
   16,726 bytes, 373 lines, 3,602 Gemma 3 tokens (766 distinct). A different author and body:
   under 1% of its 8-word runs occur in GPL-3 (GFDL-1.3 shares 7%, GPL-2 28%), so LM-head
   keepsets built from it never see the scored text.
+- calibration texts (`calibration_corpus_paths`, GPTQ's default): `MPL-2.0`, `Apache-2.0`, `MPL-1.1`,
+  `Artistic`, `CC0-1.0`, 14,422 Gemma 3 tokens together (3,602 + 2,322 + 5,660 + 1,309 + 1,529), each
+  sharing under 1% of its 8-word runs with GPL-3.
 
 Trap: these licences are all over the web, so a trained model has likely seen them in
 pretraining; compare techniques against each other on them, not against published perplexities.
@@ -65,7 +68,6 @@ CALIBRATION_CORPORA = ("MPL-2.0", "Apache-2.0", "MPL-1.1", "Artistic", "CC0-1.0"
 
 
 def calibration_corpus_paths() -> list[Path]:
-    """The texts GPTQ calibrates on by default (`quant.method=gptq`): licences other than the scored
-    GPL-3, each sharing under 1% of its 8-word runs with it (MPL-2.0 is also the keepset text), ~14k
-    Gemma tokens together, in this order."""
+    """The texts GPTQ calibrates on by default (`quant.method=gptq`), in this order: licences other than
+    the scored GPL-3 (MPL-2.0 is also the keepset text), 14,422 Gemma 3 tokens together."""
     return [_license_path(name, "calibration") for name in CALIBRATION_CORPORA]
