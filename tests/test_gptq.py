@@ -181,3 +181,52 @@ def test_gptq_on_the_default_texts_with_the_byte_tokenizer():
     facts = t.describe()["gptq"]
     assert facts["calib_tokens"] == 64 and facts["calib"][0].endswith("MPL-2.0")
     assert all(isinstance(layer.per_layer_input_gate, torch.nn.Linear) for layer in model.layers)
+
+
+def test_int4_head_by_gptq_moves_the_logits_less_than_rtn(tmp_path):
+    """lm_head=int4 lm_head.method=gptq: the head's rows calibrated on the final hidden states."""
+    from fastgemma.transforms.lm_head import Int4Head
+
+    g = torch.Generator().manual_seed(8)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(json.dumps({"ids": torch.randint(5, 512, (400,), generator=g).tolist()}) + "\n")
+    held = torch.randint(5, 512, (1, 96), generator=g)
+    ref = _logits(_tiny(), held)
+    errs = {}
+    for method in ("rtn", "gptq"):
+        t = Int4Head(group_size=32, backend="torch", method=method, calib=str(calib), calib_tokens=256,
+                     calib_seq_len=128)
+        model = t.apply(_tiny())
+        errs[method] = float(((_logits(model, held) - ref) ** 2).mean() / (ref ** 2).mean())
+    info = t.describe()
+    assert info["method"] == "gptq" and info["gptq"]["calib_tokens"] == 256
+    assert 0 < info["gptq"]["error_vs_rtn"] < 1, info
+    assert errs["gptq"] < errs["rtn"], errs
+
+
+def test_pruned_int4_rows_by_gptq(tmp_path):
+    from fastgemma.transforms.lm_head import PrunedHead
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(json.dumps({"ids": list(range(5, 300))}) + "\n")
+    keep = tmp_path / "keep.txt"
+    keep.write_text("\n".join(str(i) for i in range(64)))
+    t = PrunedHead(rows=None, keepset=str(keep), source="file", dtype="int4", group_size=32, backend="torch",
+                   method="gptq", calib=str(calib), calib_tokens=128, calib_seq_len=64)
+    model = t.apply(_tiny())
+    info = t.describe()
+    assert info["rows"] == 64 and info["method"] == "gptq" and 0 < info["gptq"]["error_vs_rtn"] < 1
+    assert model.logits_head.rows == 64
+    with pytest.raises(ValueError, match="applies to int4 rows"):
+        PrunedHead(dtype="int8", method="gptq")
+    with pytest.raises(ValueError, match="lm_head.method must be one of"):
+        PrunedHead(dtype="int4", method="awq")
+
+
+def test_the_heads_take_the_bodys_calibration_settings():
+    from fgcli_helpers import compose_cfg
+
+    cfg = compose_cfg(["quant=int4", "quant.calib_tokens=1024", "quant.calib_seq_len=256", "lm_head=int4"])
+    assert cfg.lm_head.calib_tokens == 1024 and cfg.lm_head.calib_seq_len == 256 and cfg.lm_head.calib is None
+    cfg = compose_cfg(["lm_head=pruned"])  # quant=bf16 has no calibration: the defaults
+    assert cfg.lm_head.calib_tokens == 8192 and cfg.lm_head.calib_seq_len == 512

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -273,7 +274,7 @@ def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 
             "error_vs_rtn_by_kind": {k: round(g / r, 4) if r > 0 else None for k, (g, r) in sorted(by_kind.items())}}
 
 
-def calibration_ids(corpus: str | None, tokenizer) -> tuple[list[int], list[str]]:
+def calibration_ids(corpus: str | None, tokenizer, where: str = "quant") -> tuple[list[int], list[str]]:
     """Token ids of the calibration text: `corpus` (a text file, or a .jsonl of id lists), else the
     Debian licence texts of workloads.corpus.calibration_corpus_paths(), concatenated. -> (ids, paths)."""
     from ..workloads.corpus import calibration_corpus_paths
@@ -283,7 +284,80 @@ def calibration_ids(corpus: str | None, tokenizer) -> tuple[list[int], list[str]
     ids = []
     for p in paths:
         if p.suffix != ".jsonl" and tokenizer is None:
-            raise ValueError(f"quant.method=gptq calibrates on the text {p}: it needs the model's tokenizer "
-                             "(tokenizer=none), or quant.calib=<a .jsonl of token id lists>")
+            raise ValueError(f"{where}.method=gptq calibrates on the text {p}: it needs the model's tokenizer "
+                             f"(tokenizer=none), or {where}.calib=<a .jsonl of token id lists>")
         ids.extend(corpus_ids(p, tokenizer))
     return ids, [str(p) for p in paths]
+
+
+def _int(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+@dataclass
+class GptqSettings:
+    """What GPTQ calibrates on and how, checked when made. `where`: the config group named in errors
+    (quant, lm_head); tokenizer / weights: how a text corpus is tokenized (workloads.tokenizer_for)."""
+    calib: str | None = None
+    calib_tokens: int = 8192
+    calib_seq_len: int = 512
+    damp: float = 0.01
+    act_order: bool = False
+    tokenizer: str | None = "auto"
+    weights: object = None
+    where: str = "quant"
+
+    def __post_init__(self):
+        w = self.where
+        if not _int(self.calib_seq_len, 2):
+            raise ValueError(f"{w}.calib_seq_len must be an integer >= 2, got {self.calib_seq_len!r}")
+        if not _int(self.calib_tokens, self.calib_seq_len):
+            raise ValueError(f"{w}.calib_tokens must be an integer >= calib_seq_len ({self.calib_seq_len}), "
+                             f"got {self.calib_tokens!r}")
+        if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 < self.damp < 1:
+            raise ValueError(f"{w}.damp must be in (0, 1) (a share of the Hessian's mean diagonal), got {self.damp!r}")
+        self.damp, self.act_order = float(self.damp), bool(self.act_order)
+
+    def sequences(self, cfg) -> tuple[list[list[int]], dict]:
+        """(calibration sequences, facts for describe()) for a model config."""
+        from ..workloads.tokenizer import tokenizer_for
+
+        jsonl = self.calib is not None and str(self.calib).endswith(".jsonl")
+        tok = None if jsonl else tokenizer_for(self.tokenizer, self.weights, cfg)
+        ids, paths = calibration_ids(self.calib, tok, self.where)
+        seqs = calibration_sequences(ids, self.calib_seq_len, self.calib_tokens, cfg.bos_id)
+        return seqs, {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp,
+                      "act_order": self.act_order}
+
+
+@torch.no_grad()
+def final_hessian(model, seqs) -> torch.Tensor:
+    """X^T X / n of the model's final (normed) hidden states over the sequences: the head's inputs."""
+    from ..engine.cache import KVCache
+
+    dev = next(model.parameters()).device
+    dtype = model.embed_tokens.weight.dtype
+    H, n = None, 0
+    for ids in seqs:
+        t = torch.as_tensor(ids, dtype=torch.long, device=dev)[None]
+        cache = KVCache(model.config, 1, t.shape[1], device=dev, dtype=dtype)
+        h = model(t, torch.arange(t.shape[1], device=dev)[None], cache, start=0, need="all")[0].float()
+        H = h.t() @ h if H is None else H.addmm_(h.t(), h)
+        n += h.shape[0]
+    return H / n
+
+
+def head_gptq(model, w: torch.Tensor, settings: GptqSettings, group_size: int):
+    """GPTQ of head rows w [N, hidden] on the model's final hidden states over the calibration text.
+    -> (codes, scales, zeros, facts for describe())."""
+    t0 = time.perf_counter()
+    seqs, facts = settings.sequences(model.config)
+    H = final_hessian(model, seqs)
+    codes, scales, zeros = gptq_int4(w, H, group_size, settings.damp, act_order=settings.act_order)
+    e_rtn = output_error(w, dequantized(*quantize_int4(w, group_size), group_size), H)
+    ratio = output_error(w, dequantized(codes, scales, zeros, group_size), H) / e_rtn if e_rtn > 0 else None
+    facts.update(calib_sequences=len(seqs), calib_tokens=sum(len(s) for s in seqs),
+                 gptq_s=round(time.perf_counter() - t0, 2), error_vs_rtn=None if ratio is None else round(ratio, 4))
+    log.info("gptq head: %d rows, %.1f s; output error vs RTN %.3f", w.shape[0], facts["gptq_s"],
+             ratio or float("nan"))
+    return codes, scales, zeros, facts

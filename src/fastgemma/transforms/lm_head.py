@@ -147,11 +147,13 @@ class Int4Rows(HeadRows):
 
     kind = "int4"
 
-    def __init__(self, w, vocab_size, softcap, keep_ids=None, group_size: int = 128, backend="torch"):
+    def __init__(self, w, vocab_size, softcap, keep_ids=None, group_size: int = 128, backend="torch", codes=None):
+        """w [N, K] rounded to nearest, or `codes` = (codes [N, K], scales, zeros [K/G, N]) made elsewhere
+        (GPTQ; w then gives only its dtype)."""
         from ..kernels.int4_pack import pack_int4, quantize_int4
 
         super().__init__(vocab_size, softcap, keep_ids, backend)
-        q, s, z = quantize_int4(w, group_size)
+        q, s, z = codes if codes is not None else quantize_int4(w, group_size)
         self.group_size = group_size
         self.register_buffer("qweight", pack_int4(q))
         self.register_buffer("scales", s)
@@ -390,15 +392,14 @@ class _QuantHead:
     def needs_cuda(self) -> bool:
         return self.backend == "triton"
 
-    def _rows(self, w, keep, V, cap, backend) -> HeadRows:
+    def _rows(self, model, w, backend) -> HeadRows:
         raise NotImplementedError
 
     @torch.no_grad()
     def apply(self, model):
         w = model.embed_tokens.weight
-        c = model.config
         backend = _resolve_backend(self.backend, w.device)
-        head = self._rows(w, None, c.vocab_size, c.final_logit_softcap, backend)
+        head = self._rows(model, w, backend)
         model.logits_head = head
         self._info = {"lm_head": self.kind, "backend": backend, "rows": head.rows, **self._extra(),
                       "head_bytes_per_token": head.nbytes(), "dense_head_bytes": _nbytes(w)}
@@ -416,29 +417,59 @@ class Int8Head(_QuantHead):
 
     kind = "int8"
 
-    def _rows(self, w, keep, V, cap, backend):
-        return Int8Rows.from_weight(w, V, cap, keep, backend)
+    def _rows(self, model, w, backend):
+        return Int8Rows.from_weight(w, model.config.vocab_size, model.config.final_logit_softcap, None, backend)
+
+
+def _head_gptq(method: str, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights):
+    """GptqSettings for an int4 head (method gptq), None for rtn."""
+    from .gptq import GptqSettings
+    from .quant import METHODS
+
+    if method not in METHODS:
+        raise ValueError(f"lm_head.method must be one of {METHODS}, got {method!r}")
+    return GptqSettings(calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
+                        "lm_head") if method == "gptq" else None
+
+
+def _int4_rows(model, w, keep, group_size, backend, gptq) -> tuple[Int4Rows, dict]:
+    """Int4Rows of rows w, rounded to nearest or by GPTQ on the model's final hidden states."""
+    c = model.config
+    if w.shape[1] % group_size:
+        raise ValueError(f"int4 head: group_size {group_size} does not divide hidden {w.shape[1]}")
+    if gptq is None:
+        return Int4Rows(w, c.vocab_size, c.final_logit_softcap, keep, group_size, backend), {"method": "rtn"}
+    from .gptq import head_gptq
+
+    *codes, facts = head_gptq(model, w, gptq, group_size)
+    rows = Int4Rows(w, c.vocab_size, c.final_logit_softcap, keep, group_size, backend, codes=codes)
+    return rows, {"method": "gptq", "gptq": facts}
 
 
 class Int4Head(_QuantHead):
-    """An untied W4A16 copy of the head (asymmetric RTN, group `group_size` along hidden)."""
+    """An untied W4A16 copy of the head (asymmetric, group `group_size` along hidden): rounded to nearest,
+    or with method=gptq calibrated on the final hidden states over a text (transforms/gptq.py; the
+    calib* / damp / act_order settings as quant=int4's)."""
 
     kind = "int4"
 
-    def __init__(self, group_size: int = 128, backend: str = "auto"):
+    def __init__(self, group_size: int = 128, backend: str = "auto", method: str = "rtn", calib=None,
+                 calib_tokens: int = 8192, calib_seq_len: int = 512, damp: float = 0.01, act_order: bool = False,
+                 tokenizer: str | None = "auto", weights=None):
         from ..kernels.int4_pack import check_group_size
 
         check_group_size(group_size)
         self.group_size = group_size
+        self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights)
+        self._how: dict = {}
         super().__init__(backend)
 
-    def _rows(self, w, keep, V, cap, backend):
-        if w.shape[1] % self.group_size:
-            raise ValueError(f"int4 head: group_size {self.group_size} does not divide hidden {w.shape[1]}")
-        return Int4Rows(w, V, cap, keep, self.group_size, backend)
+    def _rows(self, model, w, backend):
+        rows, self._how = _int4_rows(model, w, None, self.group_size, backend, self.gptq)
+        return rows
 
     def _extra(self):
-        return {"group_size": self.group_size}
+        return {"group_size": self.group_size, **self._how}
 
 
 class PrunedHead:
@@ -453,7 +484,9 @@ class PrunedHead:
 
     def __init__(self, rows: int | None = 12288, keepset: str | None = None, source: str = "corpus",
                  corpus: str | None = None, scatter: bool = True, dtype: str = "auto", group_size: int = 128,
-                 backend: str = "auto", extra_ids=(), tokenizer: str | None = "auto", weights=None):
+                 backend: str = "auto", extra_ids=(), tokenizer: str | None = "auto", weights=None,
+                 method: str = "rtn", calib=None, calib_tokens: int = 8192, calib_seq_len: int = 512,
+                 damp: float = 0.01, act_order: bool = False):
         if source not in _SOURCES:
             raise ValueError(f"lm_head.source must be one of {_SOURCES}, got {source!r}")
         if source == "file" and not keepset:
@@ -475,6 +508,9 @@ class PrunedHead:
         self.backend = _check_backend(backend)
         self.extra_ids = tuple(int(i) for i in (extra_ids or ()))
         self.tokenizer_spec, self.weights = tokenizer, weights
+        if method != "rtn" and dtype != "int4":
+            raise ValueError(f"lm_head.method={method} applies to int4 rows (lm_head.dtype=int4), got dtype={dtype}")
+        self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights)
         self._tokenizer = None
         self.priority: list[int] = []  # kept ids, most important first (write_keepset order)
         self._info: dict = {"lm_head": "pruned", "rows": rows, "keepset_source": source}
@@ -539,9 +575,8 @@ class PrunedHead:
         if self.dtype == "int8":
             head = Int8Rows.from_weight(rows, V, cap, keep, backend)
         elif self.dtype == "int4":
-            if w.shape[1] % self.group_size:
-                raise ValueError(f"pruned int4 head: group_size {self.group_size} does not divide hidden {w.shape[1]}")
-            head = Int4Rows(rows, V, cap, keep, self.group_size, backend)
+            head, how = _int4_rows(model, rows, keep, self.group_size, backend, self.gptq)
+            facts = {**facts, **how}
         else:
             head = DenseRows(rows, V, cap, keep, backend)
         del rows

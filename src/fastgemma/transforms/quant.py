@@ -276,43 +276,29 @@ class Int4Quant:
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton",
                  method: str = "rtn", calib: str | None = None, calib_tokens: int = 8192, calib_seq_len: int = 512,
                  damp: float = 0.01, act_order: bool = False, tokenizer: str | None = "auto", weights=None):
+        from .gptq import GptqSettings
+
         check_group_size(group_size)
         _check_backend(backend)
         if method not in METHODS:
             raise ValueError(f"quant.method must be one of {METHODS}, got {method!r}")
-        if method == "gptq":
-            if isinstance(calib_seq_len, bool) or not isinstance(calib_seq_len, int) or calib_seq_len < 2:
-                raise ValueError(f"quant.calib_seq_len must be an integer >= 2, got {calib_seq_len!r}")
-            if isinstance(calib_tokens, bool) or not isinstance(calib_tokens, int) or calib_tokens < calib_seq_len:
-                raise ValueError(f"quant.calib_tokens must be an integer >= calib_seq_len ({calib_seq_len}), "
-                                 f"got {calib_tokens!r}")
-            if not (isinstance(damp, (int, float)) and 0 < damp < 1):
-                raise ValueError(f"quant.damp must be in (0, 1) (a share of the Hessian's mean diagonal), got {damp!r}")
         self.group_size, self.backend, self.method = group_size, backend, method
         self.skip = tuple(skip or ())
-        self.calib, self.calib_tokens, self.calib_seq_len, self.damp = calib, calib_tokens, calib_seq_len, float(damp)
-        self.act_order = bool(act_order)
-        self.tokenizer_spec, self.weights = tokenizer, weights
+        self.gptq = GptqSettings(calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
+                                 "quant") if method == "gptq" else None
         self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend, "method": method}
 
     def _gptq(self, model, targets) -> dict:
         """GPTQ the targets in place (transforms/gptq.py); -> facts for describe()."""
-        from ..workloads.tokenizer import tokenizer_for
-        from .gptq import calibration_ids, calibration_sequences, gptq_model
+        from .gptq import gptq_model
 
-        cfg = model.config
-        tok = None if self.calib and str(self.calib).endswith(".jsonl") else tokenizer_for(self.tokenizer_spec,
-                                                                                            self.weights, cfg)
-        ids, paths = calibration_ids(self.calib, tok)
-        seqs = calibration_sequences(ids, self.calib_seq_len, self.calib_tokens, cfg.bos_id)
+        seqs, facts = self.gptq.sequences(model.config)
 
         def make(lin, q, scales, zeros):
             return Int4Linear.from_codes(lin, q, scales, zeros, self.group_size, self.backend)
 
-        facts = gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new), self.damp,
-                           self.act_order)
-        return {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp, "act_order": self.act_order,
-                **facts}
+        return {**facts, **gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new),
+                                      self.gptq.damp, self.gptq.act_order)}
 
     @torch.no_grad()
     def apply(self, model: nn.Module) -> nn.Module:
@@ -331,7 +317,7 @@ class Int4Quant:
                 "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets), "skipped": skipped,
                 **_loaded_info(loaded)}
         if self.method == "gptq" and targets:
-            info["gptq"] = self._gptq(model, targets)  # swaps layer by layer: later layers see earlier codes
+            info["gptq"] = self._gptq(model, targets)  # each stage calibrated on the int4 values before it
             new = [m for m in model.modules() if isinstance(m, Int4Linear) and m not in loaded]
         else:
             new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend) for _, mod in targets}
