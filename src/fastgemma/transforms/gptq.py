@@ -1,18 +1,20 @@
-"""GPTQ for the int4 body (`quant=int4 quant.method=gptq`): the same W4A16 format as round-to-nearest
-(kernels/int4_pack: a float scale and zero per group of G consecutive k), so kernels, bytes and speed are
-unchanged; only which codes are stored differs.
+"""GPTQ for int4 weights (`quant=int4 quant.method=gptq`, `lm_head=int4 lm_head.method=gptq`, pruned int4
+rows): the same W4A16 format as round-to-nearest (kernels/int4_pack: a float scale and zero per group of G
+consecutive k), so kernels, bytes and speed are unchanged; only which codes are stored differs.
 
-Each linear W [N, K] is quantized one input column at a time, left to right; the rounding error of a
-column is spread over the columns not yet quantized through the inverse Hessian of the layer's inputs,
-H = X^T X / n over calibration tokens (Frantar et al., "GPTQ", 2022, with its lazy blocks of 128
-columns). A group's scale and zero are taken from its columns as they stand when the group starts
-(min / max of the error-updated weights), as RTN takes them from the raw weights. Nothing is permuted
-(no act-order): groups stay contiguous along K, as the kernels read them.
+Each linear W [N, K] is quantized one input column at a time; the rounding error of a column is spread
+over the columns not yet quantized through the inverse Hessian of the layer's inputs, H = X^T X / n over
+calibration tokens (Frantar et al., "GPTQ", 2022, with its lazy blocks of 128 columns). Left to right, a
+group's scale and zero are taken from its columns as they stand when the group starts (min / max of the
+error-updated weights). With act_order the columns go in descending order of H's diagonal and each
+group's scale and zero are fixed first from the raw weights (RTN's); the codes go back to the weight's
+column order, so either way the groups stay contiguous along K, as the kernels read them.
 
 Calibration runs the model's own prompt forward over text (`calibration_sequences`), one decoder layer at
 a time: the inputs of layer i's linears come from the model with layers 0..i-1 already quantized, and
 the forward stops after layer i. Linears outside the decoder layers (the PLE model projection, which
-reads the embeddings) are done first, from one full forward.
+reads the embeddings) are done first, from one full forward. A head's rows take the final hidden states
+of one full forward over the same text (`head_gptq`), through the body as quantized.
 """
 from __future__ import annotations
 
@@ -302,7 +304,7 @@ class GptqSettings:
     calib_tokens: int = 8192
     calib_seq_len: int = 512
     damp: float = 0.01
-    act_order: bool = False
+    act_order: bool = True
     tokenizer: str | None = "auto"
     weights: object = None
     where: str = "quant"

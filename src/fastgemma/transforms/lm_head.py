@@ -454,7 +454,7 @@ class Int4Head(_QuantHead):
     kind = "int4"
 
     def __init__(self, group_size: int = 128, backend: str = "auto", method: str = "rtn", calib=None,
-                 calib_tokens: int = 8192, calib_seq_len: int = 512, damp: float = 0.01, act_order: bool = False,
+                 calib_tokens: int = 8192, calib_seq_len: int = 512, damp: float = 0.01, act_order: bool = True,
                  tokenizer: str | None = "auto", weights=None):
         from ..kernels.int4_pack import check_group_size
 
@@ -486,7 +486,7 @@ class PrunedHead:
                  corpus: str | None = None, scatter: bool = True, dtype: str = "auto", group_size: int = 128,
                  backend: str = "auto", extra_ids=(), tokenizer: str | None = "auto", weights=None,
                  method: str = "rtn", calib=None, calib_tokens: int = 8192, calib_seq_len: int = 512,
-                 damp: float = 0.01, act_order: bool = False):
+                 damp: float = 0.01, act_order: bool = True):
         if source not in _SOURCES:
             raise ValueError(f"lm_head.source must be one of {_SOURCES}, got {source!r}")
         if source == "file" and not keepset:

@@ -275,7 +275,7 @@ class Int4Quant:
 
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton",
                  method: str = "rtn", calib: str | None = None, calib_tokens: int = 8192, calib_seq_len: int = 512,
-                 damp: float = 0.01, act_order: bool = False, tokenizer: str | None = "auto", weights=None):
+                 damp: float = 0.01, act_order: bool = True, tokenizer: str | None = "auto", weights=None):
         from .gptq import GptqSettings
 
         check_group_size(group_size)
