@@ -11,7 +11,7 @@
 # head; the 12k keepset's rows also in int8 and int4 (g128); an int8 body (W8A16, a scale per row); the frontier's
 # lossy choices together (window 188, the 12k rows in int8), alone, with int4 g128 and with the int8 body;
 # int4 by GPTQ (quant.method=gptq, calibrated on the default licence texts, never the scored one) at g128 / 64 / 32,
-# and in the frontier's lossy choices.
+# and in the frontier's lossy choices; the int4 head and the 12k keepset's int4 rows by GPTQ.
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -31,6 +31,8 @@ print(int(torch.cuda.is_available() or v >= (0, 46)))' 2>/dev/null || echo 0)
 windows=window=native,w256,w192,w188,w160,w128
 int4=(quant=int4 quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
 heads=(lm_head=int8,int4)
+heads_gptq=(lm_head=int4 lm_head.method=gptq)
+pruned_gptq=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int4 lm_head.method=gptq lm_head.scatter=false sampler=fused_argmax)
 pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
 pruned_q=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8,int4 lm_head.scatter=false sampler=fused_argmax)
 stacked=(window=w188 lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8 lm_head.scatter=false sampler=fused_argmax)
@@ -56,6 +58,8 @@ for task in ppl identity; do
   sweep "task=$task" "${heads[@]}" "${common[@]}"
   sweep "task=$task" "${pruned[@]}" "${common[@]}"
   sweep "task=$task" "${pruned_q[@]}" "${common[@]}"
+  sweep "task=$task" "${heads_gptq[@]}" "${common[@]}"
+  sweep "task=$task" "${pruned_gptq[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${int4_g128[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${gptq_g128[@]}" "${common[@]}"

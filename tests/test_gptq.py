@@ -13,6 +13,12 @@ from fastgemma.transforms.gptq import (HessianError, calibration_sequences, dequ
 from fastgemma.transforms.quant import Int4Linear, Int4Quant
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Every test its own cache directory (the GPTQ cache lives under it)."""
+    monkeypatch.setenv("FASTGEMMA_CACHE", str(tmp_path / "cache"))
+
+
 def correlated_inputs(n, K, seed=0):
     """Rows with a few strong, correlated directions and uneven channel scales, like a layer's inputs."""
     g = torch.Generator().manual_seed(seed)
@@ -230,3 +236,36 @@ def test_the_heads_take_the_bodys_calibration_settings():
     assert cfg.lm_head.calib_tokens == 1024 and cfg.lm_head.calib_seq_len == 256 and cfg.lm_head.calib is None
     cfg = compose_cfg(["lm_head=pruned"])  # quant=bf16 has no calibration: the defaults
     assert cfg.lm_head.calib_tokens == 8192 and cfg.lm_head.calib_seq_len == 512
+
+
+def test_the_bodys_codes_come_back_from_the_cache(tmp_path, caplog):
+    """The second build with the same weights, settings and text reads the codes instead of calibrating;
+    a weight changed, another damping or a damaged file calibrate again."""
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(json.dumps({"ids": list(range(5, 300))}) + "\n")
+    kw = dict(group_size=32, skip=[], backend="torch", method="gptq", calib=str(calib), calib_tokens=128,
+              calib_seq_len=64)
+
+    def build(model=None, **over):
+        t = Int4Quant(**{**kw, **over})
+        m = t.apply(model if model is not None else _tiny())
+        return m, t.describe()["gptq"]
+
+    m1, f1 = build()
+    m2, f2 = build()
+    assert f1["cache_hit"] is False and f2["cache_hit"] is True and f2["cache"] == f1["cache"]
+    assert f2["error_vs_rtn"] == f1["error_vs_rtn"] and f2["calib_tokens"] == 128
+    q1 = {n: b for n, b in m1.named_buffers() if n.endswith(("qweight", "scales", "zeros"))}
+    q2 = {n: b for n, b in m2.named_buffers() if n.endswith(("qweight", "scales", "zeros"))}
+    assert q1.keys() == q2.keys() and all(torch.equal(q1[n], q2[n]) for n in q1)
+    assert build(damp=0.02)[1]["cache_hit"] is False
+    other = _tiny()
+    with torch.no_grad():
+        other.layers[3].mlp.down_proj.weight[0, 0] += 1.0
+    assert build(other)[1]["cache_hit"] is False
+    path = f1["cache"]
+    with open(path, "wb") as fh:
+        fh.write(b"not a safetensors file")
+    _, f3 = build()
+    assert f3["cache_hit"] is False and "unreadable" in caplog.text
+    assert build(cache=False)[1].get("cache_hit") is None

@@ -129,16 +129,17 @@ def test_identity_of_nf4_runs_on_the_cpu(tmp_path):
     assert 0 <= rec["metrics"]["top1_agree"] <= 1
 
 
-def test_identity_of_gptq_int4_runs_on_the_cpu(tmp_path):
+def test_identity_of_gptq_int4_runs_on_the_cpu(tmp_path, monkeypatch):
     """quant=int4 quant.method=gptq through the whole job: calibrated on the default texts (the byte
     tokenizer of synthetic weights), the record says how."""
+    monkeypatch.setenv("FASTGEMMA_CACHE", str(tmp_path / "cache"))
     rec = run_job(TINY + ["task=identity", "quant=int4", "quant.backend=torch", "quant.method=gptq",
                           "quant.group_size=32", "quant.skip=[per_layer_input_gate,per_layer_projection]",
                           "quant.calib_tokens=128", "quant.calib_seq_len=64"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
     q = rec["details"]["parts"]["quant"]
     assert q["method"] == "gptq" and q["quantized_layers"] > 0
-    assert q["gptq"]["calib_sequences"] == 2 and 0 < q["gptq"]["error_vs_rtn"] < 1
+    assert q["gptq"]["calib_sequences"] == 2 and 0 < q["gptq"]["error_vs_rtn"] < 1 and q["gptq"]["cache_hit"] is False
     assert 0 <= rec["metrics"]["top1_agree"] <= 1
 
 

@@ -299,7 +299,8 @@ def _int(v, lo: int) -> bool:
 @dataclass
 class GptqSettings:
     """What GPTQ calibrates on and how, checked when made. `where`: the config group named in errors
-    (quant, lm_head); tokenizer / weights: how a text corpus is tokenized (workloads.tokenizer_for)."""
+    (quant, lm_head); tokenizer / weights: how a text corpus is tokenized (workloads.tokenizer_for);
+    cache: the body's codes reused from disk when the weights, settings and text are the same."""
     calib: str | None = None
     calib_tokens: int = 8192
     calib_seq_len: int = 512
@@ -308,6 +309,7 @@ class GptqSettings:
     tokenizer: str | None = "auto"
     weights: object = None
     where: str = "quant"
+    cache: bool = True  # the body's codes kept on disk (transforms/gptq_cache.py)
 
     def __post_init__(self):
         w = self.where

@@ -10,6 +10,7 @@ are never re-quantized: bf16 keeps them and says so, int4 only moves them to its
 from __future__ import annotations
 
 import fnmatch
+import logging
 import warnings
 
 import torch
@@ -20,6 +21,8 @@ from fastgemma.kernels.int4_pack import (
 )
 from fastgemma.kernels.w4a16 import w4a16_matmul, w4a16_matmul_op, w4a16_torch
 from fastgemma.kernels.w4a16_table import W4A16Config
+
+log = logging.getLogger(__name__)
 
 
 def _triton(x, qweight, scales, zeros, group_size, config=None, sz=None):
@@ -275,7 +278,8 @@ class Int4Quant:
 
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton",
                  method: str = "rtn", calib: str | None = None, calib_tokens: int = 8192, calib_seq_len: int = 512,
-                 damp: float = 0.01, act_order: bool = True, tokenizer: str | None = "auto", weights=None):
+                 damp: float = 0.01, act_order: bool = True, tokenizer: str | None = "auto", weights=None,
+                 cache: bool = True):
         from .gptq import GptqSettings
 
         check_group_size(group_size)
@@ -285,20 +289,39 @@ class Int4Quant:
         self.group_size, self.backend, self.method = group_size, backend, method
         self.skip = tuple(skip or ())
         self.gptq = GptqSettings(calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
-                                 "quant") if method == "gptq" else None
+                                 "quant", cache) if method == "gptq" else None
         self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend, "method": method}
 
     def _gptq(self, model, targets) -> dict:
-        """GPTQ the targets in place (transforms/gptq.py); -> facts for describe()."""
+        """GPTQ the targets in place (transforms/gptq.py), or take their codes from the cache
+        (transforms/gptq_cache.py); -> facts for describe()."""
+        from . import gptq_cache
         from .gptq import gptq_model
 
-        seqs, facts = self.gptq.sequences(model.config)
+        g = self.gptq
+        seqs, facts = g.sequences(model.config)
+        names = [n for n, _ in targets]
+        settings = {"group_size": self.group_size, "damp": g.damp, "act_order": g.act_order}
+        key = gptq_cache.key(model, names, settings, seqs) if g.cache else None
+        hit = gptq_cache.load(key, model.embed_tokens.weight.device) if key else None
+        if hit is not None and set(hit[0]) == set(names):
+            codes, stored, path = hit
+            _swap(model, {id(lin): Int4Linear.from_codes(lin, *codes[n], self.group_size, self.backend)
+                          for n, lin in targets})
+            log.info("gptq: %d linears from the cache %s", len(names), path)
+            return {**stored, "cache": str(path), "cache_hit": True}
+        made = {}
 
         def make(lin, q, scales, zeros):
+            made[id(lin)] = (q, scales, zeros)
             return Int4Linear.from_codes(lin, q, scales, zeros, self.group_size, self.backend)
 
-        return {**facts, **gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new),
-                                      self.gptq.damp, self.gptq.act_order)}
+        facts.update(gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new), g.damp,
+                                g.act_order))
+        if key:
+            path = gptq_cache.save(key, {n: made[id(lin)] for n, lin in targets}, facts)
+            facts.update(cache=str(path) if path else None, cache_hit=False)
+        return facts
 
     @torch.no_grad()
     def apply(self, model: nn.Module) -> nn.Module:
