@@ -6,10 +6,9 @@ import json
 import pytest
 import torch
 
-from fastgemma.kernels.int4_pack import quantize_int4
+from fastgemma.kernels.int4_pack import dequantize_codes, quantize_int4
 from fastgemma.model.config import GEMMA4_TINY
-from fastgemma.transforms.gptq import (HessianError, calibration_sequences, dequantized, gptq_int4,
-                                       output_error)
+from fastgemma.transforms.gptq import HessianError, calibration_sequences, gptq_int4, output_error
 from fastgemma.transforms.quant import Int4Linear, Int4Quant
 
 
@@ -37,11 +36,11 @@ def test_gptq_lowers_the_output_error_below_rtn(G, act_order):
     q, s, z = gptq_int4(w, H, G, act_order=act_order)
     assert q.dtype == torch.uint8 and q.shape == (N, K) and int(q.max()) <= 15
     assert s.shape == z.shape == (K // G, N)
-    e_gptq = output_error(w, dequantized(q, s, z, G), H)
-    e_rtn = output_error(w, dequantized(*quantize_int4(w, G), G), H)
+    e_gptq = output_error(w, dequantize_codes(q, s, z, G), H)
+    e_rtn = output_error(w, dequantize_codes(*quantize_int4(w, G), G), H)
     assert e_gptq < 0.7 * e_rtn, (e_gptq, e_rtn)
     # the same figure from the outputs themselves
-    y, yq = x @ w.t(), x @ dequantized(q, s, z, G).t()
+    y, yq = x @ w.t(), x @ dequantize_codes(q, s, z, G).t()
     assert ((y - yq) ** 2).sum(1).mean() == pytest.approx(e_gptq, rel=1e-3)
 
 
@@ -93,7 +92,7 @@ def test_from_codes_holds_what_it_was_given():
     q, s, z = gptq_int4(lin.weight, torch.eye(64) + 0.5, 32)
     mod = Int4Linear.from_codes(lin, q, s, z, 32, backend="torch")
     x = torch.randn(3, 64)
-    torch.testing.assert_close(mod(x), x @ dequantized(q, s, z, 32).t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mod(x), x @ dequantize_codes(q, s, z, 32).t(), rtol=1e-5, atol=1e-5)
 
 
 def test_calibration_sequences():

@@ -78,7 +78,12 @@ def pack_scale_zero(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
 
 def dequantize_int4(qweight, scales, zeros, group_size: int, dtype: torch.dtype = torch.float32):
     """qweight [N, K/2], scales / zeros [K/G, N] -> W [N, K], computed in fp32, returned in dtype."""
-    N, K = qweight.shape[0], qweight.shape[1] * 2
-    q = unpack_int4(qweight).float().reshape(N, K // group_size, group_size)
+    return dequantize_codes(unpack_int4(qweight), scales, zeros, group_size, dtype)
+
+
+def dequantize_codes(codes, scales, zeros, group_size: int, dtype: torch.dtype = torch.float32):
+    """`dequantize_int4` of codes not yet packed: codes [N, K] (0..15), scales / zeros [K/G, N] -> W [N, K]."""
+    N, K = codes.shape
+    q = codes.float().reshape(N, K // group_size, group_size)
     w = q * scales.t().float().unsqueeze(-1) + zeros.t().float().unsqueeze(-1)
     return w.reshape(N, K).to(dtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..kernels.int4_pack import check_group_size, quantize_int4
+from ..kernels.int4_pack import check_group_size, dequantize_codes, quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -121,17 +121,15 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
     return codes, scales, zeros
 
 
-def dequantized(codes, scales, zeros, group_size: int) -> torch.Tensor:
-    """codes [N, K], scales / zeros [K/G, N] -> W [N, K] fp32."""
-    N, K = codes.shape
-    q = codes.float().reshape(N, K // group_size, group_size)
-    return (q * scales.t().float()[..., None] + zeros.t().float()[..., None]).reshape(N, K)
-
-
 def output_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> float:
     """trace((W - Wq) H (W - Wq)^T): the summed squared output error over the calibration inputs, / n."""
     d = w.float() - wq.float()
     return float(((d @ H.float()) * d).sum())
+
+
+def errors(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor, group_size: int) -> tuple[float, float]:
+    """(output_error of wq, output_error of round-to-nearest's codes for w) on the same inputs."""
+    return output_error(w, wq, H), output_error(w, dequantize_codes(*quantize_int4(w, group_size), group_size), H)
 
 
 # ---- calibration -----------------------------------------------------------------------------------
@@ -193,18 +191,22 @@ class _Hessians:
             h.remove()
 
 
-def _forward(model, seqs, stop_at: nn.Module | None):
+def _prompt(model, ids: list[int]) -> torch.Tensor:
+    """The model's prompt forward over one sequence on a fresh cache sized to it -> final hidden [T, hidden]."""
     from ..engine.cache import KVCache
 
-    dev = next(model.parameters()).device
-    dtype = model.embed_tokens.weight.dtype
+    dev = model.embed_tokens.weight.device
+    t = torch.as_tensor(ids, dtype=torch.long, device=dev)[None]
+    cache = KVCache(model.config, 1, t.shape[1], device=dev, dtype=model.embed_tokens.weight.dtype)
+    return model(t, torch.arange(t.shape[1], device=dev)[None], cache, start=0, need="all")[0]
+
+
+def _forward(model, seqs, stop_at: nn.Module | None):
     handle = stop_at.register_forward_hook(_stop) if stop_at is not None else None
     try:
         for ids in seqs:
-            t = torch.as_tensor(ids, dtype=torch.long, device=dev)[None]
-            cache = KVCache(model.config, 1, t.shape[1], device=dev, dtype=dtype)
             try:
-                model(t, torch.arange(t.shape[1], device=dev)[None], cache, start=0, need="all")
+                _prompt(model, ids)
             except _Stop:
                 pass
     finally:
@@ -225,13 +227,12 @@ def _stages(model, targets):
 
 
 @torch.no_grad()
-def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 0.01, act_order: bool = False,
-               progress=None) -> dict:
+def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_order: bool = False,
+               progress=None) -> tuple[dict, dict]:
     """Quantize `targets` [(name, nn.Linear)] of an engine model, stage by stage (each linear's weight
-    holds its dequantized int4 values from its stage on); then make(linear, codes, scales, zeros) -> the
-    new module, and swap({id(old): new}) puts them in the model. -> facts for describe():
-    sequences, tokens, seconds, and the output error against RTN's (sum over layers of
-    trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear."""
+    holds its dequantized int4 values from its stage on, for the stages after it). -> ({name: (codes,
+    scales, zeros)}, facts for describe(): sequences, tokens, seconds, and the output error against RTN's
+    (sum over layers of trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear)."""
     from tqdm.auto import tqdm
 
     if not hasattr(model, "layers") or not hasattr(model, "embed_tokens"):
@@ -240,7 +241,7 @@ def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 
     stages = _stages(model, targets)
     err = {"gptq": 0.0, "rtn": 0.0}
     by_kind: dict[str, list[float]] = {}
-    done = []  # (linear, codes, scales, zeros): made into modules once every stage is calibrated
+    done = {}  # name -> (codes, scales, zeros)
     bar = tqdm(stages, desc="gptq", unit="layer", disable=progress is False or None, dynamic_ncols=True)
     for stop_at, group in bar:
         hooks = _Hessians(dict(group))
@@ -252,9 +253,8 @@ def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 
             H = hooks.hessian(name)
             w = lin.weight
             codes, scales, zeros = gptq_int4(w, H, group_size, damp, act_order=act_order)
-            wq = dequantized(codes, scales, zeros, group_size)
-            e_gptq = output_error(w, wq, H)
-            e_rtn = output_error(w, dequantized(*quantize_int4(w, group_size), group_size), H)
+            wq = dequantize_codes(codes, scales, zeros, group_size)
+            e_gptq, e_rtn = errors(w, wq, H, group_size)
             err["gptq"] += e_gptq
             err["rtn"] += e_rtn
             kind = name.rsplit(".", 1)[-1]
@@ -264,16 +264,16 @@ def gptq_model(model, targets, seqs, group_size: int, make, swap, damp: float = 
             # the later stages' forwards see this layer's int4 values, through its own dense matmul (a
             # forward as fast as the float model's; the kernels' own rounding of them differs by ulps)
             w.copy_(wq.to(w.dtype))
-            done.append((lin, codes, scales, zeros))
+            done[name] = (codes, scales, zeros)
             del H
-    swap({id(lin): make(lin, *parts) for lin, *parts in done})
     seconds = time.perf_counter() - t0
     ratio = err["gptq"] / err["rtn"] if err["rtn"] > 0 else None
     log.info("gptq: %d linears in %d stages, %d sequences, %.1f s; output error vs RTN %.3f",
              len(targets), len(stages), len(seqs), seconds, ratio or float("nan"))
-    return {"calib_sequences": len(seqs), "calib_tokens": sum(len(s) for s in seqs), "gptq_s": round(seconds, 2),
-            "error_vs_rtn": None if ratio is None else round(ratio, 4),
-            "error_vs_rtn_by_kind": {k: round(g / r, 4) if r > 0 else None for k, (g, r) in sorted(by_kind.items())}}
+    return done, {"calib_sequences": len(seqs), "calib_tokens": sum(len(s) for s in seqs),
+                  "gptq_s": round(seconds, 2), "error_vs_rtn": None if ratio is None else round(ratio, 4),
+                  "error_vs_rtn_by_kind": {k: round(g / r, 4) if r > 0 else None
+                                           for k, (g, r) in sorted(by_kind.items())}}
 
 
 def calibration_ids(corpus: str | None, tokenizer, where: str = "quant") -> tuple[list[int], list[str]]:
@@ -337,15 +337,9 @@ class GptqSettings:
 @torch.no_grad()
 def final_hessian(model, seqs) -> torch.Tensor:
     """X^T X / n of the model's final (normed) hidden states over the sequences: the head's inputs."""
-    from ..engine.cache import KVCache
-
-    dev = next(model.parameters()).device
-    dtype = model.embed_tokens.weight.dtype
     H, n = None, 0
     for ids in seqs:
-        t = torch.as_tensor(ids, dtype=torch.long, device=dev)[None]
-        cache = KVCache(model.config, 1, t.shape[1], device=dev, dtype=dtype)
-        h = model(t, torch.arange(t.shape[1], device=dev)[None], cache, start=0, need="all")[0].float()
+        h = _prompt(model, ids).float()
         H = h.t() @ h if H is None else H.addmm_(h.t(), h)
         n += h.shape[0]
     return H / n
@@ -358,8 +352,8 @@ def head_gptq(model, w: torch.Tensor, settings: GptqSettings, group_size: int):
     seqs, facts = settings.sequences(model.config)
     H = final_hessian(model, seqs)
     codes, scales, zeros = gptq_int4(w, H, group_size, settings.damp, act_order=settings.act_order)
-    e_rtn = output_error(w, dequantized(*quantize_int4(w, group_size), group_size), H)
-    ratio = output_error(w, dequantized(codes, scales, zeros, group_size), H) / e_rtn if e_rtn > 0 else None
+    e_gptq, e_rtn = errors(w, dequantize_codes(codes, scales, zeros, group_size), H, group_size)
+    ratio = e_gptq / e_rtn if e_rtn > 0 else None
     facts.update(calib_sequences=len(seqs), calib_tokens=sum(len(s) for s in seqs),
                  gptq_s=round(time.perf_counter() - t0, 2), error_vs_rtn=None if ratio is None else round(ratio, 4))
     log.info("gptq head: %d rows, %.1f s; output error vs RTN %.3f", w.shape[0], facts["gptq_s"],

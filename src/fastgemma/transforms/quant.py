@@ -292,9 +292,9 @@ class Int4Quant:
                                  "quant", cache) if method == "gptq" else None
         self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend, "method": method}
 
-    def _gptq(self, model, targets) -> dict:
-        """GPTQ the targets in place (transforms/gptq.py), or take their codes from the cache
-        (transforms/gptq_cache.py); -> facts for describe()."""
+    def _gptq(self, model, targets) -> tuple[dict, dict]:
+        """The targets' codes by GPTQ (transforms/gptq.py), or from the cache (transforms/gptq_cache.py).
+        -> ({name: (codes, scales, zeros)}, facts for describe())."""
         from . import gptq_cache
         from .gptq import gptq_model
 
@@ -306,22 +306,14 @@ class Int4Quant:
         hit = gptq_cache.load(key, model.embed_tokens.weight.device) if key else None
         if hit is not None and set(hit[0]) == set(names):
             codes, stored, path = hit
-            _swap(model, {id(lin): Int4Linear.from_codes(lin, *codes[n], self.group_size, self.backend)
-                          for n, lin in targets})
             log.info("gptq: %d linears from the cache %s", len(names), path)
-            return {**stored, "cache": str(path), "cache_hit": True}
-        made = {}
-
-        def make(lin, q, scales, zeros):
-            made[id(lin)] = (q, scales, zeros)
-            return Int4Linear.from_codes(lin, q, scales, zeros, self.group_size, self.backend)
-
-        facts.update(gptq_model(model, targets, seqs, self.group_size, make, lambda new: _swap(model, new), g.damp,
-                                g.act_order))
+            return codes, {**stored, "cache": str(path), "cache_hit": True}
+        codes, made = gptq_model(model, targets, seqs, self.group_size, g.damp, g.act_order)
+        facts.update(made)
         if key:
-            path = gptq_cache.save(key, {n: made[id(lin)] for n, lin in targets}, facts)
+            path = gptq_cache.save(key, codes, facts)
             facts.update(cache=str(path) if path else None, cache_hit=False)
-        return facts
+        return codes, facts
 
     @torch.no_grad()
     def apply(self, model: nn.Module) -> nn.Module:
@@ -340,13 +332,13 @@ class Int4Quant:
                 "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets), "skipped": skipped,
                 **_loaded_info(loaded)}
         if self.method == "gptq" and targets:
-            info["gptq"] = self._gptq(model, targets)  # each stage calibrated on the int4 values before it
-            new = [m for m in model.modules() if isinstance(m, Int4Linear) and m not in loaded]
+            codes, info["gptq"] = self._gptq(model, targets)
+            new = {id(mod): Int4Linear.from_codes(mod, *codes[name], self.group_size, self.backend)
+                   for name, mod in targets}
         else:
             new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend) for _, mod in targets}
-            model = _swap(model, new)
-            new = list(new.values())
-        info["weight_bytes"] = sum(m.weight_bytes() for m in new)
+        model = _swap(model, new)
+        info["weight_bytes"] = sum(m.weight_bytes() for m in new.values())
         self._info = info
         if self.backend == "triton":  # the layers left dense (skip list) take our GEMV at one row
             from .gemv import use_gemv
