@@ -10,11 +10,13 @@ error-updated weights). With act_order the columns go in descending order of H's
 group's scale and zero are fixed first from the raw weights (RTN's); the codes go back to the weight's
 column order, so either way the groups stay contiguous along K, as the kernels read them.
 
-Calibration runs the model's own prompt forward over text (`calibration_sequences`), one decoder layer at
-a time: the inputs of layer i's linears come from the model with layers 0..i-1 already quantized, and
-the forward stops after layer i. Linears outside the decoder layers (the PLE model projection, which
-reads the embeddings) are done first, from one full forward. A head's rows take the final hidden states
-of one full forward over the same text (`head_gptq`), through the body as quantized.
+Calibration is one prompt forward of the model over the calibration sequences as one batch
+(`calibration_sequences`; a shorter last one padded in front, its pads in no Hessian). Each linear is
+quantized when the forward first reaches it, from its inputs at that point, and its weight holds the
+dequantized int4 values before the forward goes on: every linear's inputs come through all the linears
+before it already quantized, within a layer too (q / k / v before o, gate / up before down: GPTQ's "true
+sequential" order), the PLE model projection first. A head's rows take the final hidden states of a
+prompt forward over the same text (`head_gptq`), through the body as quantized.
 """
 from __future__ import annotations
 
@@ -155,125 +157,119 @@ def calibration_sequences(ids: list[int], seq_len: int, tokens: int, bos_id: int
     return out
 
 
-class _Stop(Exception):
-    """Raised after the layer being calibrated: the rest of the forward is not needed."""
+class _Quantizer:
+    """Forward pre-hooks on the target linears. When the calibration forward first reaches a linear, its
+    input rows (the real ones: `real` [B, T] leaves out the pads) give its Hessian, GPTQ gives its codes,
+    and its weight takes their dequantized values before the forward goes on, so every linear reached
+    later sees its inputs through the quantized ones. Linears fed the same tensor (q / k / v, gate / up)
+    share one Hessian."""
 
+    def __init__(self, targets, real: torch.Tensor, group_size: int, damp: float, act_order: bool, bar):
+        self.real, self.bar = real, bar
+        self.group_size, self.damp, self.act_order = group_size, damp, act_order
+        self.done: dict[str, tuple] = {}
+        self.err = {"gptq": 0.0, "rtn": 0.0}
+        self.by_kind: dict[str, list[float]] = {}
+        self._last: tuple | None = None  # (input tensor, its Hessian)
+        self._handles = [lin.register_forward_pre_hook(self._hook(name, lin)) for name, lin in targets]
 
-def _stop(*_):
-    raise _Stop()
+    def _hessian(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self._last is not None and self._last[0] is x:
+            return self._last[1]
+        if tuple(x.shape[:-1]) != tuple(self.real.shape):
+            raise HessianError(f"layer '{name}' got input {tuple(x.shape)} in the calibration forward; GPTQ "
+                               f"takes each linear's rows as [batch, tokens, features] = {tuple(self.real.shape)} "
+                               "+ [features]")
+        rows = x.detach()[self.real].float()
+        H = rows.t() @ rows / rows.shape[0]
+        self._last = (x, H)
+        return H
 
-
-class _Hessians:
-    """Forward pre-hooks that sum X^T X (fp32) of each module's input rows."""
-
-    def __init__(self, modules: dict[str, nn.Module]):
-        self.sums: dict[str, torch.Tensor] = {}
-        self.rows: dict[str, int] = {}
-        self._handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in modules.items()]
-
-    def _hook(self, name):
+    def _hook(self, name: str, lin: nn.Module):
         def hook(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            if name in self.sums:
-                self.sums[name].addmm_(x.t(), x)
-            else:
-                self.sums[name] = x.t() @ x
-            self.rows[name] = self.rows.get(name, 0) + x.shape[0]
+            if name in self.done:  # a second call: its codes are already set
+                return
+            H = self._hessian(name, args[0])
+            w = lin.weight
+            codes, scales, zeros = gptq_int4(w, H, self.group_size, self.damp, act_order=self.act_order)
+            wq = dequantize_codes(codes, scales, zeros, self.group_size)
+            e_gptq, e_rtn = errors(w, wq, H, self.group_size)
+            kind = self.by_kind.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
+            for i, (k, e) in enumerate((("gptq", e_gptq), ("rtn", e_rtn))):
+                self.err[k] += e
+                kind[i] += e
+            # what the forward reads from here on: this layer's int4 values, through its own dense matmul
+            # (as fast as the float model's; the kernels' own rounding of them differs by ulps)
+            w.copy_(wq.to(w.dtype))
+            self.done[name] = (codes, scales, zeros)
+            self.bar.update(1)
         return hook
-
-    def hessian(self, name: str) -> torch.Tensor:
-        if name not in self.sums:
-            raise HessianError(f"layer '{name}' saw no calibration input (is it called by the model's forward?)")
-        return self.sums.pop(name) / self.rows[name]
 
     def remove(self):
         for h in self._handles:
             h.remove()
+        self._last = None
 
 
-def _prompt(model, ids: list[int]) -> torch.Tensor:
-    """The model's prompt forward over one sequence on a fresh cache sized to it -> final hidden [T, hidden]."""
+def _batch(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sequences as one prompt batch: (ids, pos, real) [B, T], a shorter sequence padded in front
+    with pads at the position after it (as Generator._pad: no real row sees them); `real` marks its rows."""
+    T = max(len(s) for s in seqs)
+    ids, pos, real = [], [], []
+    for s in seqs:
+        n = len(s)
+        ids.append([0] * (T - n) + list(s))
+        pos.append([n] * (T - n) + list(range(n)))
+        real.append([False] * (T - n) + [True] * n)
+    as_t = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+    return as_t(ids, torch.long), as_t(pos, torch.long), as_t(real, torch.bool)
+
+
+def _prompt(model, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's prompt forward over the sequences as one batch on a fresh cache sized to them ->
+    (final hidden [B, T, hidden], real [B, T])."""
     from ..engine.cache import KVCache
 
-    dev = model.embed_tokens.weight.device
-    t = torch.as_tensor(ids, dtype=torch.long, device=dev)[None]
-    cache = KVCache(model.config, 1, t.shape[1], device=dev, dtype=model.embed_tokens.weight.dtype)
-    return model(t, torch.arange(t.shape[1], device=dev)[None], cache, start=0, need="all")[0]
-
-
-def _forward(model, seqs, stop_at: nn.Module | None):
-    handle = stop_at.register_forward_hook(_stop) if stop_at is not None else None
-    try:
-        for ids in seqs:
-            try:
-                _prompt(model, ids)
-            except _Stop:
-                pass
-    finally:
-        if handle is not None:
-            handle.remove()
-
-
-def _stages(model, targets):
-    """[(stop module or None, [(name, Linear)])]: the linears outside the decoder layers (one full
-    forward), then each decoder layer's, in order."""
-    outer = [(n, m) for n, m in targets if not n.startswith("layers.")]
-    stages = [(None, outer)] if outer else []
-    for i, layer in enumerate(model.layers):
-        mine = [(n, m) for n, m in targets if n.startswith(f"layers.{i}.")]
-        if mine:
-            stages.append((layer, mine))
-    return stages
+    w = model.embed_tokens.weight
+    ids, pos, real = _batch(seqs, w.device)
+    cache = KVCache(model.config, ids.shape[0], ids.shape[1], device=w.device, dtype=w.dtype)
+    return model(ids, pos, cache, start=0, need="all"), real
 
 
 @torch.no_grad()
 def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_order: bool = False,
                progress=None) -> tuple[dict, dict]:
-    """Quantize `targets` [(name, nn.Linear)] of an engine model, stage by stage (each linear's weight
-    holds its dequantized int4 values from its stage on, for the stages after it). -> ({name: (codes,
-    scales, zeros)}, facts for describe(): sequences, tokens, seconds, and the output error against RTN's
-    (sum over layers of trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear)."""
+    """Quantize `targets` [(name, nn.Linear)] of an engine model in one prompt forward over the calibration
+    sequences, each linear when the forward reaches it (its weight then holds its dequantized int4 values).
+    -> ({name: (codes, scales, zeros)}, facts for describe(): sequences, tokens, seconds, and the output
+    error against RTN's (sum over linears of trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear)."""
     from tqdm.auto import tqdm
 
     if not hasattr(model, "layers") or not hasattr(model, "embed_tokens"):
         raise ValueError(f"quant.method=gptq calibrates through the engine's Gemma model; got {type(model).__name__}")
     t0 = time.perf_counter()
-    stages = _stages(model, targets)
-    err = {"gptq": 0.0, "rtn": 0.0}
-    by_kind: dict[str, list[float]] = {}
-    done = {}  # name -> (codes, scales, zeros)
-    bar = tqdm(stages, desc="gptq", unit="layer", disable=progress is False or None, dynamic_ncols=True)
-    for stop_at, group in bar:
-        hooks = _Hessians(dict(group))
-        try:
-            _forward(model, seqs, stop_at)
-        finally:
-            hooks.remove()
-        for name, lin in group:
-            H = hooks.hessian(name)
-            w = lin.weight
-            codes, scales, zeros = gptq_int4(w, H, group_size, damp, act_order=act_order)
-            wq = dequantize_codes(codes, scales, zeros, group_size)
-            e_gptq, e_rtn = errors(w, wq, H, group_size)
-            err["gptq"] += e_gptq
-            err["rtn"] += e_rtn
-            kind = name.rsplit(".", 1)[-1]
-            by_kind.setdefault(kind, [0.0, 0.0])
-            by_kind[kind][0] += e_gptq
-            by_kind[kind][1] += e_rtn
-            # the later stages' forwards see this layer's int4 values, through its own dense matmul (a
-            # forward as fast as the float model's; the kernels' own rounding of them differs by ulps)
-            w.copy_(wq.to(w.dtype))
-            done[name] = (codes, scales, zeros)
-            del H
+    w = model.embed_tokens.weight
+    _, _, real = _batch(seqs, w.device)
+    bar = tqdm(total=len(targets), desc="gptq", unit="linear", disable=progress is False or None,
+               dynamic_ncols=True)
+    q = _Quantizer(targets, real, group_size, damp, act_order, bar)
+    try:
+        _prompt(model, seqs)
+    finally:
+        q.remove()
+        bar.close()
+    missing = [n for n, _ in targets if n not in q.done]
+    if missing:
+        raise HessianError(f"layer '{missing[0]}' saw no calibration input (is it called by the model's forward?)")
     seconds = time.perf_counter() - t0
+    err = q.err
     ratio = err["gptq"] / err["rtn"] if err["rtn"] > 0 else None
-    log.info("gptq: %d linears in %d stages, %d sequences, %.1f s; output error vs RTN %.3f",
-             len(targets), len(stages), len(seqs), seconds, ratio or float("nan"))
-    return done, {"calib_sequences": len(seqs), "calib_tokens": sum(len(s) for s in seqs),
-                  "gptq_s": round(seconds, 2), "error_vs_rtn": None if ratio is None else round(ratio, 4),
-                  "error_vs_rtn_by_kind": {k: round(g / r, 4) if r > 0 else None
-                                           for k, (g, r) in sorted(by_kind.items())}}
+    log.info("gptq: %d linears in one forward, %d sequences, %.1f s; output error vs RTN %.3f",
+             len(targets), len(seqs), seconds, ratio or float("nan"))
+    return q.done, {"calib_sequences": len(seqs), "calib_tokens": sum(len(s) for s in seqs),
+                    "gptq_s": round(seconds, 2), "error_vs_rtn": None if ratio is None else round(ratio, 4),
+                    "error_vs_rtn_by_kind": {k: round(g / r, 4) if r > 0 else None
+                                             for k, (g, r) in sorted(q.by_kind.items())}}
 
 
 def calibration_ids(corpus: str | None, tokenizer, where: str = "quant") -> tuple[list[int], list[str]]:
@@ -337,12 +333,9 @@ class GptqSettings:
 @torch.no_grad()
 def final_hessian(model, seqs) -> torch.Tensor:
     """X^T X / n of the model's final (normed) hidden states over the sequences: the head's inputs."""
-    H, n = None, 0
-    for ids in seqs:
-        h = _prompt(model, ids).float()
-        H = h.t() @ h if H is None else H.addmm_(h.t(), h)
-        n += h.shape[0]
-    return H / n
+    h, real = _prompt(model, seqs)
+    h = h[real].float()
+    return h.t() @ h / h.shape[0]
 
 
 def head_gptq(model, w: torch.Tensor, settings: GptqSettings, group_size: int):
