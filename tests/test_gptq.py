@@ -112,6 +112,7 @@ def test_calibration_sequences():
     (dict(method="gptq", calib_tokens=100, calib_seq_len=512), "calib_tokens must be"),
     (dict(method="gptq", calib_seq_len=1), "calib_seq_len must be"),
     (dict(method="gptq", damp=0.0), "quant.damp must be"),
+    (dict(method="gptq", calib_window=0), "quant.calib_window must be"),
 ])
 def test_int4quant_refuses_bad_gptq_settings(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -231,6 +232,10 @@ def test_pruned_int4_rows_by_gptq(tmp_path):
 def test_the_heads_take_the_bodys_calibration_settings():
     from fgcli_helpers import compose_cfg
 
+    cfg = compose_cfg(["quant=int4", "window=w188", "lm_head=pruned"])
+    assert cfg.quant.calib_window == 188 and cfg.lm_head.calib_window == 188  # calibrated in the run's window
+    assert compose_cfg(["quant=int4", "lm_head=int4"]).lm_head.calib_window is None
+
     cfg = compose_cfg(["quant=int4", "quant.calib_tokens=1024", "quant.calib_seq_len=256", "lm_head=int4"])
     assert cfg.lm_head.calib_tokens == 1024 and cfg.lm_head.calib_seq_len == 256 and cfg.lm_head.calib is None
     cfg = compose_cfg(["lm_head=pruned"])  # quant=bf16 has no calibration: the defaults
@@ -321,3 +326,23 @@ def test_a_linear_the_forward_never_reaches_is_an_error():
     stray = torch.nn.Linear(32, 32, bias=False)
     with pytest.raises(HessianError, match="'stray' saw no calibration input"):
         gptq_model(model, [("stray", stray)], [[2, 7, 9, 11]], 32, progress=False)
+
+
+def test_calibration_runs_in_the_window_it_is_given():
+    """calib_window sizes the calibration cache's ring: the model's own window gives what None gives; a
+    shorter one (8 < the tiny model's 16, sequences of 48) changes the final hidden states and so the codes."""
+    from fastgemma.transforms.gptq import final_hessian, gptq_model
+
+    model = _tiny()
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(5, 512, (48,), generator=g).tolist() for _ in range(2)]
+    H = final_hessian(model, seqs)
+    torch.testing.assert_close(final_hessian(model, seqs, window=model.config.sliding_window), H)
+    assert not torch.allclose(final_hessian(model, seqs, window=8), H, rtol=1e-3, atol=1e-3)
+    codes = {}
+    for w in (None, 8):
+        m = _tiny()
+        targets = [(n, x) for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and n.startswith("layers.")]
+        codes[w] = gptq_model(m, targets, seqs, 32, act_order=True, progress=False, window=w)[0]
+    last = [n for n in codes[None] if n.startswith(f"layers.{TINY.num_layers - 1}.")]
+    assert any(not torch.equal(codes[None][n][0], codes[8][n][0]) for n in last)

@@ -225,22 +225,23 @@ def _batch(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, t
     return as_t(ids, torch.long), as_t(pos, torch.long), as_t(real, torch.bool)
 
 
-def _prompt(model, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's prompt forward over the sequences as one batch on a fresh cache sized to them ->
-    (final hidden [B, T, hidden], real [B, T])."""
+def _prompt(model, seqs: list[list[int]], window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's prompt forward over the sequences as one batch on a fresh cache sized to them, the
+    sliding layers keeping `window` keys (None: the model's own) -> (final hidden [B, T, hidden], real [B, T])."""
     from ..engine.cache import KVCache
 
     w = model.embed_tokens.weight
     ids, pos, real = _batch(seqs, w.device)
-    cache = KVCache(model.config, ids.shape[0], ids.shape[1], device=w.device, dtype=w.dtype)
+    cache = KVCache(model.config, ids.shape[0], ids.shape[1], window=window, device=w.device, dtype=w.dtype)
     return model(ids, pos, cache, start=0, need="all"), real
 
 
 @torch.no_grad()
 def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_order: bool = False,
-               progress=None) -> tuple[dict, dict]:
+               progress=None, window: int | None = None) -> tuple[dict, dict]:
     """Quantize `targets` [(name, nn.Linear)] of an engine model in one prompt forward over the calibration
-    sequences, each linear when the forward reaches it (its weight then holds its dequantized int4 values).
+    sequences (sliding layers keeping `window` keys, None: the model's own), each linear when the forward
+    reaches it (its weight then holds its dequantized int4 values).
     -> ({name: (codes, scales, zeros)}, facts for describe(): sequences, tokens, seconds, and the output
     error against RTN's (sum over linears of trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear)."""
     from tqdm.auto import tqdm
@@ -254,7 +255,7 @@ def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_or
                dynamic_ncols=True)
     q = _Quantizer(targets, real, group_size, damp, act_order, bar)
     try:
-        _prompt(model, seqs)
+        _prompt(model, seqs, window)
     finally:
         q.remove()
         bar.close()
@@ -306,6 +307,7 @@ class GptqSettings:
     weights: object = None
     where: str = "quant"
     cache: bool = True  # the body's codes kept on disk (transforms/gptq_cache.py)
+    window: int | None = None  # the sliding layers' window during calibration (None: the model's own)
 
     def __post_init__(self):
         w = self.where
@@ -316,6 +318,9 @@ class GptqSettings:
                              f"got {self.calib_tokens!r}")
         if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 < self.damp < 1:
             raise ValueError(f"{w}.damp must be in (0, 1) (a share of the Hessian's mean diagonal), got {self.damp!r}")
+        if self.window is not None and not _int(self.window, 1):
+            raise ValueError(f"{w}.calib_window must be a positive integer or null (the model's own window), "
+                             f"got {self.window!r}")
         self.damp, self.act_order = float(self.damp), bool(self.act_order)
 
     def sequences(self, cfg) -> tuple[list[list[int]], dict]:
@@ -327,13 +332,13 @@ class GptqSettings:
         ids, paths = calibration_ids(self.calib, tok, self.where)
         seqs = calibration_sequences(ids, self.calib_seq_len, self.calib_tokens, cfg.bos_id)
         return seqs, {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp,
-                      "act_order": self.act_order}
+                      "act_order": self.act_order, "calib_window": self.window or cfg.sliding_window}
 
 
 @torch.no_grad()
-def final_hessian(model, seqs) -> torch.Tensor:
+def final_hessian(model, seqs, window: int | None = None) -> torch.Tensor:
     """X^T X / n of the model's final (normed) hidden states over the sequences: the head's inputs."""
-    h, real = _prompt(model, seqs)
+    h, real = _prompt(model, seqs, window)
     h = h[real].float()
     return h.t() @ h / h.shape[0]
 
@@ -343,7 +348,7 @@ def head_gptq(model, w: torch.Tensor, settings: GptqSettings, group_size: int):
     -> (codes, scales, zeros, facts for describe())."""
     t0 = time.perf_counter()
     seqs, facts = settings.sequences(model.config)
-    H = final_hessian(model, seqs)
+    H = final_hessian(model, seqs, settings.window)
     codes, scales, zeros = gptq_int4(w, H, group_size, settings.damp, act_order=settings.act_order)
     e_gptq, e_rtn = errors(w, dequantize_codes(codes, scales, zeros, group_size), H, group_size)
     ratio = e_gptq / e_rtn if e_rtn > 0 else None

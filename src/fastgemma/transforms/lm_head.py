@@ -421,7 +421,8 @@ class Int8Head(_QuantHead):
         return Int8Rows.from_weight(w, model.config.vocab_size, model.config.final_logit_softcap, None, backend)
 
 
-def _head_gptq(method: str, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights):
+def _head_gptq(method: str, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
+               calib_window=None):
     """GptqSettings for an int4 head (method gptq), None for rtn."""
     from .gptq import GptqSettings
     from .quant import METHODS
@@ -429,7 +430,7 @@ def _head_gptq(method: str, calib, calib_tokens, calib_seq_len, damp, act_order,
     if method not in METHODS:
         raise ValueError(f"lm_head.method must be one of {METHODS}, got {method!r}")
     return GptqSettings(calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
-                        "lm_head") if method == "gptq" else None
+                        "lm_head", window=calib_window) if method == "gptq" else None
 
 
 def _int4_rows(model, w, keep, group_size, backend, gptq) -> tuple[Int4Rows, dict]:
@@ -449,18 +450,19 @@ def _int4_rows(model, w, keep, group_size, backend, gptq) -> tuple[Int4Rows, dic
 class Int4Head(_QuantHead):
     """An untied W4A16 copy of the head (asymmetric, group `group_size` along hidden): rounded to nearest,
     or with method=gptq calibrated on the final hidden states over a text (transforms/gptq.py; the
-    calib* / damp / act_order settings as quant=int4's)."""
+    calib* / damp / act_order settings as quant=int4's, in the run's window)."""
 
     kind = "int4"
 
     def __init__(self, group_size: int = 128, backend: str = "auto", method: str = "rtn", calib=None,
                  calib_tokens: int = 8192, calib_seq_len: int = 512, damp: float = 0.01, act_order: bool = True,
-                 tokenizer: str | None = "auto", weights=None):
+                 tokenizer: str | None = "auto", weights=None, calib_window: int | None = None):
         from ..kernels.int4_pack import check_group_size
 
         check_group_size(group_size)
         self.group_size = group_size
-        self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights)
+        self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
+                               calib_window)
         self._how: dict = {}
         super().__init__(backend)
 
@@ -486,7 +488,7 @@ class PrunedHead:
                  corpus: str | None = None, scatter: bool = True, dtype: str = "auto", group_size: int = 128,
                  backend: str = "auto", extra_ids=(), tokenizer: str | None = "auto", weights=None,
                  method: str = "rtn", calib=None, calib_tokens: int = 8192, calib_seq_len: int = 512,
-                 damp: float = 0.01, act_order: bool = True):
+                 damp: float = 0.01, act_order: bool = True, calib_window: int | None = None):
         if source not in _SOURCES:
             raise ValueError(f"lm_head.source must be one of {_SOURCES}, got {source!r}")
         if source == "file" and not keepset:
@@ -510,7 +512,8 @@ class PrunedHead:
         self.tokenizer_spec, self.weights = tokenizer, weights
         if method != "rtn" and dtype != "int4":
             raise ValueError(f"lm_head.method={method} applies to int4 rows (lm_head.dtype=int4), got dtype={dtype}")
-        self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights)
+        self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
+                               calib_window)
         self._tokenizer = None
         self.priority: list[int] = []  # kept ids, most important first (write_keepset order)
         self._info: dict = {"lm_head": "pruned", "rows": rows, "keepset_source": source}
