@@ -15,7 +15,8 @@ Calibration is one prompt forward of the model over the calibration sequences as
 quantized when the forward first reaches it, from its inputs at that point, and its weight holds the
 dequantized int4 values before the forward goes on: every linear's inputs come through all the linears
 before it already quantized, within a layer too (q / k / v before o, gate / up before down: GPTQ's "true
-sequential" order), the PLE model projection first. A head's rows take the final hidden states of a
+sequential" order), the PLE model projection first. One forward, so its activations (and a linear's fp32 input
+rows) grow with the calibration tokens: 8,192 by default. A head's rows take the final hidden states of a
 prompt forward over the same text (`head_gptq`), through the body as quantized.
 """
 from __future__ import annotations
