@@ -11,12 +11,14 @@ group's scale and zero are fixed first from the raw weights (RTN's); the codes g
 column order, so either way the groups stay contiguous along K, as the kernels read them.
 
 Calibration is one prompt forward of the model over the calibration sequences as one batch
-(`calibration_sequences`; a shorter last one padded in front, its pads in no Hessian). Each linear is
-quantized when the forward first reaches it, from its inputs at that point, and its weight holds the
-dequantized int4 values before the forward goes on: every linear's inputs come through all the linears
-before it already quantized, within a layer too (q / k / v before o, gate / up before down: GPTQ's "true
-sequential" order), the PLE model projection first. One forward, so its activations (and a linear's fp32 input
-rows) grow with the calibration tokens: 8,192 by default. A head's rows take the final hidden states of a
+(`calibration_sequences`; a shorter last one padded in front, its pads in no Hessian). A decoder layer first
+runs on its own float weights, its linears taking their Hessians from that run's inputs, then they are
+quantized and the layer runs again on the int4 values for the layers after it: so layer i's linears see
+layers 0..i-1 quantized and their own layer as it was. With true_sequential each linear is quantized when
+the forward first reaches it, so the quantized q / k / v feed o's Hessian and gate / up down's (AutoGPTQ's
+`true_sequential`). Linears outside the layers (the PLE model projection) go first, on the embeddings.
+One forward, so its activations (and a linear's fp32 input rows) grow with the calibration tokens: 8,192
+by default. A head's rows take the final hidden states of a
 prompt forward over the same text (`head_gptq`), through the body as quantized.
 """
 from __future__ import annotations
@@ -158,21 +160,38 @@ def calibration_sequences(ids: list[int], seq_len: int, tokens: int, bos_id: int
     return out
 
 
+def _unseen(name: str) -> HessianError:
+    return HessianError(f"layer '{name}' saw no calibration input (is it called by the model's forward?)")
+
+
 class _Quantizer:
     """Forward pre-hooks on the target linears. When the calibration forward first reaches a linear, its
     input rows (the real ones: `real` [B, T] leaves out the pads) give its Hessian, GPTQ gives its codes,
     and its weight takes their dequantized values before the forward goes on, so every linear reached
     later sees its inputs through the quantized ones. Linears fed the same tensor (q / k / v, gate / up)
-    share one Hessian."""
+    share one Hessian.
 
-    def __init__(self, targets, real: torch.Tensor, group_size: int, damp: float, act_order: bool, bar):
+    true_sequential=False: a pre-hook on each decoder layer first runs the layer as it stands (the layers
+    before it quantized, its own weights not), its linears' hooks only taking their Hessians, quantizes all
+    of them, and lets the forward run the layer again on the int4 values (its cache writes are overwritten
+    by the second run's, and no row reads the ring before the forward ends). Linears outside the layers go
+    as with True."""
+
+    def __init__(self, model, targets, real: torch.Tensor, group_size: int, damp: float, act_order: bool, bar,
+                 true_sequential: bool = True):
         self.real, self.bar = real, bar
         self.group_size, self.damp, self.act_order = group_size, damp, act_order
         self.done: dict[str, tuple] = {}
         self.err = {"gptq": 0.0, "rtn": 0.0}
         self.by_kind: dict[str, list[float]] = {}
         self._last: tuple | None = None  # (input tensor, its Hessian)
+        self._taken: dict[str, torch.Tensor] | None = None  # a layer's Hessians while it runs on its own weights
         self._handles = [lin.register_forward_pre_hook(self._hook(name, lin)) for name, lin in targets]
+        if not true_sequential:
+            for i, layer in enumerate(model.layers):
+                mine = [(n, m) for n, m in targets if n.startswith(f"layers.{i}.")]
+                if mine:
+                    self._handles.append(layer.register_forward_pre_hook(self._layer_hook(mine), with_kwargs=True))
 
     def _hessian(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._last is not None and self._last[0] is x:
@@ -186,24 +205,43 @@ class _Quantizer:
         self._last = (x, H)
         return H
 
+    def _quantize(self, name: str, lin: nn.Module, H: torch.Tensor):
+        w = lin.weight
+        codes, scales, zeros = gptq_int4(w, H, self.group_size, self.damp, act_order=self.act_order)
+        wq = dequantize_codes(codes, scales, zeros, self.group_size)
+        e_gptq, e_rtn = errors(w, wq, H, self.group_size)
+        kind = self.by_kind.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
+        for i, (k, e) in enumerate((("gptq", e_gptq), ("rtn", e_rtn))):
+            self.err[k] += e
+            kind[i] += e
+        # what the forward reads from here on: this layer's int4 values, through its own dense matmul
+        # (as fast as the float model's; the kernels' own rounding of them differs by ulps)
+        w.copy_(wq.to(w.dtype))
+        self.done[name] = (codes, scales, zeros)
+        self.bar.update(1)
+
     def _hook(self, name: str, lin: nn.Module):
         def hook(_module, args):
             if name in self.done:  # a second call: its codes are already set
                 return
             H = self._hessian(name, args[0])
-            w = lin.weight
-            codes, scales, zeros = gptq_int4(w, H, self.group_size, self.damp, act_order=self.act_order)
-            wq = dequantize_codes(codes, scales, zeros, self.group_size)
-            e_gptq, e_rtn = errors(w, wq, H, self.group_size)
-            kind = self.by_kind.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
-            for i, (k, e) in enumerate((("gptq", e_gptq), ("rtn", e_rtn))):
-                self.err[k] += e
-                kind[i] += e
-            # what the forward reads from here on: this layer's int4 values, through its own dense matmul
-            # (as fast as the float model's; the kernels' own rounding of them differs by ulps)
-            w.copy_(wq.to(w.dtype))
-            self.done[name] = (codes, scales, zeros)
-            self.bar.update(1)
+            if self._taken is not None:
+                self._taken[name] = H
+            else:
+                self._quantize(name, lin, H)
+        return hook
+
+    def _layer_hook(self, mine):
+        def hook(layer, args, kwargs):
+            self._taken = {}
+            try:
+                layer.forward(*args, **kwargs)
+            finally:
+                taken, self._taken = self._taken, None
+            for name, lin in mine:
+                if name not in taken:
+                    raise _unseen(name)
+                self._quantize(name, lin, taken.pop(name))
         return hook
 
     def remove(self):
@@ -239,10 +277,11 @@ def _prompt(model, seqs: list[list[int]], window: int | None = None) -> tuple[to
 
 @torch.no_grad()
 def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_order: bool = False,
-               progress=None, window: int | None = None) -> tuple[dict, dict]:
+               progress=None, window: int | None = None, true_sequential: bool = False) -> tuple[dict, dict]:
     """Quantize `targets` [(name, nn.Linear)] of an engine model in one prompt forward over the calibration
     sequences (sliding layers keeping `window` keys, None: the model's own), each linear when the forward
-    reaches it (its weight then holds its dequantized int4 values).
+    reaches it, or with true_sequential=False each decoder layer's linears together from the layer's
+    inputs (`_Quantizer`); a quantized linear's weight holds its dequantized int4 values.
     -> ({name: (codes, scales, zeros)}, facts for describe(): sequences, tokens, seconds, and the output
     error against RTN's (sum over linears of trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear)."""
     from tqdm.auto import tqdm
@@ -254,7 +293,7 @@ def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_or
     _, _, real = _batch(seqs, w.device)
     bar = tqdm(total=len(targets), desc="gptq", unit="linear", disable=progress is False or None,
                dynamic_ncols=True)
-    q = _Quantizer(targets, real, group_size, damp, act_order, bar)
+    q = _Quantizer(model, targets, real, group_size, damp, act_order, bar, true_sequential)
     try:
         _prompt(model, seqs, window)
     finally:
@@ -262,7 +301,7 @@ def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_or
         bar.close()
     missing = [n for n, _ in targets if n not in q.done]
     if missing:
-        raise HessianError(f"layer '{missing[0]}' saw no calibration input (is it called by the model's forward?)")
+        raise _unseen(missing[0])
     seconds = time.perf_counter() - t0
     err = q.err
     ratio = err["gptq"] / err["rtn"] if err["rtn"] > 0 else None
@@ -309,6 +348,7 @@ class GptqSettings:
     where: str = "quant"
     cache: bool = True  # the body's codes kept on disk (transforms/gptq_cache.py)
     window: int | None = None  # the sliding layers' window during calibration (None: the model's own)
+    true_sequential: bool = False  # each linear on inputs through its layer's linears before it, quantized
 
     def __post_init__(self):
         w = self.where
@@ -323,6 +363,7 @@ class GptqSettings:
             raise ValueError(f"{w}.calib_window must be a positive integer or null (the model's own window), "
                              f"got {self.window!r}")
         self.damp, self.act_order = float(self.damp), bool(self.act_order)
+        self.true_sequential = bool(self.true_sequential)
 
     def sequences(self, cfg) -> tuple[list[list[int]], dict]:
         """(calibration sequences, facts for describe()) for a model config."""
@@ -333,7 +374,8 @@ class GptqSettings:
         ids, paths = calibration_ids(self.calib, tok, self.where)
         seqs = calibration_sequences(ids, self.calib_seq_len, self.calib_tokens, cfg.bos_id)
         return seqs, {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp,
-                      "act_order": self.act_order, "calib_window": self.window or cfg.sliding_window}
+                      "act_order": self.act_order, "calib_window": self.window or cfg.sliding_window,
+                      "true_sequential": self.true_sequential}
 
 
 @torch.no_grad()

@@ -273,13 +273,14 @@ class Int4Quant:
     method: rtn (round to nearest, from the weights alone) | gptq (transforms/gptq.py: calibrated on
     `calib_tokens` tokens of `calib` in sequences of `calib_seq_len`, Hessian damping `damp`, the columns in
     descending order of their inputs' energy with `act_order` (each group's range fixed beforehand), the sliding
-    layers keeping `calib_window` keys (the run's window; None: the model's own); the text is tokenized with
+    layers keeping `calib_window` keys (the run's window; None: the model's own), a layer's linears on its inputs
+    or with `true_sequential` each on the quantized ones before it in the layer; the text is tokenized with
     `tokenizer` / `weights` as the pruned head's keepset text is). The same format and kernels either way."""
 
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton",
                  method: str = "rtn", calib: str | None = None, calib_tokens: int = 8192, calib_seq_len: int = 512,
                  damp: float = 0.01, act_order: bool = True, tokenizer: str | None = "auto", weights=None,
-                 cache: bool = True, calib_window: int | None = None):
+                 cache: bool = True, calib_window: int | None = None, true_sequential: bool = False):
         from .gptq import GptqSettings
 
         check_group_size(group_size)
@@ -289,7 +290,7 @@ class Int4Quant:
         self.group_size, self.backend, self.method = group_size, backend, method
         self.skip = tuple(skip or ())
         self.gptq = GptqSettings(calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
-                                 "quant", cache, calib_window) if method == "gptq" else None
+                                 "quant", cache, calib_window, true_sequential) if method == "gptq" else None
         self._info: dict = {"quant": "int4", "group_size": group_size, "backend": backend, "method": method}
 
     def _gptq(self, model, targets) -> tuple[dict, dict]:
@@ -302,14 +303,15 @@ class Int4Quant:
         seqs, facts = g.sequences(model.config)
         names = [n for n, _ in targets]
         settings = {"group_size": self.group_size, "damp": g.damp, "act_order": g.act_order,
-                    "window": facts["calib_window"]}
+                    "window": facts["calib_window"], "true_sequential": g.true_sequential}
         key = gptq_cache.key(model, names, settings, seqs) if g.cache else None
         hit = gptq_cache.load(key, model.embed_tokens.weight.device) if key else None
         if hit is not None and set(hit[0]) == set(names):
             codes, stored, path = hit
             log.info("gptq: %d linears from the cache %s", len(names), path)
             return codes, {**stored, "cache": str(path), "cache_hit": True}
-        codes, made = gptq_model(model, targets, seqs, self.group_size, g.damp, g.act_order, window=g.window)
+        codes, made = gptq_model(model, targets, seqs, self.group_size, g.damp, g.act_order, window=g.window,
+                                 true_sequential=g.true_sequential)
         facts.update(made)
         if key:
             path = gptq_cache.save(key, codes, facts)
