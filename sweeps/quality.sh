@@ -11,7 +11,8 @@
 # head; the 12k keepset's rows also in int8 and int4 (g128); an int8 body (W8A16, a scale per row); the frontier's
 # lossy choices together (window 188, the 12k rows in int8), alone, with int4 g128 and with the int8 body;
 # int4 by GPTQ (quant.method=gptq, calibrated on the default licence texts, never the scored one) at g128 / 64 / 32,
-# and in the frontier's lossy choices; the int4 head and the 12k keepset's int4 rows by GPTQ.
+# at g128 left to right and true-sequential, with an int8 head and with an int4 head by GPTQ, and in the frontier's
+# lossy choices; the int4 head and the 12k keepset's int4 rows by GPTQ.
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -49,6 +50,10 @@ for task in ppl identity; do
   sweep "task=$task" "$windows" "${common[@]}"
   sweep "task=$task" "${int4[@]}" "${common[@]}"
   sweep "task=$task" "${gptq[@]}" "${common[@]}"
+  sweep "task=$task" "${gptq_g128[@]}" quant.act_order=false "${common[@]}"
+  sweep "task=$task" "${gptq_g128[@]}" quant.true_sequential=true "${common[@]}"
+  sweep "task=$task" "${gptq_g128[@]}" lm_head=int8 "${common[@]}"
+  sweep "task=$task" "${gptq_g128[@]}" "${heads_gptq[@]}" "${common[@]}"
   if [ "$has_nf4" = 1 ]; then
     sweep "task=$task" quant=nf4 "quant.skip=[]" "${common[@]}"
   else

@@ -44,22 +44,27 @@ def test_gptq_lowers_the_output_error_below_rtn(G, act_order):
     assert ((y - yq) ** 2).sum(1).mean() == pytest.approx(e_gptq, rel=1e-3)
 
 
-def test_gptq_with_an_isotropic_hessian_is_rtn():
-    """H = c I passes no error between columns: every code and scale equals round-to-nearest's."""
+@pytest.mark.parametrize("clip_search", [False, True])
+def test_gptq_with_an_isotropic_hessian_is_rtn(clip_search):
+    """H = c I passes no error between columns: every code and scale equals round-to-nearest's (on the
+    same group ranges: min / max, or searched)."""
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(2))
-    q, s, z = gptq_int4(w, 3.0 * torch.eye(128), 32)
-    q0, s0, z0 = quantize_int4(w, 32)
+    q, s, z = gptq_int4(w, 3.0 * torch.eye(128), 32, clip_search=clip_search)
+    q0, s0, z0 = quantize_int4(w, 32, clip_search=clip_search)
     assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0)
 
 
-def test_act_order_with_a_diagonal_hessian_is_rtn_in_the_original_column_order():
+@pytest.mark.parametrize("clip_search", [False, True])
+def test_act_order_with_a_diagonal_hessian_is_rtn_in_the_original_column_order(clip_search):
     """A diagonal H passes no error either; its uneven diagonal permutes the columns, and the codes must
     come back in the weight's own order, with RTN's static group ranges."""
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(4))
     d = torch.rand(128, generator=torch.Generator().manual_seed(5)) + 0.1
-    q, s, z = gptq_int4(w, torch.diag(d), 32, act_order=True)
-    q0, s0, z0 = quantize_int4(w, 32)
+    q, s, z = gptq_int4(w, torch.diag(d), 32, act_order=True, clip_search=clip_search)
+    q0, s0, z0 = quantize_int4(w, 32, clip_search=clip_search)
     assert torch.equal(q, q0) and torch.equal(s, s0) and torch.equal(z, z0)
+    if clip_search:
+        assert not torch.equal(s, quantize_int4(w, 32)[1])  # some group's range was narrowed
 
 
 def test_gptq_bf16_scales_and_dead_columns():
@@ -355,3 +360,27 @@ def test_calibration_runs_in_the_window_it_is_given():
         codes[w] = gptq_model(m, targets, seqs, 32, act_order=True, progress=False, window=w)[0]
     last = [n for n in codes[None] if n.startswith(f"layers.{TINY.num_layers - 1}.")]
     assert any(not torch.equal(codes[None][n][0], codes[8][n][0]) for n in last)
+
+
+def test_clip_search_reaches_every_int4_part(tmp_path):
+    """quant.clip_search narrows group ranges in the body (RTN and GPTQ) and the heads take the body's choice:
+    describe() says so, and the scales differ from min / max's."""
+    from fgcli_helpers import compose_cfg
+    from fastgemma.transforms.lm_head import Int4Head
+
+    cfg = compose_cfg(["quant=int4", "quant.clip_search=true", "lm_head=int4"])
+    assert cfg.lm_head.clip_search is True and compose_cfg(["lm_head=pruned"]).lm_head.clip_search is False
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(json.dumps({"ids": list(range(5, 300))}) + "\n")
+    for method in ("rtn", "gptq"):
+        scales = {}
+        for clip in (False, True):
+            t = Int4Quant(group_size=32, skip=[], backend="torch", method=method, calib=str(calib), calib_tokens=128,
+                          calib_seq_len=64, clip_search=clip)
+            m = t.apply(_tiny())
+            assert t.describe()["clip_search"] is clip
+            scales[clip] = m.layers[0].mlp.down_proj.scales
+        assert not torch.equal(scales[False], scales[True]), method
+    heads = {clip: Int4Head(group_size=32, backend="torch", clip_search=clip) for clip in (False, True)}
+    s = {clip: h.apply(_tiny()).logits_head.scales for clip, h in heads.items()}
+    assert heads[True].describe()["clip_search"] is True and not torch.equal(s[False], s[True])

@@ -69,6 +69,36 @@ def test_quantize_error_bound(G, wdtype):
     assert err[3, 0].max() == 0
 
 
+@pytest.mark.parametrize("G", GROUP_SIZES)
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_clip_search_never_raises_a_groups_error_and_clips_outliers(G, wdtype, monkeypatch):
+    """clip_search: each group's sum |w - dequant|^2.4 at most min/max's (p = 1 is a candidate), lower
+    overall on heavy-tailed weights, an outlier's group clipped (its range narrower than its min/max),
+    a constant group still exact; the row chunks (SEARCH_CHUNK) give the same answer as one pass."""
+    from fastgemma.kernels import int4_pack
+
+    g = torch.Generator().manual_seed(3)
+    chi2 = (torch.randn(3, 64, 512, generator=g) ** 2).sum(0)
+    w = torch.randn(64, 512, generator=g) / (chi2 / 3).sqrt() * 0.02  # Student's t (3): heavy tails, as trained weights
+    w[3, :G] = 0.25
+    w[5, 7] = 1.0
+    w = w.to(wdtype)
+
+    def group_err(q, s, z):
+        d = (dequantize_int4(pack_int4(q), s, z, G) - w.float()).abs().pow(int4_pack.CLIP_NORM)
+        return d.reshape(64, -1, G).sum(-1)
+
+    plain, searched = quantize_int4(w, G), quantize_int4(w, G, clip_search=True)
+    e0, e1 = group_err(*plain), group_err(*searched)
+    print(f"\nG={G} {wdtype}: searched / min-max error {float(e1.sum() / e0.sum()):.3f}")
+    assert (e1 <= e0 * (1 + 1e-5) + 1e-12).all() and e1.sum() < 0.97 * e0.sum()
+    assert searched[1][0, 5] < plain[1][0, 5]  # the outlier's group: a finer grid
+    assert e1[3, 0] == 0 and searched[1][0, 3] == 0
+    monkeypatch.setattr(int4_pack, "SEARCH_CHUNK", 3 * G)  # 3 groups at a time
+    for a, b in zip(quantize_int4(w, G, clip_search=True), searched):
+        assert torch.equal(a, b)
+
+
 def test_quantize_rejects_bad_group():
     with pytest.raises(ValueError, match="one of"):
         quantize_int4(torch.randn(4, 96), 48)

@@ -3,7 +3,9 @@
 Format: asymmetric round-to-nearest int4 per group of G consecutive k (G in 32 / 64 / 128):
     w[n, k] ~= q[n, k] * scales[k // G, n] + zeros[k // G, n],   q in 0..15
 `zeros` is the group minimum stored as a float (a tinygemm / HQQ style float zero point, no integer
-code), so dequantization is one FMA and the RTN error is <= scale / 2 per element.
+code), so dequantization is one FMA and the RTN error is <= scale / 2 per element. With `clip_search`
+a group's range is its (min, max) times the factor p in SHRINK whose codes leave the least
+sum |w - dequant|^2.4 (GPTQ's Quantizer mse search: an outlier clipped for a finer grid elsewhere).
 
 Layout of one W [N, K] (nn.Linear layout), K % G == 0:
     qweight  uint8 [N, K/2]  byte j of row n = q[n, 2j] | q[n, 2j + 1] << 4     N*K/2 bytes
@@ -20,6 +22,9 @@ from __future__ import annotations
 import torch
 
 GROUP_SIZES = (32, 64, 128)
+SHRINK = tuple(1 - i / 100 for i in range(26))  # clip_search's range factors: 1.00, 0.99, .., 0.75
+CLIP_NORM = 2.4  # the error's exponent in the search (GPTQ's)
+SEARCH_CHUNK = 1 << 22  # elements of w searched at a time (bounds the search's temporaries)
 
 
 def check_group_size(group_size: int) -> None:
@@ -40,11 +45,45 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(-2)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype | None = None):
+def _codes(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale_dtype: torch.dtype):
+    """Groups wg [..., G] (fp32) on the ranges lo, hi [...] -> (codes [..., G] fp32, scale, zero [...] in
+    scale_dtype), the codes from the stored scale and zero. A constant group (or a range that underflows
+    the scale dtype) gets scale 0 and codes 0."""
+    scale, zero = ((hi - lo) / 15).to(scale_dtype), lo.to(scale_dtype)
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    q = torch.where(s > 0, torch.round((wg - z) / torch.where(s > 0, s, 1.0)), 0.0).clamp_(0, 15)
+    return q, scale, zero
+
+
+def group_range(wg: torch.Tensor, scale_dtype: torch.dtype, clip_search: bool = False):
+    """Groups wg [..., G] (fp32) -> their ranges (lo, hi) [...]: (min, max), or with clip_search that times
+    the factor of SHRINK with the least sum |w - dequant|^CLIP_NORM (ties: the widest)."""
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    if not clip_search:
+        return lo, hi
+    best_lo, best_hi = lo.clone(), hi.clone()
+    flat, blo, bhi = wg.reshape(-1, wg.shape[-1]), best_lo.view(-1), best_hi.view(-1)
+    step = max(1, SEARCH_CHUNK // wg.shape[-1])
+    for r in range(0, flat.shape[0], step):
+        x, l0, h0 = flat[r:r + step], blo[r:r + step].clone(), bhi[r:r + step].clone()
+        best = torch.full_like(l0, float("inf"))
+        for p in SHRINK:
+            q, s, z = _codes(x, l0 * p, h0 * p, scale_dtype)
+            err = (q * s.float().unsqueeze(-1) + z.float().unsqueeze(-1) - x).abs_().pow_(CLIP_NORM).sum(-1)
+            better = err < best
+            best = torch.where(better, err, best)
+            blo[r:r + step] = torch.where(better, l0 * p, blo[r:r + step])
+            bhi[r:r + step] = torch.where(better, h0 * p, bhi[r:r + step])
+    return best_lo, best_hi
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype | None = None,
+                  clip_search: bool = False):
     """RTN asymmetric int4. w [N, K] -> (codes [N, K] uint8, scales [K/G, N], zeros [K/G, N]).
 
     Codes are computed from the *stored* (rounded) scale and zero, so |w - dequant| <= scale / 2
-    except at a clamped group end, where bf16 rounding of scale / zero adds ~2^-8 of the range.
+    except at a clamped group end, where bf16 rounding of scale / zero adds ~2^-8 of the range
+    (and, with clip_search, beyond a clipped end).
     """
     check_group_size(group_size)
     N, K = w.shape
@@ -53,15 +92,8 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype | N
     if scale_dtype is None:
         scale_dtype = w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.float32
     wg = w.detach().float().reshape(N, K // group_size, group_size)
-    lo, hi = wg.amin(-1), wg.amax(-1)  # [N, K/G]
-    scales = ((hi - lo) / 15).to(scale_dtype)
-    zeros = lo.to(scale_dtype)
-    s = scales.float().unsqueeze(-1)
-    z = zeros.float().unsqueeze(-1)
-    # a constant group (or a range that underflows the scale dtype) gets scale 0 and codes 0
-    q = torch.where(s > 0, torch.round((wg - z) / torch.where(s > 0, s, 1.0)), 0.0)
-    q = q.clamp_(0, 15).to(torch.uint8).reshape(N, K)
-    return q, scales.t().contiguous(), zeros.t().contiguous()
+    q, scales, zeros = _codes(wg, *group_range(wg, scale_dtype, clip_search), scale_dtype)
+    return q.to(torch.uint8).reshape(N, K), scales.t().contiguous(), zeros.t().contiguous()
 
 
 def pack_scale_zero(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

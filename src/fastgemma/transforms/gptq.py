@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..kernels.int4_pack import check_group_size, dequantize_codes, quantize_int4
+from ..kernels.int4_pack import check_group_size, dequantize_codes, group_range, quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,15 @@ def _inverse_upper(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
 
 @torch.no_grad()
 def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0.01,
-              scale_dtype: torch.dtype | None = None, act_order: bool = False):
+              scale_dtype: torch.dtype | None = None, act_order: bool = False, clip_search: bool = False):
     """w [N, K], H [K, K] (X^T X / n of its inputs) -> (codes [N, K] uint8, scales [K/G, N], zeros [K/G, N]),
     the format of `quantize_int4`. Input columns that never fired (H's diagonal 0) are rounded as RTN
     rounds them and pass no error on. fp32 arithmetic on w's device.
 
     act_order: the columns taken in descending order of H's diagonal (the strongest inputs first, while
     the most columns are left to absorb their error), each group's scale and zero fixed beforehand from
-    the raw weights (RTN's: "static groups"), so the groups stay contiguous along K as the kernels read them."""
+    the raw weights (RTN's: "static groups"), so the groups stay contiguous along K as the kernels read them.
+    clip_search: each group's range by int4_pack's clip search instead of its min / max."""
     check_group_size(group_size)
     N, K = w.shape
     if K % group_size:
@@ -84,7 +85,7 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     if act_order:
-        _, scales, zeros = quantize_int4(w, group_size, scale_dtype)
+        _, scales, zeros = quantize_int4(w, group_size, scale_dtype, clip_search)
         scales, zeros = scales.clone(), zeros.clone()
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W, H = W[:, perm], H[perm][:, perm]
@@ -108,8 +109,7 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
                 s, z = sf[g], zf[g]
                 safe = torch.where(s > 0, s, 1.0)
             elif col % group_size == 0:  # the group's range as its columns stand now (i1 % G == 0, BLOCK % G == 0)
-                g = W1[:, j:j + group_size]
-                lo, hi = g.amin(1), g.amax(1)
+                lo, hi = group_range(W1[:, j:j + group_size], scale_dtype, clip_search)
                 scales[col // group_size] = ((hi - lo) / 15).to(scale_dtype)
                 zeros[col // group_size] = lo.to(scale_dtype)
                 s, z = scales[col // group_size].float(), zeros[col // group_size].float()
@@ -132,9 +132,11 @@ def output_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> float:
     return float(((d @ H.float()) * d).sum())
 
 
-def errors(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor, group_size: int) -> tuple[float, float]:
-    """(output_error of wq, output_error of round-to-nearest's codes for w) on the same inputs."""
-    return output_error(w, wq, H), output_error(w, dequantize_codes(*quantize_int4(w, group_size), group_size), H)
+def errors(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor, group_size: int,
+           clip_search: bool = False) -> tuple[float, float]:
+    """(output_error of wq, output_error of round-to-nearest's codes for w, on the same ranges) on the same inputs."""
+    rtn = dequantize_codes(*quantize_int4(w, group_size, clip_search=clip_search), group_size)
+    return output_error(w, wq, H), output_error(w, rtn, H)
 
 
 # ---- calibration -----------------------------------------------------------------------------------
@@ -178,9 +180,9 @@ class _Quantizer:
     as with True."""
 
     def __init__(self, model, targets, real: torch.Tensor, group_size: int, damp: float, act_order: bool, bar,
-                 true_sequential: bool = True):
+                 true_sequential: bool = True, clip_search: bool = False):
         self.real, self.bar = real, bar
-        self.group_size, self.damp, self.act_order = group_size, damp, act_order
+        self.group_size, self.damp, self.act_order, self.clip_search = group_size, damp, act_order, clip_search
         self.done: dict[str, tuple] = {}
         self.err = {"gptq": 0.0, "rtn": 0.0}
         self.by_kind: dict[str, list[float]] = {}
@@ -207,9 +209,10 @@ class _Quantizer:
 
     def _quantize(self, name: str, lin: nn.Module, H: torch.Tensor):
         w = lin.weight
-        codes, scales, zeros = gptq_int4(w, H, self.group_size, self.damp, act_order=self.act_order)
+        codes, scales, zeros = gptq_int4(w, H, self.group_size, self.damp, act_order=self.act_order,
+                                         clip_search=self.clip_search)
         wq = dequantize_codes(codes, scales, zeros, self.group_size)
-        e_gptq, e_rtn = errors(w, wq, H, self.group_size)
+        e_gptq, e_rtn = errors(w, wq, H, self.group_size, self.clip_search)
         kind = self.by_kind.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
         for i, (k, e) in enumerate((("gptq", e_gptq), ("rtn", e_rtn))):
             self.err[k] += e
@@ -277,11 +280,13 @@ def _prompt(model, seqs: list[list[int]], window: int | None = None) -> tuple[to
 
 @torch.no_grad()
 def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_order: bool = False,
-               progress=None, window: int | None = None, true_sequential: bool = False) -> tuple[dict, dict]:
+               progress=None, window: int | None = None, true_sequential: bool = False,
+               clip_search: bool = False) -> tuple[dict, dict]:
     """Quantize `targets` [(name, nn.Linear)] of an engine model in one prompt forward over the calibration
     sequences (sliding layers keeping `window` keys, None: the model's own), each linear when the forward
     reaches it, or with true_sequential=False each decoder layer's linears together from the layer's
-    inputs (`_Quantizer`); a quantized linear's weight holds its dequantized int4 values.
+    inputs (`_Quantizer`); a quantized linear's weight holds its dequantized int4 values. clip_search: the
+    groups' ranges by int4_pack's clip search.
     -> ({name: (codes, scales, zeros)}, facts for describe(): sequences, tokens, seconds, and the output
     error against RTN's (sum over linears of trace(dW H dW^T), GPTQ / RTN), overall and per kind of linear)."""
     from tqdm.auto import tqdm
@@ -293,7 +298,7 @@ def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_or
     _, _, real = _batch(seqs, w.device)
     bar = tqdm(total=len(targets), desc="gptq", unit="linear", disable=progress is False or None,
                dynamic_ncols=True)
-    q = _Quantizer(model, targets, real, group_size, damp, act_order, bar, true_sequential)
+    q = _Quantizer(model, targets, real, group_size, damp, act_order, bar, true_sequential, clip_search)
     try:
         _prompt(model, seqs, window)
     finally:
@@ -386,14 +391,15 @@ def final_hessian(model, seqs, window: int | None = None) -> torch.Tensor:
     return h.t() @ h / h.shape[0]
 
 
-def head_gptq(model, w: torch.Tensor, settings: GptqSettings, group_size: int):
+def head_gptq(model, w: torch.Tensor, settings: GptqSettings, group_size: int, clip_search: bool = False):
     """GPTQ of head rows w [N, hidden] on the model's final hidden states over the calibration text.
     -> (codes, scales, zeros, facts for describe())."""
     t0 = time.perf_counter()
     seqs, facts = settings.sequences(model.config)
     H = final_hessian(model, seqs, settings.window)
-    codes, scales, zeros = gptq_int4(w, H, group_size, settings.damp, act_order=settings.act_order)
-    e_gptq, e_rtn = errors(w, dequantize_codes(codes, scales, zeros, group_size), H, group_size)
+    codes, scales, zeros = gptq_int4(w, H, group_size, settings.damp, act_order=settings.act_order,
+                                     clip_search=clip_search)
+    e_gptq, e_rtn = errors(w, dequantize_codes(codes, scales, zeros, group_size), H, group_size, clip_search)
     ratio = e_gptq / e_rtn if e_rtn > 0 else None
     facts.update(calib_sequences=len(seqs), calib_tokens=sum(len(s) for s in seqs),
                  gptq_s=round(time.perf_counter() - t0, 2), error_vs_rtn=None if ratio is None else round(ratio, 4))

@@ -147,13 +147,14 @@ class Int4Rows(HeadRows):
 
     kind = "int4"
 
-    def __init__(self, w, vocab_size, softcap, keep_ids=None, group_size: int = 128, backend="torch", codes=None):
-        """w [N, K] rounded to nearest, or `codes` = (codes [N, K], scales, zeros [K/G, N]) made elsewhere
-        (GPTQ; w then gives only its dtype)."""
+    def __init__(self, w, vocab_size, softcap, keep_ids=None, group_size: int = 128, backend="torch", codes=None,
+                 clip_search: bool = False):
+        """w [N, K] rounded to nearest (each group's range searched with clip_search), or `codes` = (codes
+        [N, K], scales, zeros [K/G, N]) made elsewhere (GPTQ; w then gives only its dtype)."""
         from ..kernels.int4_pack import pack_int4, quantize_int4
 
         super().__init__(vocab_size, softcap, keep_ids, backend)
-        q, s, z = codes if codes is not None else quantize_int4(w, group_size)
+        q, s, z = codes if codes is not None else quantize_int4(w, group_size, clip_search=clip_search)
         self.group_size = group_size
         self.register_buffer("qweight", pack_int4(q))
         self.register_buffer("scales", s)
@@ -433,18 +434,20 @@ def _head_gptq(method: str, calib, calib_tokens, calib_seq_len, damp, act_order,
                         "lm_head", window=calib_window) if method == "gptq" else None
 
 
-def _int4_rows(model, w, keep, group_size, backend, gptq) -> tuple[Int4Rows, dict]:
+def _int4_rows(model, w, keep, group_size, backend, gptq, clip_search=False) -> tuple[Int4Rows, dict]:
     """Int4Rows of rows w, rounded to nearest or by GPTQ on the model's final hidden states."""
     c = model.config
     if w.shape[1] % group_size:
         raise ValueError(f"int4 head: group_size {group_size} does not divide hidden {w.shape[1]}")
+    how = {"clip_search": bool(clip_search)}
     if gptq is None:
-        return Int4Rows(w, c.vocab_size, c.final_logit_softcap, keep, group_size, backend), {"method": "rtn"}
+        rows = Int4Rows(w, c.vocab_size, c.final_logit_softcap, keep, group_size, backend, clip_search=clip_search)
+        return rows, {"method": "rtn", **how}
     from .gptq import head_gptq
 
-    *codes, facts = head_gptq(model, w, gptq, group_size)
+    *codes, facts = head_gptq(model, w, gptq, group_size, clip_search)
     rows = Int4Rows(w, c.vocab_size, c.final_logit_softcap, keep, group_size, backend, codes=codes)
-    return rows, {"method": "gptq", "gptq": facts}
+    return rows, {"method": "gptq", **how, "gptq": facts}
 
 
 class Int4Head(_QuantHead):
@@ -456,18 +459,19 @@ class Int4Head(_QuantHead):
 
     def __init__(self, group_size: int = 128, backend: str = "auto", method: str = "rtn", calib=None,
                  calib_tokens: int = 8192, calib_seq_len: int = 512, damp: float = 0.01, act_order: bool = True,
-                 tokenizer: str | None = "auto", weights=None, calib_window: int | None = None):
+                 tokenizer: str | None = "auto", weights=None, calib_window: int | None = None,
+                 clip_search: bool = False):
         from ..kernels.int4_pack import check_group_size
 
         check_group_size(group_size)
-        self.group_size = group_size
+        self.group_size, self.clip_search = group_size, bool(clip_search)
         self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
                                calib_window)
         self._how: dict = {}
         super().__init__(backend)
 
     def _rows(self, model, w, backend):
-        rows, self._how = _int4_rows(model, w, None, self.group_size, backend, self.gptq)
+        rows, self._how = _int4_rows(model, w, None, self.group_size, backend, self.gptq, self.clip_search)
         return rows
 
     def _extra(self):
@@ -488,7 +492,8 @@ class PrunedHead:
                  corpus: str | None = None, scatter: bool = True, dtype: str = "auto", group_size: int = 128,
                  backend: str = "auto", extra_ids=(), tokenizer: str | None = "auto", weights=None,
                  method: str = "rtn", calib=None, calib_tokens: int = 8192, calib_seq_len: int = 512,
-                 damp: float = 0.01, act_order: bool = True, calib_window: int | None = None):
+                 damp: float = 0.01, act_order: bool = True, calib_window: int | None = None,
+                 clip_search: bool = False):
         if source not in _SOURCES:
             raise ValueError(f"lm_head.source must be one of {_SOURCES}, got {source!r}")
         if source == "file" and not keepset:
@@ -507,6 +512,7 @@ class PrunedHead:
             check_group_size(group_size)
         self.rows, self.keepset, self.source, self.corpus = rows, keepset, source, corpus
         self.scatter, self.dtype, self.group_size = bool(scatter), dtype, group_size
+        self.clip_search = bool(clip_search)
         self.backend = _check_backend(backend)
         self.extra_ids = tuple(int(i) for i in (extra_ids or ()))
         self.tokenizer_spec, self.weights = tokenizer, weights
@@ -578,7 +584,7 @@ class PrunedHead:
         if self.dtype == "int8":
             head = Int8Rows.from_weight(rows, V, cap, keep, backend)
         elif self.dtype == "int4":
-            head, how = _int4_rows(model, rows, keep, self.group_size, backend, self.gptq)
+            head, how = _int4_rows(model, rows, keep, self.group_size, backend, self.gptq, self.clip_search)
             facts = {**facts, **how}
         else:
             head = DenseRows(rows, V, cap, keep, backend)

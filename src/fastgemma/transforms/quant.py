@@ -131,9 +131,11 @@ class Int4Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, group_size: int, backend: str = "triton") -> "Int4Linear":
-        """Round to nearest (kernels/int4_pack.quantize_int4)."""
-        return cls.from_codes(linear, *quantize_int4(linear.weight, group_size), group_size, backend)
+    def from_linear(cls, linear: nn.Linear, group_size: int, backend: str = "triton",
+                    clip_search: bool = False) -> "Int4Linear":
+        """Round to nearest (kernels/int4_pack.quantize_int4; clip_search: each group's range searched)."""
+        return cls.from_codes(linear, *quantize_int4(linear.weight, group_size, clip_search=clip_search), group_size,
+                              backend)
 
     @classmethod
     @torch.no_grad()
@@ -275,12 +277,15 @@ class Int4Quant:
     descending order of their inputs' energy with `act_order` (each group's range fixed beforehand), the sliding
     layers keeping `calib_window` keys (the run's window; None: the model's own), a layer's linears on its inputs
     or with `true_sequential` each on the quantized ones before it in the layer; the text is tokenized with
-    `tokenizer` / `weights` as the pruned head's keepset text is). The same format and kernels either way."""
+    `tokenizer` / `weights` as the pruned head's keepset text is). The same format and kernels either way.
+    clip_search: each group's range searched (kernels/int4_pack.group_range) instead of its min / max, for
+    either method."""
 
     def __init__(self, group_size: int = 128, skip=("per_layer_input_gate",), backend: str = "triton",
                  method: str = "rtn", calib: str | None = None, calib_tokens: int = 8192, calib_seq_len: int = 512,
                  damp: float = 0.01, act_order: bool = True, tokenizer: str | None = "auto", weights=None,
-                 cache: bool = True, calib_window: int | None = None, true_sequential: bool = False):
+                 cache: bool = True, calib_window: int | None = None, true_sequential: bool = False,
+                 clip_search: bool = False):
         from .gptq import GptqSettings
 
         check_group_size(group_size)
@@ -288,6 +293,7 @@ class Int4Quant:
         if method not in METHODS:
             raise ValueError(f"quant.method must be one of {METHODS}, got {method!r}")
         self.group_size, self.backend, self.method = group_size, backend, method
+        self.clip_search = bool(clip_search)
         self.skip = tuple(skip or ())
         self.gptq = GptqSettings(calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
                                  "quant", cache, calib_window, true_sequential) if method == "gptq" else None
@@ -303,7 +309,8 @@ class Int4Quant:
         seqs, facts = g.sequences(model.config)
         names = [n for n, _ in targets]
         settings = {"group_size": self.group_size, "damp": g.damp, "act_order": g.act_order,
-                    "window": facts["calib_window"], "true_sequential": g.true_sequential}
+                    "window": facts["calib_window"], "true_sequential": g.true_sequential,
+                    "clip_search": self.clip_search}
         key = gptq_cache.key(model, names, settings, seqs) if g.cache else None
         hit = gptq_cache.load(key, model.embed_tokens.weight.device) if key else None
         if hit is not None and set(hit[0]) == set(names):
@@ -311,7 +318,7 @@ class Int4Quant:
             log.info("gptq: %d linears from the cache %s", len(names), path)
             return codes, {**stored, "cache": str(path), "cache_hit": True}
         codes, made = gptq_model(model, targets, seqs, self.group_size, g.damp, g.act_order, window=g.window,
-                                 true_sequential=g.true_sequential)
+                                 true_sequential=g.true_sequential, clip_search=self.clip_search)
         facts.update(made)
         if key:
             path = gptq_cache.save(key, codes, facts)
@@ -331,6 +338,7 @@ class Int4Quant:
         for mod in loaded:
             mod.set_backend(self.backend)
         info = {"quant": "int4", "group_size": self.group_size, "backend": self.backend, "method": self.method,
+                "clip_search": self.clip_search,
                 "quantized_layers": len(targets), "quantized_params": sum(m.weight.numel() for _, m in targets),
                 "dense_weight_bytes": sum(_dense_bytes(m) for _, m in targets), "skipped": skipped,
                 **_loaded_info(loaded)}
@@ -339,7 +347,8 @@ class Int4Quant:
             new = {id(mod): Int4Linear.from_codes(mod, *codes[name], self.group_size, self.backend)
                    for name, mod in targets}
         else:
-            new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend) for _, mod in targets}
+            new = {id(mod): Int4Linear.from_linear(mod, self.group_size, self.backend, self.clip_search)
+                   for _, mod in targets}
         model = _swap(model, new)
         info["weight_bytes"] = sum(m.weight_bytes() for m in new.values())
         self._info = info
