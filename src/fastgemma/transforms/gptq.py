@@ -18,8 +18,8 @@ layers 0..i-1 quantized and their own layer as it was. With true_sequential each
 the forward first reaches it, so the quantized q / k / v feed o's Hessian and gate / up down's (AutoGPTQ's
 `true_sequential`). Linears outside the layers (the PLE model projection) go first, on the embeddings.
 One forward, so its activations (and a linear's fp32 input rows) grow with the calibration tokens: 8,192
-by default. A head's rows take the final hidden states of a
-prompt forward over the same text (`head_gptq`), through the body as quantized.
+by default. A head's rows take the final hidden states of a prompt forward over the same text
+(`head_gptq`), through the body as quantized.
 """
 from __future__ import annotations
 
@@ -176,8 +176,8 @@ class _Quantizer:
     true_sequential=False: a pre-hook on each decoder layer first runs the layer as it stands (the layers
     before it quantized, its own weights not), its linears' hooks only taking their Hessians, quantizes all
     of them, and lets the forward run the layer again on the int4 values (its cache writes are overwritten
-    by the second run's, and no row reads the ring before the forward ends). Linears outside the layers go
-    as with True."""
+    by the second run's; the ring's slots count as empty until the forward ends). Linears outside the layers
+    go as with True."""
 
     def __init__(self, model, targets, real: torch.Tensor, group_size: int, damp: float, act_order: bool, bar,
                  true_sequential: bool = True, clip_search: bool = False):
