@@ -5,8 +5,9 @@ A file per key under `cache_root()/gptq/<key>.safetensors` (the cache of weights
 linear `<name>.qweight` (packed int4, kernels/int4_pack), `<name>.scales`, `<name>.zeros`; the describe()
 facts of the run that made it in the metadata. The key is a SHA-256 over what decides the codes: the
 model's parameters and persistent buffers before quantization (name, shape, dtype and 4,096 values taken
-at a stride from each), the quantized linears' names, the settings (group size, damping, act-order),
-the calibration sequences' ids and the calibration procedure's version (`PROCEDURE`). A file that cannot be read is ignored (and rewritten).
+at a stride from each), the quantized linears' names, the settings (group size, damping, act-order, window,
+true-sequential, clip search), the calibration sequences' ids and the calibration procedure's version
+(`PROCEDURE`). A file that cannot be read is ignored (and rewritten).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ..kernels.int4_pack import pack_int4, unpack_int4
 log = logging.getLogger(__name__)
 
 SAMPLE = 4096  # values of each tensor in the fingerprint
-PROCEDURE = 2  # 2: one forward, each linear quantized when reached (1: a forward per decoder layer)
+PROCEDURE = 2  # 2: one calibration forward for every layer (1: a forward per decoder layer)
 
 
 def cache_dir() -> Path:
