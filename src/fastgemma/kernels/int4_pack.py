@@ -45,11 +45,16 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(-2)
 
 
+def scale_zero(lo: torch.Tensor, hi: torch.Tensor, scale_dtype: torch.dtype):
+    """A group range (lo, hi) -> its stored (scale, zero) in scale_dtype: 16 levels from lo to hi."""
+    return ((hi - lo) / 15).to(scale_dtype), lo.to(scale_dtype)
+
+
 def _codes(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale_dtype: torch.dtype):
     """Groups wg [..., G] (fp32) on the ranges lo, hi [...] -> (codes [..., G] fp32, scale, zero [...] in
     scale_dtype), the codes from the stored scale and zero. A constant group (or a range that underflows
     the scale dtype) gets scale 0 and codes 0."""
-    scale, zero = ((hi - lo) / 15).to(scale_dtype), lo.to(scale_dtype)
+    scale, zero = scale_zero(lo, hi, scale_dtype)
     s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
     q = torch.where(s > 0, torch.round((wg - z) / torch.where(s > 0, s, 1.0)), 0.0).clamp_(0, 15)
     return q, scale, zero
@@ -61,20 +66,19 @@ def group_range(wg: torch.Tensor, scale_dtype: torch.dtype, clip_search: bool = 
     lo, hi = wg.amin(-1), wg.amax(-1)
     if not clip_search:
         return lo, hi
-    best_lo, best_hi = lo.clone(), hi.clone()
-    flat, blo, bhi = wg.reshape(-1, wg.shape[-1]), best_lo.view(-1), best_hi.view(-1)
+    factor = torch.ones_like(lo)  # the best factor of each group
+    flat, lo1, hi1, f1 = wg.reshape(-1, wg.shape[-1]), lo.view(-1), hi.view(-1), factor.view(-1)
     step = max(1, SEARCH_CHUNK // wg.shape[-1])
     for r in range(0, flat.shape[0], step):
-        x, l0, h0 = flat[r:r + step], blo[r:r + step].clone(), bhi[r:r + step].clone()
+        x, l0, h0 = flat[r:r + step], lo1[r:r + step], hi1[r:r + step]
         best = torch.full_like(l0, float("inf"))
         for p in SHRINK:
             q, s, z = _codes(x, l0 * p, h0 * p, scale_dtype)
             err = (q * s.float().unsqueeze(-1) + z.float().unsqueeze(-1) - x).abs_().pow_(CLIP_NORM).sum(-1)
             better = err < best
             best = torch.where(better, err, best)
-            blo[r:r + step] = torch.where(better, l0 * p, blo[r:r + step])
-            bhi[r:r + step] = torch.where(better, h0 * p, bhi[r:r + step])
-    return best_lo, best_hi
+            f1[r:r + step] = torch.where(better, p, f1[r:r + step])
+    return lo * factor, hi * factor
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype | None = None,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..kernels.int4_pack import check_group_size, dequantize_codes, group_range, quantize_int4
+from ..kernels.int4_pack import check_group_size, dequantize_codes, group_range, quantize_int4, scale_zero
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
                 safe = torch.where(s > 0, s, 1.0)
             elif col % group_size == 0:  # the group's range as its columns stand now (i1 % G == 0, BLOCK % G == 0)
                 lo, hi = group_range(W1[:, j:j + group_size], scale_dtype, clip_search)
-                scales[col // group_size] = ((hi - lo) / 15).to(scale_dtype)
-                zeros[col // group_size] = lo.to(scale_dtype)
+                scales[col // group_size], zeros[col // group_size] = scale_zero(lo, hi, scale_dtype)
                 s, z = scales[col // group_size].float(), zeros[col // group_size].float()
                 safe = torch.where(s > 0, s, 1.0)
             x = W1[:, j]
