@@ -269,12 +269,18 @@ def _batch(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, t
 def _prompt(model, seqs: list[list[int]], window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's prompt forward over the sequences as one batch on a fresh cache sized to them, the
     sliding layers keeping `window` keys (None: the model's own) -> (final hidden [B, T, hidden], real [B, T])."""
+    batch = _batch(seqs, model.embed_tokens.weight.device)
+    return _forward(model, batch, window), batch[2]
+
+
+def _forward(model, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], window: int | None) -> torch.Tensor:
+    """The prompt forward over a `_batch` on a fresh cache sized to it -> final hidden [B, T, hidden]."""
     from ..engine.cache import KVCache
 
+    ids, pos, _ = batch
     w = model.embed_tokens.weight
-    ids, pos, real = _batch(seqs, w.device)
     cache = KVCache(model.config, ids.shape[0], ids.shape[1], window=window, device=w.device, dtype=w.dtype)
-    return model(ids, pos, cache, start=0, need="all"), real
+    return model(ids, pos, cache, start=0, need="all")
 
 
 @torch.no_grad()
@@ -293,13 +299,12 @@ def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_or
     if not hasattr(model, "layers") or not hasattr(model, "embed_tokens"):
         raise ValueError(f"quant.method=gptq calibrates through the engine's Gemma model; got {type(model).__name__}")
     t0 = time.perf_counter()
-    w = model.embed_tokens.weight
-    _, _, real = _batch(seqs, w.device)
+    batch = _batch(seqs, model.embed_tokens.weight.device)
     bar = tqdm(total=len(targets), desc="gptq", unit="linear", disable=progress is False or None,
                dynamic_ncols=True)
-    q = _Quantizer(model, targets, real, group_size, damp, act_order, bar, true_sequential, clip_search)
+    q = _Quantizer(model, targets, batch[2], group_size, damp, act_order, bar, true_sequential, clip_search)
     try:
-        _prompt(model, seqs, window)
+        _forward(model, batch, window)
     finally:
         q.remove()
         bar.close()
