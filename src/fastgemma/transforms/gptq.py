@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..kernels.gptq_columns import columns
 from ..kernels.int4_pack import check_group_size, dequantize_codes, group_range, quantize_int4, scale_zero
 
 log = logging.getLogger(__name__)
@@ -89,36 +90,28 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
         scales, zeros = scales.clone(), zeros.clone()
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W, H = W[:, perm], H[perm][:, perm]
-        group_of = (perm // group_size).tolist()
+        group_of = perm // group_size
     else:
         scales = torch.empty(K // group_size, N, dtype=scale_dtype, device=W.device)
         zeros = torch.empty_like(scales)
         perm = None
-    U, _ = _inverse_upper(H, damp)
+    U = _inverse_upper(H, damp)[0].contiguous()
     codes = torch.empty(N, K, dtype=torch.uint8, device=W.device)  # in the order the columns are taken
     sf, zf = scales.float(), zeros.float()
-    s = z = safe = None
     for i1 in range(0, K, BLOCK):
         i2 = min(i1 + BLOCK, K)
-        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
+        W1, U1, Q1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2], codes[:, i1:i2]
         E1 = torch.zeros_like(W1)
-        for j in range(i2 - i1):
-            col = i1 + j
-            if act_order:
-                g = group_of[col]
-                s, z = sf[g], zf[g]
-                safe = torch.where(s > 0, s, 1.0)
-            elif col % group_size == 0:  # the group's range as its columns stand now (i1 % G == 0, BLOCK % G == 0)
+        if act_order:  # each column on its own group's range, fixed beforehand
+            g = group_of[i1:i2]
+            columns(W1, U1, sf[g], zf[g], 0, i2 - i1, Q1, E1)
+        else:  # each group's range as its columns stand when it starts (i1 % G == 0, BLOCK % G == 0)
+            for j in range(0, i2 - i1, group_size):
+                g = (i1 + j) // group_size
                 lo, hi = group_range(W1[:, j:j + group_size], scale_dtype, clip_search)
-                scales[col // group_size], zeros[col // group_size] = scale_zero(lo, hi, scale_dtype)
-                s, z = scales[col // group_size].float(), zeros[col // group_size].float()
-                safe = torch.where(s > 0, s, 1.0)
-            x = W1[:, j]
-            q = torch.where(s > 0, torch.round((x - z) / safe), 0.0).clamp_(0, 15)
-            codes[:, col] = q.to(torch.uint8)
-            e = (x - (q * s + z)) / U1[j, j]
-            W1[:, j:] -= e[:, None] * U1[j, j:][None, :]
-            E1[:, j] = e
+                scales[g], zeros[g] = scale_zero(lo, hi, scale_dtype)
+                s, z = (t[g].float()[None, :].expand(group_size, N) for t in (scales, zeros))
+                columns(W1, U1, s, z, j, j + group_size, Q1, E1)
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
