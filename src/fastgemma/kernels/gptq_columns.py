@@ -23,11 +23,12 @@ def columns_torch(W1: torch.Tensor, U1: torch.Tensor, S1: torch.Tensor, Z1: torc
     """The twin: columns j0..j1-1 of the block W1 [N, B] (fp32, updated in place), U1 [B, B] the block's part
     of U, S1 / Z1 [j1 - j0, N] each column's scale and zero rows (fp32, 0 scale: a constant group, code 0);
     codes into Q1 [N, B] (uint8), scaled errors into E1 [N, B]."""
+    live = S1 > 0
+    safe = torch.where(live, S1, 1.0)
     for j in range(j0, j1):
         s, z = S1[j - j0], Z1[j - j0]
-        safe = torch.where(s > 0, s, 1.0)
         x = W1[:, j]
-        q = torch.where(s > 0, torch.round((x - z) / safe), 0.0).clamp_(0, 15)
+        q = torch.where(live[j - j0], torch.round((x - z) / safe[j - j0]), 0.0).clamp_(0, 15)
         Q1[:, j] = q.to(torch.uint8)
         e = (x - (q * s + z)) / U1[j, j]
         W1[:, j:] -= e[:, None] * U1[j, j:][None, :]
