@@ -74,6 +74,9 @@
 #             resident warps, stalls, instructions per weight (bench.counters; COUNTERS_ARGS, e.g. "--ms 8
 #             --shapes gate|up,down --separate"; --mma 2x4d2,2x4d5p9f: the tensor-core kernel per config)
 #   agreement each fast path's top-1 agreement with fp32 arithmetic on the same weights (bench.agreement)
+#   gptq      GPTQ's rounding of every E4B linear shape with the column loop as torch ops against the Triton launch
+#             a block (kernels/gptq_columns.py), codes compared, the model's total (bench.gptq; GPTQ_ARGS, e.g.
+#             "--no-act-order --group-size 64")
 #   cli       the CLI's bench task as a user runs it: `fastgemma $CLI_ARGS` (default: experiment=frontier on 8
 #             challenge prompts, 2 warm-up requests), JSONL logger, its setup phases' seconds and result line
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
@@ -99,7 +102,7 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
   mkdir -p "$COMPILE_CACHE/inductor" "$COMPILE_CACHE/triton"
   export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi
-part_s="${PART_S:-420}"  # or per part: LOO_S, LOO_NATIVE_S, LOO_BODIES_S, GEMV_S, STREAM_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, FLOOR_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, AGREEMENT_S, CLI_S, LADDER_S
+part_s="${PART_S:-420}"  # or per part: LOO_S, LOO_NATIVE_S, LOO_BODIES_S, GEMV_S, STREAM_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, FLOOR_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, GPTQ_S, AGREEMENT_S, CLI_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
@@ -163,6 +166,7 @@ bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_conf
     spec) run spec python3 -m fastgemma.bench.spec ${SPEC_ARGS:---prompts 2 --prompt-len 256 --new 256} --out "$out/spec.jsonl" ;;
     verifychain) run verifychain python3 -m fastgemma.bench.verify_chain ${VERIFYCHAIN_ARGS:-} --out "$out/verifychain.jsonl" ;;
     counters) run counters python3 -m fastgemma.bench.counters ${COUNTERS_ARGS:-} --out "$out" ;;
+    gptq) run gptq python3 -m fastgemma.bench.gptq ${GPTQ_ARGS:-} --out "$out/gptq.jsonl" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
     cli) run cli python3 -c "import sys; from fastgemma.cli import main; sys.argv[0] = 'fastgemma'; main()" \
@@ -170,7 +174,7 @@ bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_conf
            task.table=true "hydra.run.dir=$out/cli" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, fold, stream, stack, loo, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, agreement, cli, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, fold, stream, stack, loo, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, gptq, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
