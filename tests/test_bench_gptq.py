@@ -49,3 +49,10 @@ def test_it_refuses_a_gpu_run_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):
         bg.main([])
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(SystemExit, match="does not divide the K of gemma4_tiny's per_layer_projection"):
+        bg.main(["--model", "gemma4_tiny", "--device", "cpu", "--group-size", "32"])
+    with pytest.raises(SystemExit, match="unknown model preset 'gemma5'"):
+        bg.main(["--model", "gemma5", "--device", "cpu"])

@@ -71,8 +71,12 @@ def bench_gptq(cfg: ModelConfig, tokens: int = 8192, group_size: int = 128, act_
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     loops = loops or {"torch": gptq_columns.columns_torch, "triton": gptq_columns.columns_triton}
+    shapes = sorted(linear_shapes(cfg).items())
+    bad = [f"{kind} ({N} x {K})" for (kind, N, K), _ in shapes if K % group_size]
+    if bad:
+        raise ValueError(f"group size {group_size} does not divide the K of {cfg.name}'s {', '.join(bad)}")
     rows = []
-    for i, ((kind, N, K), count) in enumerate(sorted(linear_shapes(cfg).items())):
+    for i, ((kind, N, K), count) in enumerate(shapes):
         w, H = _case(N, K, tokens, dev, seed=i)
         row = {"kind": kind, "N": N, "K": K, "count": count}
         results = []
@@ -103,6 +107,13 @@ def table(rows: list[dict], names) -> str:
     return "\n".join(lines)
 
 
+def _or_exit(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise SystemExit(f"bench.gptq: {e}") from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma4_e4b", help="a preset's name (model/config.py)")
@@ -118,7 +129,7 @@ def main(argv=None):
         raise SystemExit(f"--tokens must be >= 1, got {a.tokens}")
     loops = None if a.device == "cuda" else {"torch": gptq_columns.columns_torch}
     with open(a.out, "w") if a.out else contextlib.nullcontext() as out:
-        rows = bench_gptq(preset(a.model), a.tokens, a.group_size, not a.no_act_order, a.device, loops, out)
+        rows = _or_exit(bench_gptq, _or_exit(preset, a.model), a.tokens, a.group_size, not a.no_act_order, a.device, loops, out)
     print(table(rows, list(loops or ("torch", "triton"))))
 
 
