@@ -72,7 +72,8 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
     act_order: the columns taken in descending order of H's diagonal (the strongest inputs first, while
     the most columns are left to absorb their error), each group's scale and zero fixed beforehand from
     the raw weights (RTN's: "static groups"), so the groups stay contiguous along K as the kernels read them.
-    clip_search: each group's range by int4_pack's clip search instead of its min / max."""
+    clip_search: each group's range by int4_pack's clip search instead of its min / max.
+    The rounding within each block of BLOCK columns: kernels/gptq_columns (one launch on CUDA, its twin elsewhere)."""
     check_group_size(group_size)
     N, K = w.shape
     if K % group_size:
