@@ -171,6 +171,7 @@ def test_gptq_through_the_engine_model_beats_rtn_on_held_out_ids(tmp_path):
         errs[method] = float(((_logits(model, held) - ref) ** 2).mean() / (ref ** 2).mean())
     facts = info["gptq"]
     assert facts["calib_sequences"] == 2 and facts["calib_tokens"] == 256 and facts["calib"] == [str(calib)]
+    assert facts["column_loop"] == "columns_torch"  # the twin on the CPU
     assert 0 < facts["error_vs_rtn"] < 0.7, facts  # 0.47 when written (0.59 left to right)
     assert set(facts["error_vs_rtn_by_kind"]) >= {"per_layer_model_projection", "down_proj", "o_proj"}
     assert errs["gptq"] < 0.9 * errs["rtn"], errs  # 0.183 against 0.216 when written (0.171 left to right; 0.174 with true_sequential)

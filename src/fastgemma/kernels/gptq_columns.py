@@ -73,6 +73,10 @@ def columns_triton(W1: torch.Tensor, U1: torch.Tensor, S1: torch.Tensor, Z1: tor
                                       BB=triton.next_power_of_2(B), **OPTIONS)
 
 
+def loop_for(t: torch.Tensor):
+    """The column loop for tensors on t's device: the kernel on CUDA, the twin elsewhere."""
+    return columns_triton if t.is_cuda else columns_torch
+
+
 def columns(W1: torch.Tensor, *args) -> None:
-    """The kernel on a CUDA tensor, the twin elsewhere."""
-    (columns_triton if W1.is_cuda else columns_torch)(W1, *args)
+    loop_for(W1)(W1, *args)

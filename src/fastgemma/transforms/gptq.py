@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..kernels.gptq_columns import columns
+from ..kernels.gptq_columns import columns, loop_for
 from ..kernels.int4_pack import check_group_size, dequantize_codes, group_range, quantize_int4, scale_zero
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,8 @@ def gptq_model(model, targets, seqs, group_size: int, damp: float = 0.01, act_or
     log.info("gptq: %d linears in one forward, %d sequences, %.1f s; output error vs RTN %.3f",
              len(targets), len(seqs), seconds, ratio or float("nan"))
     return q.done, {"calib_sequences": len(seqs), "calib_tokens": sum(len(s) for s in seqs),
-                    "gptq_s": round(seconds, 2), "error_vs_rtn": None if ratio is None else round(ratio, 4),
+                    "gptq_s": round(seconds, 2), "column_loop": loop_for(batch[0]).__name__,
+                    "error_vs_rtn": None if ratio is None else round(ratio, 4),
                     "error_vs_rtn_by_kind": {k: round(g / r, 4) if r > 0 else None
                                              for k, (g, r) in sorted(q.by_kind.items())}}
 
@@ -400,7 +401,8 @@ def head_gptq(model, w: torch.Tensor, settings: GptqSettings, group_size: int, c
     e_gptq, e_rtn = errors(w, dequantize_codes(codes, scales, zeros, group_size), H, group_size, clip_search)
     ratio = e_gptq / e_rtn if e_rtn > 0 else None
     facts.update(calib_sequences=len(seqs), calib_tokens=sum(len(s) for s in seqs),
-                 gptq_s=round(time.perf_counter() - t0, 2), error_vs_rtn=None if ratio is None else round(ratio, 4))
+                 gptq_s=round(time.perf_counter() - t0, 2), column_loop=loop_for(w).__name__,
+                 error_vs_rtn=None if ratio is None else round(ratio, 4))
     log.info("gptq head: %d rows, %.1f s; output error vs RTN %.3f", w.shape[0], facts["gptq_s"],
              ratio or float("nan"))
     return codes, scales, zeros, facts
