@@ -79,6 +79,8 @@
 #             "--no-act-order --group-size 64")
 #   cli       the CLI's bench task as a user runs it: `fastgemma $CLI_ARGS` (default: experiment=frontier on 8
 #             challenge prompts, 2 warm-up requests), JSONL logger, its setup phases' seconds and result line
+#             (CLI_NAME=NAME: its log NAME.log and run folder NAME/ instead of cli, so two CLI runs of one call
+#             keep both, the time limit still CLI_S)
 #   ladder    the decode ladder with identity against eager and transformers' own figure (bench.ladder)
 # COMPILE_CACHE=DIR keeps torch.compile's and Triton's caches in DIR/inductor and DIR/triton, so a later
 #   run on the same software skips most compiles (H200: compiling the prompt's forward took 177 s
@@ -102,6 +104,7 @@ if [ -n "${COMPILE_CACHE:-}" ]; then
   mkdir -p "$COMPILE_CACHE/inductor" "$COMPILE_CACHE/triton"
   export TORCHINDUCTOR_CACHE_DIR="$COMPILE_CACHE/inductor" TRITON_CACHE_DIR="$COMPILE_CACHE/triton"
 fi
+[[ "${CLI_NAME:-cli}" =~ ^[a-z][a-z0-9_]*$ ]] || { echo "CLI_NAME is lower-case letters, digits and _ (a log's name), got '${CLI_NAME}'" >&2; exit 2; }
 part_s="${PART_S:-420}"  # or per part: LOO_S, LOO_NATIVE_S, LOO_BODIES_S, GEMV_S, STREAM_S, CHAIN_S, VERIFYCHAIN_S, INT4_S, INT4FUSED_S, STACK_S, ATTENTION_S, FLOOR_S, PROFILE_S, HEAD_S, PREFILL_S, SPEC_S, GPTQ_S, AGREEMENT_S, CLI_S, LADDER_S
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(profile int4 head spec ladder)
@@ -169,9 +172,11 @@ bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_conf
     gptq) run gptq python3 -m fastgemma.bench.gptq ${GPTQ_ARGS:-} --out "$out/gptq.jsonl" ;;
     agreement) run agreement python3 -m fastgemma.bench.agreement \
                  --variants "${AGREEMENT_VARIANTS:-eager,compiled_triton_merged,compiled_triton_merged_gemv}" --out "$out/agreement.jsonl" ;;
-    cli) run cli python3 -c "import sys; from fastgemma.cli import main; sys.argv[0] = 'fastgemma'; main()" \
+    cli) n="${CLI_NAME:-cli}"
+         v="${n^^}_S"; [ "$n" = cli ] || [ -n "${!v:-}" ] || export "$v=${CLI_S:-$part_s}"
+         run "$n" python3 -c "import sys; from fastgemma.cli import main; sys.argv[0] = 'fastgemma'; main()" \
            ${CLI_ARGS:-experiment=frontier workload.num_prompts=8 workload.warmup=2} logger=jsonl progress=false \
-           task.table=true "hydra.run.dir=$out/cli" ;;
+           task.table=true "hydra.run.dir=$out/$n" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
     *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, fold, stream, stack, loo, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, gptq, agreement, cli, ladder)"; exit 2 ;;
@@ -179,7 +184,8 @@ bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_conf
 done
 # the short tables: everything from each log's last blank-line-separated tables
 for p in "${parts[@]}"; do
-  echo; echo "##### $p"
+  log=$p; [ "$p" = cli ] && log="${CLI_NAME:-cli}"
+  echo; echo "##### $log"
   case $p in
     profile) grep -E '^## |^\| (gemv|attention|fused|torch|int4|head|other|group)' "$out/profile.log" | head -40 ;;
     gemv) grep -vE '^ +skip' "$out/gemv.log" | tail -40 ;;
@@ -191,8 +197,8 @@ for p in "${parts[@]}"; do
     stream) grep -E ' \| |skip|^fused table' "$out/stream.log" | tail -40 ;;
     draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;
     loo) for l in loo loo_native loo_bodies; do grep -E '^\|' "$out/$l.log" | tail -16; done ;;
-    cli) grep -E '^\[bench\]|^\||\.\.\.$|: [0-9.]+ s( \([0-9]+ graphs? compiled\))?$|^timed:|error' "$out/cli.log" | tail -30 ;;
+    cli) grep -E '^\[bench\]|^\||\.\.\.$|: [0-9.]+ s( \([0-9]+ graphs? compiled\))?$|^timed:|error' "$out/$log.log" | tail -30 ;;
     *) grep -E '^\|' "$out/$p.log" | tail -60 ;;
   esac
-  tail -3 "$out/$p.log" | grep -iE 'error|Traceback|Killed' || true
+  tail -3 "$out/$log.log" | grep -iE 'error|Traceback|Killed' || true
 done
