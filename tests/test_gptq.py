@@ -285,15 +285,15 @@ def test_a_padded_batch_gives_each_sequences_own_hidden_states():
     """The calibration batch pads a shorter sequence in front (pads at the position after it): its real
     rows' final hidden states equal those of its own forward, so the Hessians are the per-sequence sums
     (the tiny model's window of 16 is shorter than the sequences, so the ring's rows are exercised)."""
-    from fastgemma.transforms.gptq import _prompt, final_hessian
+    from fastgemma.transforms.gptq import prompt_hidden, final_hessian
 
     model = _tiny()
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(5, 512, (n,), generator=g).tolist() for n in (40, 23, 40, 9)]
     with torch.no_grad():
-        h, real = _prompt(model, seqs)
+        h, real = prompt_hidden(model, seqs)
         assert h.shape[:2] == (4, 40) and real.sum(1).tolist() == [40, 23, 40, 9]
-        alone = [_prompt(model, [s])[0][0] for s in seqs]
+        alone = [prompt_hidden(model, [s])[0][0] for s in seqs]
         for b, a in enumerate(alone):
             torch.testing.assert_close(h[b][real[b]], a, rtol=1e-4, atol=1e-4)
         rows = torch.cat(alone).float()
@@ -305,7 +305,7 @@ def test_each_linear_is_quantized_from_its_inputs_through_the_quantized_linears_
     """One forward: the last layer's down_proj has the codes GPTQ gives on its inputs through every earlier
     layer quantized and, with true_sequential, its own layer's q/k/v, o and gate/up quantized too (else as
     they were: the same check with the layer's float weights put back)."""
-    from fastgemma.transforms.gptq import _prompt, gptq_model
+    from fastgemma.transforms.gptq import prompt_hidden, gptq_model
 
     model = _tiny()
     last = model.layers[-1]
@@ -325,7 +325,7 @@ def test_each_linear_is_quantized_from_its_inputs_through_the_quantized_linears_
     seen = []
     h = down.register_forward_pre_hook(lambda _m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
     with torch.no_grad():
-        _prompt(model, seqs)
+        prompt_hidden(model, seqs)
     h.remove()
     H = seen[0].t() @ seen[0] / seen[0].shape[0]
     codes, scales, zeros = gptq_int4(w0, H, 32, act_order=True)

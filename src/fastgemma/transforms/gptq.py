@@ -260,7 +260,7 @@ def _batch(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, t
     return as_t(ids, torch.long), as_t(pos, torch.long), as_t(real, torch.bool)
 
 
-def _prompt(model, seqs: list[list[int]], window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_hidden(model, seqs: list[list[int]], window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's prompt forward over the sequences as one batch on a fresh cache sized to them, the
     sliding layers keeping `window` keys (None: the model's own) -> (final hidden [B, T, hidden], real [B, T])."""
     batch = _batch(seqs, model.embed_tokens.weight.device)
@@ -268,7 +268,7 @@ def _prompt(model, seqs: list[list[int]], window: int | None = None) -> tuple[to
 
 
 def _forward(model, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], window: int | None) -> torch.Tensor:
-    """The prompt forward over a `_batch` on a fresh cache sized to it -> final hidden [B, T, hidden]."""
+    """The prompt forward over a `_batch` on a fresh cache sized to it -> final (normed) hidden [B, T, hidden]."""
     from ..engine.cache import KVCache
 
     ids, pos, _ = batch
@@ -371,21 +371,29 @@ class GptqSettings:
 
     def sequences(self, cfg) -> tuple[list[list[int]], dict]:
         """(calibration sequences, facts for describe()) for a model config."""
-        from ..workloads.tokenizer import tokenizer_for
-
-        jsonl = self.calib is not None and str(self.calib).endswith(".jsonl")
-        tok = None if jsonl else tokenizer_for(self.tokenizer, self.weights, cfg)
-        ids, paths = calibration_ids(self.calib, tok, self.where)
-        seqs = calibration_sequences(ids, self.calib_seq_len, self.calib_tokens, cfg.bos_id)
+        seqs, paths = text_sequences(cfg, self.calib, self.tokenizer, self.weights, self.calib_seq_len,
+                                     self.calib_tokens, self.where)
         return seqs, {"calib": paths, "calib_seq_len": self.calib_seq_len, "damp": self.damp,
                       "act_order": self.act_order, "calib_window": self.window or cfg.sliding_window,
                       "true_sequential": self.true_sequential}
 
 
+def text_sequences(cfg, calib: str | None, tokenizer, weights, seq_len: int, tokens: int,
+                   where: str = "quant") -> tuple[list[list[int]], list[str]]:
+    """The calibration text (`calib`, or the default licence texts) as sequences of <bos> + seq_len - 1 ids,
+    `tokens` ids in all, tokenized by the run's tokenizer spec -> (sequences, the texts' paths)."""
+    from ..workloads.tokenizer import tokenizer_for
+
+    jsonl = calib is not None and str(calib).endswith(".jsonl")
+    tok = None if jsonl else tokenizer_for(tokenizer, weights, cfg)
+    ids, paths = calibration_ids(calib, tok, where)
+    return calibration_sequences(ids, seq_len, tokens, cfg.bos_id), paths
+
+
 @torch.no_grad()
 def final_hessian(model, seqs, window: int | None = None) -> torch.Tensor:
     """X^T X / n of the model's final (normed) hidden states over the sequences: the head's inputs."""
-    h, real = _prompt(model, seqs, window)
+    h, real = prompt_hidden(model, seqs, window)
     h = h[real].float()
     return h.t() @ h / h.shape[0]
 

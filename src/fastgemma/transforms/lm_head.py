@@ -39,7 +39,7 @@ from .quant_int8 import ExactScales
 
 _BACKENDS = ("auto", "triton", "torch")
 _ROW_DTYPES = ("auto", "int8", "int4")
-_SOURCES = ("corpus", "file")
+_SOURCES = ("corpus", "file", "predicted")
 
 
 def _check_backend(backend: str) -> str:
@@ -301,26 +301,30 @@ def write_keepset(path, ids) -> Path:
     return path
 
 
-def keepset_from_counts(counts: Counter, rows: int, vocab_size: int, always=()) -> tuple[list[int], int]:
+def keepset_from_counts(counts: Counter, rows: int, vocab_size: int, always=(), then: Counter | None = None
+                        ) -> tuple[list[int], int]:
     """(ids in priority order, how many were filled in): `always` first, then ids by count (ties:
-    lower id first), then, if the corpus has fewer than `rows` distinct ids, unseen ids ascending
-    (BPE vocabularies number pieces roughly by merge rank, so low ids are the common ones)."""
+    lower id first), then the ids of `then` by its count, then, if the counts hold fewer than `rows`
+    distinct ids, unseen ids ascending (BPE vocabularies number pieces roughly by merge rank, so low ids
+    are the common ones)."""
     _check_rows(rows, vocab_size)
     always = list(dict.fromkeys(int(i) for i in always))
     validate_keepset(always or [0], vocab_size, "always-kept ids")
     if len(always) > rows:
         raise ValueError(f"rows={rows} cannot hold the {len(always)} always-kept ids {always}")
-    bad = [i for i in counts if not 0 <= int(i) < vocab_size]
+    tiers = [counts] + ([then] if then is not None else [])
+    bad = [i for c in tiers for i in c if not 0 <= int(i) < vocab_size]
     if bad:
         raise ValueError(f"corpus ids outside the vocabulary [0, {vocab_size}), e.g. {bad[0]}: "
                          "wrong tokenizer for this model?")
     out, seen = list(always), set(always)
-    for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if len(out) == rows:
-            break
-        if i not in seen:
-            out.append(int(i))
-            seen.add(int(i))
+    for tier in tiers:
+        for i, _ in sorted(tier.items(), key=lambda kv: (-kv[1], kv[0])):
+            if len(out) == rows:
+                break
+            if i not in seen:
+                out.append(int(i))
+                seen.add(int(i))
     n_corpus = len(out)
     i = 0
     while len(out) < rows:
@@ -483,8 +487,10 @@ class PrunedHead:
 
     source=corpus: the `rows` most frequent ids of `corpus` (a text file, tokenized with the model's
     tokenizer, or a .jsonl of id lists; None: workloads.corpus.keepset_corpus_path()), with pad /
-    bos / eos and `extra_ids` always in. source=file: the ids in `keepset` (rows=null: all of them;
-    otherwise the first `rows`). dtype: auto (the model's) | int8 | int4 rows. scatter: see the
+    bos / eos and `extra_ids` always in. source=predicted: the ids the model's full head picks most
+    often over the calibration text (calib, calib_tokens, calib_seq_len, in calib_window), teacher-forced
+    (transforms/head_predictions.py), then that text's most frequent ids. source=file: the ids in
+    `keepset` (rows=null: all of them; otherwise the first `rows`). dtype: auto (the model's) | int8 | int4 rows. scatter: see the
     module docstring. tokenizer / weights: how the corpus is tokenized (the CLI's `tokenizer` spec
     and the weights node; `bind_tokenizer` overrides both)."""
 
@@ -498,13 +504,16 @@ class PrunedHead:
             raise ValueError(f"lm_head.source must be one of {_SOURCES}, got {source!r}")
         if source == "file" and not keepset:
             raise ValueError("lm_head.source=file needs lm_head.keepset=<file of token ids>")
-        if source == "corpus" and keepset:
-            raise ValueError(f"lm_head.keepset={keepset} is read with source=file; this head has source=corpus")
+        if source != "file" and keepset:
+            raise ValueError(f"lm_head.keepset={keepset} is read with source=file; this head has source={source}")
+        if source == "predicted" and corpus:
+            raise ValueError(f"lm_head.corpus={corpus} is read with source=corpus; source=predicted runs the model "
+                             "over lm_head.calib (null: the default texts)")
         if dtype not in _ROW_DTYPES:
             raise ValueError(f"lm_head.dtype must be one of {_ROW_DTYPES}, got {dtype!r}")
         if rows is not None:
             _check_rows(rows, 2**62)
-        elif source == "corpus":
+        elif source != "file":
             raise ValueError("lm_head.rows=null is only for source=file (keep every id of the file)")
         if dtype == "int4":
             from ..kernels.int4_pack import check_group_size
@@ -520,6 +529,11 @@ class PrunedHead:
             raise ValueError(f"lm_head.method={method} applies to int4 rows (lm_head.dtype=int4), got dtype={dtype}")
         self.gptq = _head_gptq(method, calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights,
                                calib_window)
+        # the text source=predicted runs the model over: the calibration settings, checked as GPTQ's are
+        from .gptq import GptqSettings
+
+        self.text = GptqSettings(calib, calib_tokens, calib_seq_len, damp, act_order, tokenizer, weights, "lm_head",
+                                 window=calib_window) if source == "predicted" else None
         self._tokenizer = None
         self.priority: list[int] = []  # kept ids, most important first (write_keepset order)
         self._info: dict = {"lm_head": "pruned", "rows": rows, "keepset_source": source}
@@ -541,9 +555,12 @@ class PrunedHead:
         tok = tokenizer_for(self.tokenizer_spec, self.weights, cfg)
         return tok, type(tok).__name__ if tok is not None else None
 
-    def keep_ids(self, cfg) -> tuple[list[int], dict]:
-        """(kept ids in priority order, facts for describe()) for a model config."""
+    def keep_ids(self, cfg, model=None) -> tuple[list[int], dict]:
+        """(kept ids in priority order, facts for describe()) for a model config (source=predicted: and the
+        model, its full head still in place)."""
         V = cfg.vocab_size
+        if self.source == "predicted":
+            return self._predicted(cfg, model)
         if self.source == "file":
             ids = read_keepset(self.keepset, V)
             if self.rows is not None:
@@ -571,11 +588,29 @@ class PrunedHead:
                      "corpus_distinct": len(counts), "corpus_coverage": round(covered / max(1, len(toks)), 6),
                      "filled": filled}
 
+    def _predicted(self, cfg, model):
+        from .gptq import text_sequences
+        from .head_predictions import predicted_counts
+
+        if model is None:
+            raise ValueError("lm_head.source=predicted runs the model over a text: keep_ids needs the model")
+        t = self.text
+        seqs, paths = text_sequences(cfg, t.calib, t.tokenizer, t.weights, t.calib_seq_len, t.calib_tokens, t.where)
+        picks = predicted_counts(model, seqs, t.window)
+        text = Counter(i for s in seqs for i in s[1:])
+        always = (cfg.pad_id, cfg.bos_id, *cfg.eos_ids, *self.extra_ids)
+        ids, filled = keepset_from_counts(picks, self.rows, cfg.vocab_size, always, then=text)
+        kept = set(ids)
+        covered = sum(n for i, n in picks.items() if i in kept)
+        return ids, {"calib": paths, "calib_seq_len": t.calib_seq_len, "calib_window": t.window or cfg.sliding_window,
+                     "predicted_positions": sum(picks.values()), "predicted_distinct": len(picks),
+                     "predicted_coverage": round(covered / max(1, sum(picks.values())), 6), "filled": filled}
+
     @torch.no_grad()
     def apply(self, model):
         c = model.config
         w = model.embed_tokens.weight
-        ids, facts = self.keep_ids(c)
+        ids, facts = self.keep_ids(c, model)
         self.priority = ids
         backend = _resolve_backend(self.backend, w.device)
         keep = torch.tensor(sorted(ids), dtype=torch.long, device=w.device)
