@@ -12,7 +12,8 @@
 # lossy choices together (window 188, the 12k rows in int8), alone, with int4 g128 and with the int8 body;
 # int4 by GPTQ (quant.method=gptq, calibrated on the default licence texts, never the scored one) at g128 / 64 / 32,
 # at g128 left to right and true-sequential, with an int8 head and with an int4 head by GPTQ, and in the frontier's
-# lossy choices; the int4 head and the 12k keepset's int4 rows by GPTQ.
+# lossy choices; the int4 head and the 12k keepset's int4 rows by GPTQ; the 12k keepset of the model's own picks
+# (lm_head.source=predicted over 8,192 / 14,336 tokens of the calibration texts), alone and in the GPTQ stack.
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -37,6 +38,7 @@ pruned_gptq=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int4 lm_head.method
 pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
 pruned_q=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8,int4 lm_head.scatter=false sampler=fused_argmax)
 stacked=(window=w188 lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8 lm_head.scatter=false sampler=fused_argmax)
+pruned_pred=(lm_head=pruned lm_head.rows=12288 lm_head.source=predicted lm_head.calib_tokens=8192,14336 lm_head.scatter=false sampler=fused_argmax)
 int4_g128=(quant=int4 quant.group_size=128 "quant.skip=[]" "quant.backend=$int4_backend")
 gptq=(quant=int4 quant.method=gptq quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
 gptq_g128=(quant=int4 quant.method=gptq quant.group_size=128 "quant.skip=[]" "quant.backend=$int4_backend")
@@ -68,6 +70,8 @@ for task in ppl identity; do
   sweep "task=$task" "${stacked[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${int4_g128[@]}" "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${gptq_g128[@]}" "${common[@]}"
+  sweep "task=$task" "${pruned_pred[@]}" "${common[@]}"
+  sweep "task=$task" "${stacked[@]}" "${gptq_g128[@]}" lm_head.source=predicted lm_head.calib_tokens=14336 "${common[@]}"
   sweep "task=$task" "${stacked[@]}" "${int8[@]}" "${common[@]}"
   sweep "task=$task" window=w192 "${int8[@]}" "${common[@]}"  # experiment=quality_safe's lossy choices
 done
