@@ -8,7 +8,7 @@ import torch
 from fastgemma.metrics.head import prune_miss_rate
 from fastgemma.model.config import GEMMA4_TINY
 from fastgemma.transforms.gptq import calibration_sequences, prompt_hidden
-from fastgemma.transforms.head_predictions import predicted_counts
+from fastgemma.transforms.head_predictions import NEAR, predicted_counts
 from fastgemma.transforms.lm_head import PrunedHead, keepset_from_counts
 from fastgemma.weights.synthetic import synthetic_model
 
@@ -31,12 +31,15 @@ def _ids_file(tmp_path, n=3, length=150, seed=3):
 def test_counts_are_the_full_heads_argmax_at_every_position(model, tmp_path):
     """Counted in chunks over a padded batch: the argmax of each sequence's own forward, position by position."""
     seqs = [[2, *range(7, 40)], [2, *range(50, 70)], [2, 9, 9, 9, 11]]
-    got = predicted_counts(model, seqs, chunk=7)
-    want = Counter()
+    got, near = predicted_counts(model, seqs, chunk=7, near=3)
+    want, want_near = Counter(), Counter()
     for s in seqs:
         h, _ = prompt_hidden(model, [s])
-        want.update(model.compute_logits(h[0]).argmax(-1).tolist())
+        top = model.compute_logits(h[0]).topk(4, dim=-1).indices
+        want.update(top[:, 0].tolist())
+        want_near.update(top[:, 1:].flatten().tolist())
     assert got == want and sum(got.values()) == sum(len(s) for s in seqs)
+    assert near == want_near and sum(near.values()) == 3 * sum(got.values())
     model.logits_head = torch.nn.Identity()
     with pytest.raises(ValueError, match="needs the model's full head"):
         predicted_counts(model, seqs)
@@ -45,13 +48,14 @@ def test_counts_are_the_full_heads_argmax_at_every_position(model, tmp_path):
 def test_a_predicted_keepset_holds_every_pick_over_its_text(model, tmp_path):
     """With room for every distinct pick, the keepset misses no position of the text it was computed on (its
     miss rate there is 0; a frequency keepset of the same size misses some), the picks come first by count,
-    then the text's own ids, and describe() says so."""
+    then the runners-up, then the text's own ids, and describe() says so."""
     calib = _ids_file(tmp_path)
     seqs = calibration_sequences([i for line in calib.read_text().splitlines() for i in json.loads(line)["ids"]],
                                  128, 384, GEMMA4_TINY.bos_id)
     h, real = prompt_hidden(model, seqs)
-    full = model.compute_logits(h[real]).argmax(-1)
-    picks = Counter(full.tolist())
+    top = model.compute_logits(h[real]).topk(1 + NEAR, dim=-1).indices
+    full = top[:, 0]
+    picks, near = Counter(full.tolist()), Counter(top[:, 1:].flatten().tolist())
     rows = len(picks) + 8
     tr = PrunedHead(rows=rows, source="predicted", calib=str(calib), calib_tokens=384, calib_seq_len=128,
                     scatter=False)
@@ -59,21 +63,23 @@ def test_a_predicted_keepset_holds_every_pick_over_its_text(model, tmp_path):
     d = tr.describe()
     assert d["keepset_source"] == "predicted" and d["predicted_positions"] == full.numel()
     assert d["predicted_distinct"] == len(picks) and d["predicted_coverage"] == 1.0 and d["filled"] == 0
+    assert d["runners_up_distinct"] == len(set(near) - set(picks))
     assert d["calib"] == [str(calib)] and d["calib_window"] == GEMMA4_TINY.sliding_window
     keep = model.pruned_head.keep_ids
     assert prune_miss_rate(full, keep) == 0.0
     special = (GEMMA4_TINY.pad_id, GEMMA4_TINY.bos_id, *GEMMA4_TINY.eos_ids)
-    want, _ = keepset_from_counts(picks, rows, V, special, then=Counter(i for s in seqs for i in s[1:]))
+    want, _ = keepset_from_counts(picks, rows, V, special, then=(near, Counter(i for s in seqs for i in s[1:])))
     assert tr.priority == want
     text_keep, _ = keepset_from_counts(Counter(i for s in seqs for i in s[1:]), rows, V, special)
     assert prune_miss_rate(full, torch.tensor(text_keep)) > 0
 
 
 def test_the_second_tier_orders_what_the_first_leaves():
-    ids, filled = keepset_from_counts(Counter({9: 3, 4: 1}), 6, V, always=(0,), then=Counter({4: 7, 5: 2, 6: 2}))
-    assert ids == [0, 9, 4, 5, 6, 1] and filled == 1
+    ids, filled = keepset_from_counts(Counter({9: 3, 4: 1}), 7, V, always=(0,),
+                                      then=(Counter({4: 7, 5: 2, 6: 2}), Counter({6: 9, 8: 1})))
+    assert ids == [0, 9, 4, 5, 6, 8, 1] and filled == 1
     with pytest.raises(ValueError, match="wrong tokenizer"):
-        keepset_from_counts(Counter({9: 3}), 6, V, then=Counter({V + 3: 1}))
+        keepset_from_counts(Counter({9: 3}), 6, V, then=(Counter({V + 3: 1}),))
 
 
 def test_refusals(model, tmp_path):

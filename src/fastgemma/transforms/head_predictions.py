@@ -7,18 +7,22 @@ from collections import Counter
 import torch
 
 CHUNK = 256  # positions whose full-vocabulary logits are held at once (256 x 262,144 fp32: 268 MB)
+NEAR = 16  # the runners-up counted at each position (its top NEAR after the pick)
 
 
 @torch.no_grad()
-def predicted_counts(model, seqs: list[list[int]], window: int | None = None, chunk: int = CHUNK) -> Counter:
-    """{id: how many positions of `seqs` the model's full head picks it at}: one prompt forward over the
-    sequences as a batch (the sliding layers keeping `window` keys, None: the model's own; pads left out),
-    then the head's argmax `chunk` positions at a time. The head must still be the full one."""
+def predicted_counts(model, seqs: list[list[int]], window: int | None = None, chunk: int = CHUNK,
+                     near: int = NEAR) -> tuple[Counter, Counter]:
+    """({id: how many positions of `seqs` the model's full head picks it at}, {id: at how many it is among the
+    `near` runners-up}): one prompt forward over the sequences as a batch (the sliding layers keeping `window`
+    keys, None: the model's own; pads left out), then the head's top 1 + near `chunk` positions at a time.
+    The head must still be the full one."""
     from .gptq import prompt_hidden
 
     if getattr(model, "logits_head", None) is not None or getattr(model, "pruned_head", None) is not None:
         raise ValueError("lm_head.source=predicted needs the model's full head; this one is already replaced")
     h, real = prompt_hidden(model, seqs, window)
     rows = h[real]
-    picks = torch.cat([model.compute_logits(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)])
-    return Counter(picks.tolist())
+    top = torch.cat([model.compute_logits(rows[i:i + chunk]).topk(1 + near, dim=-1).indices
+                     for i in range(0, rows.shape[0], chunk)])
+    return Counter(top[:, 0].tolist()), Counter(top[:, 1:].flatten().tolist())

@@ -301,18 +301,17 @@ def write_keepset(path, ids) -> Path:
     return path
 
 
-def keepset_from_counts(counts: Counter, rows: int, vocab_size: int, always=(), then: Counter | None = None
-                        ) -> tuple[list[int], int]:
+def keepset_from_counts(counts: Counter, rows: int, vocab_size: int, always=(), then=()) -> tuple[list[int], int]:
     """(ids in priority order, how many were filled in): `always` first, then ids by count (ties:
-    lower id first), then the ids of `then` by its count, then, if the counts hold fewer than `rows`
-    distinct ids, unseen ids ascending (BPE vocabularies number pieces roughly by merge rank, so low ids
-    are the common ones)."""
+    lower id first), then the ids of each Counter of `then` by its count, then, if the counts hold fewer
+    than `rows` distinct ids, unseen ids ascending (BPE vocabularies number pieces roughly by merge rank, so
+    low ids are the common ones)."""
     _check_rows(rows, vocab_size)
     always = list(dict.fromkeys(int(i) for i in always))
     validate_keepset(always or [0], vocab_size, "always-kept ids")
     if len(always) > rows:
         raise ValueError(f"rows={rows} cannot hold the {len(always)} always-kept ids {always}")
-    tiers = [counts] + ([then] if then is not None else [])
+    tiers = [counts, *then]
     bad = [i for c in tiers for i in c if not 0 <= int(i) < vocab_size]
     if bad:
         raise ValueError(f"corpus ids outside the vocabulary [0, {vocab_size}), e.g. {bad[0]}: "
@@ -596,14 +595,15 @@ class PrunedHead:
             raise ValueError("lm_head.source=predicted runs the model over a text: keep_ids needs the model")
         t = self.text
         seqs, paths = text_sequences(cfg, t.calib, t.tokenizer, t.weights, t.calib_seq_len, t.calib_tokens, t.where)
-        picks = predicted_counts(model, seqs, t.window)
+        picks, near = predicted_counts(model, seqs, t.window)
         text = Counter(i for s in seqs for i in s[1:])
         always = (cfg.pad_id, cfg.bos_id, *cfg.eos_ids, *self.extra_ids)
-        ids, filled = keepset_from_counts(picks, self.rows, cfg.vocab_size, always, then=text)
+        ids, filled = keepset_from_counts(picks, self.rows, cfg.vocab_size, always, then=(near, text))
         kept = set(ids)
         covered = sum(n for i, n in picks.items() if i in kept)
         return ids, {"calib": paths, "calib_seq_len": t.calib_seq_len, "calib_window": t.window or cfg.sliding_window,
                      "predicted_positions": sum(picks.values()), "predicted_distinct": len(picks),
+                     "runners_up_distinct": len(set(near) - set(picks)),
                      "predicted_coverage": round(covered / max(1, sum(picks.values())), 6), "filled": filled}
 
     @torch.no_grad()
