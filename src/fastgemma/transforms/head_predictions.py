@@ -1,5 +1,6 @@
-"""The ids a model predicts over a text: its greedy pick (the full head's argmax) at every position of the text,
-teacher-forced, for lm_head.source=predicted (a keepset of the ids the model itself picks most often)."""
+"""The ids a model predicts over a text: its greedy pick (the full head's argmax) and the runners-up after it at
+every position of the text, teacher-forced, for lm_head.source=predicted (a keepset of the ids the model itself
+picks most often, then of those it nearly picks)."""
 from __future__ import annotations
 
 from collections import Counter

@@ -488,7 +488,8 @@ class PrunedHead:
     tokenizer, or a .jsonl of id lists; None: workloads.corpus.keepset_corpus_path()), with pad /
     bos / eos and `extra_ids` always in. source=predicted: the ids the model's full head picks most
     often over the calibration text (calib, calib_tokens, calib_seq_len, in calib_window), teacher-forced
-    (transforms/head_predictions.py), then that text's most frequent ids. source=file: the ids in
+    (transforms/head_predictions.py), then the ids most often among its runners-up there, then that text's
+    most frequent ids. source=file: the ids in
     `keepset` (rows=null: all of them; otherwise the first `rows`). dtype: auto (the model's) | int8 | int4 rows. scatter: see the
     module docstring. tokenizer / weights: how the corpus is tokenized (the CLI's `tokenizer` spec
     and the weights node; `bind_tokenizer` overrides both)."""
