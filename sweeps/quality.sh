@@ -13,7 +13,8 @@
 # int4 by GPTQ (quant.method=gptq, calibrated on the default licence texts, never the scored one) at g128 / 64 / 32,
 # at g128 left to right and true-sequential, with an int8 head and with an int4 head by GPTQ, and in the frontier's
 # lossy choices; the int4 head and the 12k keepset's int4 rows by GPTQ; the 12k keepset of the model's own picks
-# (lm_head.source=predicted over 8,192 / 14,336 tokens of the calibration texts), alone and in the GPTQ stack.
+# and runners-up (lm_head.source=predicted over 14,336 tokens of the calibration texts, 0 / 16 / 32 / 64 runners-up),
+# alone and in the GPTQ stack.
 # Records go to their own file; the table comes last.
 # Arguments go to every run; PPL_ARGS / IDENTITY_ARGS (space-separated) to one task's runs only.
 #   bash sweeps/quality.sh                        # CPU (fp32, int4 torch twin, nf4 bitsandbytes) or GPU
@@ -38,7 +39,7 @@ pruned_gptq=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int4 lm_head.method
 pruned=(lm_head=pruned lm_head.rows=8192,12288,16384,32768 lm_head.scatter=false sampler=fused_argmax)
 pruned_q=(lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8,int4 lm_head.scatter=false sampler=fused_argmax)
 stacked=(window=w188 lm_head=pruned lm_head.rows=12288 lm_head.dtype=int8 lm_head.scatter=false sampler=fused_argmax)
-pruned_pred=(lm_head=pruned lm_head.rows=12288 lm_head.source=predicted lm_head.calib_tokens=8192,14336 lm_head.scatter=false sampler=fused_argmax)
+pruned_pred=(lm_head=pruned lm_head.rows=12288 lm_head.source=predicted lm_head.calib_tokens=14336 lm_head.runners_up=0,16,32,64 lm_head.scatter=false sampler=fused_argmax)
 int4_g128=(quant=int4 quant.group_size=128 "quant.skip=[]" "quant.backend=$int4_backend")
 gptq=(quant=int4 quant.method=gptq quant.group_size=128,64,32 "quant.skip=[]" "quant.backend=$int4_backend")
 gptq_g128=(quant=int4 quant.method=gptq quant.group_size=128 "quant.skip=[]" "quant.backend=$int4_backend")

@@ -91,5 +91,22 @@ def test_refusals(model, tmp_path):
         PrunedHead(source="predicted", rows=None)
     with pytest.raises(ValueError, match="lm_head.calib_tokens must be"):
         PrunedHead(source="predicted", calib_tokens=10, calib_seq_len=128)
+    with pytest.raises(ValueError, match="runners_up must be an integer >= 0"):
+        PrunedHead(source="predicted", runners_up=-1)
     with pytest.raises(ValueError, match="keep_ids needs the model"):
         PrunedHead(source="predicted", calib=str(_ids_file(tmp_path))).keep_ids(GEMMA4_TINY)
+
+
+def test_without_runners_up_the_picks_are_followed_by_the_texts_ids(model, tmp_path):
+    calib = _ids_file(tmp_path)
+    kw = dict(rows=200, source="predicted", calib=str(calib), calib_tokens=384, calib_seq_len=128)
+    tr = PrunedHead(runners_up=0, **kw)
+    seqs = calibration_sequences([i for line in calib.read_text().splitlines() for i in json.loads(line)["ids"]],
+                                 128, 384, GEMMA4_TINY.bos_id)
+    picks, near = predicted_counts(model, seqs, near=0)
+    assert not near
+    special = (GEMMA4_TINY.pad_id, GEMMA4_TINY.bos_id, *GEMMA4_TINY.eos_ids)
+    want, _ = keepset_from_counts(picks, 200, V, special, then=(Counter(i for s in seqs for i in s[1:]),))
+    assert tr.keep_ids(GEMMA4_TINY, model)[0] == want
+    with_near, facts = PrunedHead(runners_up=4, **kw).keep_ids(GEMMA4_TINY, model)
+    assert with_near != want and facts["runners_up"] == 4 and facts["runners_up_distinct"] > 0

@@ -35,6 +35,7 @@ from ..kernels.sparse_argmax import (
     _INTERPRET, ROW_INVARIANT_CONFIG, head_argmax, head_argmax_op, head_argmax_torch, softcap_torch,
 )
 from ..kernels.w8a16 import quantize_int8_rows
+from .head_predictions import NEAR
 from .quant_int8 import ExactScales
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -499,13 +500,16 @@ class PrunedHead:
                  backend: str = "auto", extra_ids=(), tokenizer: str | None = "auto", weights=None,
                  method: str = "rtn", calib=None, calib_tokens: int = 8192, calib_seq_len: int = 512,
                  damp: float = 0.01, act_order: bool = True, calib_window: int | None = None,
-                 clip_search: bool = False):
+                 clip_search: bool = False, runners_up: int = NEAR):
         if source not in _SOURCES:
             raise ValueError(f"lm_head.source must be one of {_SOURCES}, got {source!r}")
         if source == "file" and not keepset:
             raise ValueError("lm_head.source=file needs lm_head.keepset=<file of token ids>")
         if source != "file" and keepset:
             raise ValueError(f"lm_head.keepset={keepset} is read with source=file; this head has source={source}")
+        if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
+            raise ValueError(f"lm_head.runners_up must be an integer >= 0, got {runners_up!r}")
+        self.runners_up = runners_up
         if source == "predicted" and corpus:
             raise ValueError(f"lm_head.corpus={corpus} is read with source=corpus; source=predicted runs the model "
                              "over lm_head.calib (null: the default texts)")
@@ -596,7 +600,7 @@ class PrunedHead:
             raise ValueError("lm_head.source=predicted runs the model over a text: keep_ids needs the model")
         t = self.text
         seqs, paths = text_sequences(cfg, t.calib, t.tokenizer, t.weights, t.calib_seq_len, t.calib_tokens, t.where)
-        picks, near = predicted_counts(model, seqs, t.window)
+        picks, near = predicted_counts(model, seqs, t.window, near=self.runners_up)
         text = Counter(i for s in seqs for i in s[1:])
         always = (cfg.pad_id, cfg.bos_id, *cfg.eos_ids, *self.extra_ids)
         ids, filled = keepset_from_counts(picks, self.rows, cfg.vocab_size, always, then=(near, text))
@@ -604,7 +608,7 @@ class PrunedHead:
         covered = sum(n for i, n in picks.items() if i in kept)
         return ids, {"calib": paths, "calib_seq_len": t.calib_seq_len, "calib_window": t.window or cfg.sliding_window,
                      "predicted_positions": sum(picks.values()), "predicted_distinct": len(picks),
-                     "runners_up_distinct": len(set(near) - set(picks)),
+                     "runners_up": self.runners_up, "runners_up_distinct": len(set(near) - set(picks)),
                      "predicted_coverage": round(covered / max(1, sum(picks.values())), 6), "filled": filled}
 
     @torch.no_grad()
