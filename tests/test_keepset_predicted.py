@@ -93,6 +93,8 @@ def test_refusals(model, tmp_path):
         PrunedHead(source="predicted", calib_tokens=10, calib_seq_len=128)
     with pytest.raises(ValueError, match="runners_up must be an integer >= 0"):
         PrunedHead(source="predicted", runners_up=-1)
+    with pytest.raises(ValueError, match="leaves no pick in a vocabulary of 512"):
+        PrunedHead(source="predicted", runners_up=V, calib=str(_ids_file(tmp_path))).keep_ids(GEMMA4_TINY, model)
     with pytest.raises(ValueError, match="keep_ids needs the model"):
         PrunedHead(source="predicted", calib=str(_ids_file(tmp_path))).keep_ids(GEMMA4_TINY)
 

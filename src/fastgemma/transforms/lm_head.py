@@ -489,10 +489,10 @@ class PrunedHead:
     tokenizer, or a .jsonl of id lists; None: workloads.corpus.keepset_corpus_path()), with pad /
     bos / eos and `extra_ids` always in. source=predicted: the ids the model's full head picks most
     often over the calibration text (calib, calib_tokens, calib_seq_len, in calib_window), teacher-forced
-    (transforms/head_predictions.py), then the ids most often among its runners-up there, then that text's
-    most frequent ids. source=file: the ids in
-    `keepset` (rows=null: all of them; otherwise the first `rows`). dtype: auto (the model's) | int8 | int4 rows. scatter: see the
-    module docstring. tokenizer / weights: how the corpus is tokenized (the CLI's `tokenizer` spec
+    (transforms/head_predictions.py), then the ids most often among its `runners_up` runners-up there, then
+    that text's most frequent ids. source=file: the ids in `keepset` (rows=null: all of them; otherwise the
+    first `rows`). dtype: auto (the model's) | int8 | int4 rows. scatter: see the module docstring.
+    tokenizer / weights: how the corpus is tokenized (the CLI's `tokenizer` spec
     and the weights node; `bind_tokenizer` overrides both)."""
 
     def __init__(self, rows: int | None = 12288, keepset: str | None = None, source: str = "corpus",
@@ -598,6 +598,8 @@ class PrunedHead:
 
         if model is None:
             raise ValueError("lm_head.source=predicted runs the model over a text: keep_ids needs the model")
+        if self.runners_up >= cfg.vocab_size:
+            raise ValueError(f"lm_head.runners_up={self.runners_up} leaves no pick in a vocabulary of {cfg.vocab_size}")
         t = self.text
         seqs, paths = text_sequences(cfg, t.calib, t.tokenizer, t.weights, t.calib_seq_len, t.calib_tokens, t.where)
         picks, near = predicted_counts(model, seqs, t.window, near=self.runners_up)
