@@ -129,7 +129,8 @@ def main(argv=None):
         raise SystemExit(f"--tokens must be >= 1, got {a.tokens}")
     loops = None if a.device == "cuda" else {"torch": gptq_columns.columns_torch}
     with open(a.out, "w") if a.out else contextlib.nullcontext() as out:
-        rows = _or_exit(bench_gptq, _or_exit(preset, a.model), a.tokens, a.group_size, not a.no_act_order, a.device, loops, out)
+        cfg = _or_exit(preset, a.model)
+        rows = _or_exit(bench_gptq, cfg, a.tokens, a.group_size, not a.no_act_order, a.device, loops, out)
     print(table(rows, list(loops or ("torch", "triton"))))
 
 
