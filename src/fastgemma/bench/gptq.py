@@ -55,16 +55,6 @@ def _timed(fn, sync) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-@contextlib.contextmanager
-def _loop(fn):
-    saved = gptq.columns
-    gptq.columns = fn
-    try:
-        yield
-    finally:
-        gptq.columns = saved
-
-
 def bench_gptq(cfg: ModelConfig, tokens: int = 8192, group_size: int = 128, act_order: bool = True,
                device: str = "cuda", loops=None, out=None) -> list[dict]:
     """One dict per shape: its count, seconds per call of each loop, whether their codes agree."""
@@ -81,11 +71,10 @@ def bench_gptq(cfg: ModelConfig, tokens: int = 8192, group_size: int = 128, act_
         row = {"kind": kind, "N": N, "K": K, "count": count}
         results = []
         for name, fn in loops.items():
-            with _loop(fn):
-                run = lambda: gptq.gptq_int4(w, H, group_size, act_order=act_order)  # noqa: E731
-                if dev.type == "cuda":
-                    run()  # warm-up: the kernel's build, the allocator
-                row[f"{name}_s"], res = _timed(run, sync)
+            run = lambda: gptq.gptq_int4(w, H, group_size, act_order=act_order, loop=fn)  # noqa: E731
+            if dev.type == "cuda":
+                run()  # warm-up: the kernel's build, the allocator
+            row[f"{name}_s"], res = _timed(run, sync)
             results.append(res)
         row["codes_equal"] = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
         rows.append(row)

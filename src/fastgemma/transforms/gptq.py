@@ -64,7 +64,8 @@ def _inverse_upper(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
 
 @torch.no_grad()
 def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0.01,
-              scale_dtype: torch.dtype | None = None, act_order: bool = False, clip_search: bool = False):
+              scale_dtype: torch.dtype | None = None, act_order: bool = False, clip_search: bool = False,
+              loop=None):
     """w [N, K], H [K, K] (X^T X / n of its inputs) -> (codes [N, K] uint8, scales [K/G, N], zeros [K/G, N]),
     the format of `quantize_int4`. Input columns that never fired (H's diagonal 0) are rounded as RTN
     rounds them and pass no error on. fp32 arithmetic on w's device.
@@ -73,7 +74,9 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
     the most columns are left to absorb their error), each group's scale and zero fixed beforehand from
     the raw weights (RTN's: "static groups"), so the groups stay contiguous along K as the kernels read them.
     clip_search: each group's range by int4_pack's clip search instead of its min / max.
-    The rounding within each block of BLOCK columns: kernels/gptq_columns (one launch on CUDA, its twin elsewhere)."""
+    The rounding within each block of BLOCK columns: loop, by default kernels/gptq_columns.columns (one launch on
+    CUDA, its twin elsewhere; columns_torch / columns_triton its two paths, same arguments)."""
+    loop = loop or columns
     check_group_size(group_size)
     N, K = w.shape
     if K % group_size:
@@ -105,14 +108,14 @@ def gptq_int4(w: torch.Tensor, H: torch.Tensor, group_size: int, damp: float = 0
         E1 = torch.zeros_like(W1)
         if act_order:  # each column on its own group's range, fixed beforehand
             g = group_of[i1:i2]
-            columns(W1, U1, sf[g], zf[g], 0, i2 - i1, Q1, E1)
+            loop(W1, U1, sf[g], zf[g], 0, i2 - i1, Q1, E1)
         else:  # each group's range as its columns stand when it starts (i1 % G == 0, BLOCK % G == 0)
             for j in range(0, i2 - i1, group_size):
                 g = (i1 + j) // group_size
                 lo, hi = group_range(W1[:, j:j + group_size], scale_dtype, clip_search)
                 scales[g], zeros[g] = scale_zero(lo, hi, scale_dtype)
                 s, z = (t[g].float()[None, :].expand(group_size, N) for t in (scales, zeros))
-                columns(W1, U1, s, z, j, j + group_size, Q1, E1)
+                loop(W1, U1, s, z, j, j + group_size, Q1, E1)
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
