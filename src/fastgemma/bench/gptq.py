@@ -6,8 +6,8 @@ column) against kernels/gptq_columns.py (one launch a block of 128 columns), in 
 Each distinct (N, K) the engine quantizes (q|k|v or q, o, gate|up, down, the PLE projection per layer; the PLE
 model projection once) gets a random weight and the Hessian of random inputs whose columns differ in scale, then
 gptq_int4 runs on it with each column loop (Cholesky, permutation and all), its codes, scales and zeros checked
-equal between the two. Times one call each (on a GPU after a warm-up call); the model's total is each shape's time times
-how many linears have it. Prints one JSON line per shape (--out: JSONL) and a table last.
+equal between the two. Times one call each (on a GPU after a warm-up call of each loop on the first shape); the
+model's total is each shape's time times how many linears have it. Prints one JSON line per shape (--out: JSONL) and a table last.
 """
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def bench_gptq(cfg: ModelConfig, tokens: int = 8192, group_size: int = 128, act_
         results = []
         for name, fn in loops.items():
             run = lambda: gptq.gptq_int4(w, H, group_size, act_order=act_order, loop=fn)  # noqa: E731
-            if dev.type == "cuda":
-                run()  # warm-up: the kernel's build, the allocator
+            if dev.type == "cuda" and i == 0:
+                run()  # warm-up, on the first shape only: the kernel's builds (every K is a multiple of a
+                # block, so these are all of them), the solvers' and allocator's first calls
             row[f"{name}_s"], res = _timed(run, sync)
             results.append(res)
         row["codes_equal"] = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
