@@ -8,7 +8,8 @@ values, so the whole block is one launch here: a program holds BN rows of the bl
 walks its columns, storing each code and error as it goes.
 
 The arithmetic is the twin's, operation for operation (IEEE division, round half to even, no fused
-multiply-adds), so the codes and errors are the twin's bit for bit (tests/test_gptq.py, interpreter)."""
+multiply-adds), so the codes and errors are the twin's bit for bit (tests/test_gptq_columns.py, interpreter; on
+an H100 every E4B shape too, bench.gptq, run KR: the model's 211 linears in 7.3 s against the twin's 143.9)."""
 import torch
 import triton
 import triton.language as tl
