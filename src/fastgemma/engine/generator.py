@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_int
 from ..metrics.timing import StepClock, compiled_graphs
 from .cache import KVCache
 from .compile import compile_step
@@ -62,7 +63,7 @@ class Generator:
         """The prompt's path: torch.compile(dynamic=True) of the chunk forward or not (compiled once,
         on first use, and kept); padding bucket (0: none; > 0 on CUDA: one graph per padded length).
         Captured graphs are dropped (they hold the old path)."""
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+        if not is_int(bucket, 0):
             raise GenerationError(f"prefill_bucket must be an integer >= 0 (0: no padding), got {bucket!r}")
         self.compile_prefill, self.prefill_bucket = bool(compile), bucket
         if compile and self._compiled_forward is None:

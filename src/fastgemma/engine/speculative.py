@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import is_int
 from ..metrics.timing import StepClock
 from .compile import compile_step
 from .generator import Generation, GenerationError, Generator
@@ -150,7 +151,7 @@ class SpecGenerator(Generator):
             compile_prefill = getattr(step, "compile_prefill", compile)
         super().__init__(model, cache, step, prefill_chunk=prefill_chunk, sampler=sampler,
                          compile_prefill=compile_prefill, prefill_bucket=prefill_bucket)
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= cache.step_rows - 1:
+        if not is_int(depth, 1, cache.step_rows - 1):
             raise GenerationError(f"speculative depth must be an integer in [1, {cache.step_rows - 1}] (verify "
                                   f"runs depth + 1 rows, the cache's step_rows is {cache.step_rows}); got {depth!r}")
         if graphs and cache.ring_pos.device.type != "cuda":

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import is_int
 from .draft_loop import SPIN_LIMIT, _arrive, _leave, _sync, _wait
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
@@ -173,7 +174,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, n: int):
         raise PhaseError(f"w must be fp32 [programs, H={x.shape[1]}]; got {tuple(w.shape)} {w.dtype}")
     if not 1 <= w.shape[0] <= x.shape[1]:
         raise PhaseError(f"programs must be in [1, H={x.shape[1]}]; got {w.shape[0]}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_int(n, 1):
         raise PhaseError(f"phases must be a positive integer; got {n!r}")
 
 
@@ -254,7 +255,7 @@ def phase_sequence(x: torch.Tensor, kinds: list, layers: int, style: str = "pdl_
     (w [P, H], stream or None) with its own program count and words. Phase i reads x[i % 2] and writes
     x[(i + 1) % 2]; layer l's phase of a kind reads that kind's copy (first + l) % copies and writes
     its sum to the kind's sink. `sequence_ref` is the twin."""
-    if not kinds or isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+    if not kinds or not is_int(layers, 1):
         raise PhaseError(f"a sequence needs kinds and layers >= 1; got {len(kinds)} kinds, layers {layers!r}")
     _chain_style(style)
     for w, _ in kinds:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checks import is_int
 from .config import FULL, SLIDING, LayerSpec, ModelConfig
 from .decoder import DecoderLayer, _rounded
 from .layers import RMSNorm, fill_rope_buffers, register_rope_buffers, rope_cos_sin
@@ -200,7 +201,7 @@ class Drafter(nn.Module):
             return
         if not c.ordered_embeddings:
             raise DrafterError("centroid_top_k needs a drafter with an ordered (centroid-masked) head")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= c.num_centroids:
+        if not is_int(k, 1, c.num_centroids):
             raise DrafterError(f"centroid_top_k={k!r} must be an integer in [1, {c.num_centroids}]")
         self.top_k = k
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..checks import is_int
 from ..kernels.gptq_columns import columns, loop_for
 from ..kernels.int4_pack import check_group_size, dequantize_codes, group_range, quantize_int4, scale_zero
 
@@ -336,10 +337,6 @@ def calibration_ids(corpus: str | None, tokenizer, where: str = "quant") -> tupl
     return ids, [str(p) for p in paths]
 
 
-def _int(v, lo: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
 @dataclass
 class GptqSettings:
     """What GPTQ calibrates on and how, checked when made. `where`: the config group named in errors
@@ -359,14 +356,14 @@ class GptqSettings:
 
     def __post_init__(self):
         w = self.where
-        if not _int(self.calib_seq_len, 2):
+        if not is_int(self.calib_seq_len, 2):
             raise ValueError(f"{w}.calib_seq_len must be an integer >= 2, got {self.calib_seq_len!r}")
-        if not _int(self.calib_tokens, self.calib_seq_len):
+        if not is_int(self.calib_tokens, self.calib_seq_len):
             raise ValueError(f"{w}.calib_tokens must be an integer >= calib_seq_len ({self.calib_seq_len}), "
                              f"got {self.calib_tokens!r}")
         if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)) or not 0 < self.damp < 1:
             raise ValueError(f"{w}.damp must be in (0, 1) (a share of the Hessian's mean diagonal), got {self.damp!r}")
-        if self.window is not None and not _int(self.window, 1):
+        if self.window is not None and not is_int(self.window, 1):
             raise ValueError(f"{w}.calib_window must be a positive integer or null (the model's own window), "
                              f"got {self.window!r}")
         self.damp, self.act_order = float(self.damp), bool(self.act_order)

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+from ..checks import is_int
 from ..engine.steps import PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
 
 
@@ -41,7 +42,7 @@ class CudaGraph:
                  compile_prefill: bool | None = None):
         if warmup_iters < 1:
             raise ValueError(f"warmup_iters must be >= 1, got {warmup_iters}")
-        if isinstance(prefill_bucket, bool) or not isinstance(prefill_bucket, int) or prefill_bucket < 0:
+        if not is_int(prefill_bucket, 0):
             raise ValueError(f"prefill_bucket must be an integer >= 0 (0: the prompt is not captured), "
                              f"got {prefill_bucket!r}")
         self.warmup_iters, self.compile, self.prefill_bucket = warmup_iters, bool(compile), prefill_bucket

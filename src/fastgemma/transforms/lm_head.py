@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..checks import is_int, is_int_list
 from ..kernels.sparse_argmax import (
     _INTERPRET, ROW_INVARIANT_CONFIG, head_argmax, head_argmax_op, head_argmax_torch, softcap_torch,
 )
@@ -280,7 +281,7 @@ def read_keepset(path, vocab_size: int) -> list[int]:
             ids = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"{where}: not valid JSON ({err.msg} at line {err.lineno})") from None
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not is_int_list(ids):
             raise ValueError(f"{where}: the JSON must be a list of integers")
     else:
         ids = []
@@ -346,7 +347,7 @@ def corpus_ids(path, tokenizer) -> list[int]:
         ids = []
         for _, obj in _lines(path):
             for v in obj.values():
-                if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+                if is_int_list(v):
                     ids.extend(v)
         if not ids:
             raise ValueError(f"corpus {path}: no lists of token ids in its objects")
@@ -358,7 +359,7 @@ def corpus_ids(path, tokenizer) -> list[int]:
 
 
 def _check_rows(rows, vocab_size: int):
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+    if not is_int(rows, 1):
         raise ValueError(f"rows must be a positive integer, got {rows!r}")
     if rows > vocab_size:
         raise ValueError(f"rows={rows} exceeds the vocabulary size {vocab_size}")
@@ -507,7 +508,7 @@ class PrunedHead:
             raise ValueError("lm_head.source=file needs lm_head.keepset=<file of token ids>")
         if source != "file" and keepset:
             raise ValueError(f"lm_head.keepset={keepset} is read with source=file; this head has source={source}")
-        if isinstance(runners_up, bool) or not isinstance(runners_up, int) or runners_up < 0:
+        if not is_int(runners_up, 0):
             raise ValueError(f"lm_head.runners_up must be an integer >= 0, got {runners_up!r}")
         self.runners_up = runners_up
         if source == "predicted" and corpus:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checks import is_int
 from ..engine.generator import Generator
 
 
@@ -47,10 +48,9 @@ class MtpSpec:
 
     def __init__(self, depth: int = 7, centroid_top_k: int | None = None, drafter: str = "synthetic",
                  drafter_seed: int = 0):
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 15:
+        if not is_int(depth, 1, 15):
             raise ValueError(f"spec depth must be an integer in [1, 15], got {depth!r}")
-        if centroid_top_k is not None and (isinstance(centroid_top_k, bool) or not isinstance(centroid_top_k, int)
-                                           or centroid_top_k < 1):
+        if centroid_top_k is not None and not is_int(centroid_top_k, 1):
             raise ValueError(f"centroid_top_k must be a positive integer or null, got {centroid_top_k!r}")
         drafter = str(drafter)
         if drafter != "synthetic" and not Path(drafter).expanduser().is_dir():

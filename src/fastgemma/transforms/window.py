@@ -6,6 +6,9 @@ below the trained one (E4B: 512) is measured by perplexity and identity rate, ne
 """
 from __future__ import annotations
 
+from ..checks import is_int
+
+
 
 class SlidingWindow:
     """size=None keeps the model's own window (the `native` choice)."""
@@ -13,7 +16,7 @@ class SlidingWindow:
     needs_cuda = False
 
     def __init__(self, size: int | None = None):
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        if size is not None and not is_int(size, 1):
             raise ValueError(f"window size must be a positive integer or null (native), got {size!r}")
         self.size = size
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..checks import is_int_list
+
 
 def _lines(path: Path):
     path = Path(path).expanduser()
@@ -34,7 +36,7 @@ def _lines(path: Path):
 
 def _ids(path, n, obj, key, vocab_size=None, allow_empty=False) -> list[int]:
     v = obj[key]
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if not is_int_list(v):
         raise ValueError(f"{path}:{n}: {key!r} must be a list of integers")
     if not v and not allow_empty:
         raise ValueError(f"{path}:{n}: {key!r} is empty")
