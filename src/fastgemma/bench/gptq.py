@@ -7,7 +7,8 @@ Each distinct (N, K) the engine quantizes (q|k|v or q, o, gate|up, down, the PLE
 model projection once) gets a random weight and the Hessian of random inputs whose columns differ in scale, then
 gptq_int4 runs on it with each column loop (Cholesky, permutation and all), its codes, scales and zeros checked
 equal between the two. Times one call each (on a GPU after a warm-up call of each loop on the first shape); the
-model's total is each shape's time times how many linears have it. Prints one JSON line per shape (--out: JSONL) and a table last.
+model's total is each shape's time times how many linears have it. Prints one JSON line per shape (--out: JSONL)
+and a table last.
 """
 from __future__ import annotations
 
