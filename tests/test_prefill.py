@@ -139,6 +139,40 @@ def test_compiled_prefill_matches_eager():
     assert counters["stats"]["unique_graphs"] - graphs == 2  # + the chunk before the last (need="none")
 
 
+@pytest.mark.parametrize("pairs", [2, 4])
+def test_prefill_compiled_by_layer_regions_matches_eager(pairs):
+    """compile_prefill="layers": each decoder layer's two regions (layer_qkv, layer_finish) compiled with
+    dynamic=True equal eager for prompts shorter and longer than the ring, padded or not, in one chunk or
+    two; and the compilations do not grow with the layers: twice the layers of the same kinds, the same count
+    (a region a kind: sliding / full, storing K/V / KV-shared, and the shared layers' one last row)."""
+    from torch._dynamo.utils import counters
+
+    cfg = dataclasses.replace(TINY, num_layers=2 * pairs, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * pairs)
+    m = synthetic_model(cfg, dtype=torch.float32, seed=1)
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    mk = lambda c: Generator(m, KVCache(cfg, 1, 96, window=WINDOW, dtype=torch.float32),  # noqa: E731
+                             prefill_chunk=32, compile_prefill=c)
+    eager, regional = mk(False), mk("layers")
+    assert regional.compile_prefill == "layers"
+    for T, bucket in ((7, 0), (30, 0), (5, 16), (20, 16), (45, 0)):
+        regional.set_prefill("layers", bucket)
+        ids = torch.tensor([_prompt(T)])
+        err = (regional.prefill(ids) - eager.prefill(ids)).abs().max().item()
+        assert err < 1e-4, (T, bucket, err)
+    assert counters["stats"]["unique_graphs"] - graphs == 8
+
+
+@pytest.mark.parametrize("bad", ["layer", "true", 1, 0.0, None, [True]])
+def test_compile_prefill_values_are_checked(model, bad):
+    with pytest.raises(GenerationError, match="compile_prefill must be"):
+        Generator(model, KVCache(TINY, 1, 64, window=WINDOW, dtype=torch.float32)).set_prefill(bad, 0)
+    if bad is not None:  # None: the config's "as compile"
+        with pytest.raises(ValueError, match="compile_prefill must be"):
+            CudaGraph(compile_prefill=bad)
+    assert CudaGraph(compile=True, compile_prefill="layers").describe()["compile_prefill"] == "layers"
+
+
 def test_warm_on_side_stream_runs_on_a_side_stream(monkeypatch):
     """The warm-up before every capture (decode step, speculative phases, prompt graphs): fn runs
     `iters` times inside the side stream's context, which first waits for the current stream, and

@@ -43,7 +43,8 @@ def time_prefill(gen: Generator, ids: torch.Tensor, repeats: int, warmup: int) -
 
 
 # name -> (torch.compile the forward, pad and capture per padded length)
-VARIANTS = {"eager": (False, False), "compiled": (True, False), "graph": (False, True), "compiled_graph": (True, True)}
+VARIANTS = {"eager": (False, False), "compiled": (True, False), "graph": (False, True), "compiled_graph": (True, True),
+            "layers": ("layers", False), "layers_graph": ("layers", True)}  # name: (compile_prefill, captured)
 
 
 def set_variant(gen: Generator, name: str, bucket: int = PREFILL_BUCKET) -> None:
@@ -107,7 +108,8 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="eager (the forward as is), compiled (torch.compile dynamic=True), graph (padded to "
                          "--bucket, one CUDA graph per padded length: graphs=cuda_graph), compiled_graph "
-                         "(both: graphs=compiled)")
+                         "(both: graphs=compiled), layers / layers_graph (each decoder layer's two regions "
+                         "compiled instead of the whole forward: graphs.compile_prefill=layers)")
     ap.add_argument("--bucket", type=int, default=PREFILL_BUCKET, help="padding multiple of the graph variants")
     ap.add_argument("--tiles", default="table",
                     help="int4 tiles of the prompt chunks, comma-separated: table, per_group (the table "
@@ -141,7 +143,7 @@ def main(argv=None):
     # one generator per forward (eager / compiled: one compilation, kept across rows), the bucket
     # switched per row
     fwd = {c: Generator(model, cache, sampler=sampler, prefill_chunk=a.chunk, compile_prefill=c, prefill_bucket=0)
-           for c in sorted({VARIANTS[v][0] for v in variants})}
+           for c in dict.fromkeys(VARIANTS[v][0] for v in variants)}
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu} | {cfg.name} synthetic | stack built in {time.time() - t0:.1f}s", flush=True)
     tables = tile_tables([t for t in a.tiles.split(",") if t], a.sweep_m) if cuda else {"table": {}}

@@ -9,6 +9,7 @@ import torch
 
 from ..checks import is_int
 from ..metrics.timing import StepClock, compiled_graphs
+from ..model.decoder import layer_finish, layer_qkv
 from .cache import KVCache
 from .compile import compile_step
 from .steps import EagerStep, argmax_sampler, warm_on_side_stream
@@ -34,13 +35,18 @@ class Generation:
         return self.ttft_s + sum(self.step_s)
 
 
+PROMPT_COMPILE = (False, True, "layers")  # compile_prefill's values: eager, the whole forward, each layer's regions
+
+
 class Generator:
     """generate(prompt_ids, max_new_tokens, ignore_eos) on top of a model, a cache and a step."""
 
     def __init__(self, model, cache: KVCache, step=None, *, prefill_chunk: int = 2048, sampler=argmax_sampler,
-                 compile_prefill: bool | None = None, prefill_bucket: int | None = None):
+                 compile_prefill: bool | str | None = None, prefill_bucket: int | None = None):
         """compile_prefill: torch.compile(dynamic=True) the prompt chunks' forward (one compilation
-        serves every prompt length; the first prefill pays it). prefill_bucket > 0: a prompt that fits
+        serves every prompt length; the first prefill pays it); "layers": compile a layer's two regions
+        instead (model/decoder.py layer_qkv, layer_finish: one compilation serves every layer of a kind,
+        the cache writes and attention between them run as they are). prefill_bucket > 0: a prompt that fits
         in one chunk is padded in front to a multiple of it (pads sit at the next position, invisible
         to the prompt) and, on CUDA, replayed from one CUDA graph per padded length (captured on first
         use or by warm_prefill). None: what the step says (graphs=cuda_graph / compiled set both)."""
@@ -53,22 +59,28 @@ class Generator:
         self.device = cache.ring_pos.device
         self.eos = set(model.config.eos_ids)
         if compile_prefill is None:
-            compile_prefill = bool(getattr(self.step, "compile_prefill", False))
+            compile_prefill = getattr(self.step, "compile_prefill", False)
         if prefill_bucket is None:
             prefill_bucket = int(getattr(self.step, "prefill_bucket", 0))
-        self._compiled_forward = None
+        self._compiled_forward = self._regions = None
         self.set_prefill(compile_prefill, prefill_bucket)
 
-    def set_prefill(self, compile: bool, bucket: int) -> None:
-        """The prompt's path: torch.compile(dynamic=True) of the chunk forward or not (compiled once,
-        on first use, and kept); padding bucket (0: none; > 0 on CUDA: one graph per padded length).
-        Captured graphs are dropped (they hold the old path)."""
+    def set_prefill(self, compile: bool | str, bucket: int) -> None:
+        """The prompt's path: torch.compile(dynamic=True) of the chunk forward (True), of each layer's two
+        regions ("layers") or neither (False), compiled once, on first use, and kept; padding bucket (0:
+        none; > 0 on CUDA: one graph per padded length). Captured graphs are dropped (they hold the old path)."""
         if not is_int(bucket, 0):
             raise GenerationError(f"prefill_bucket must be an integer >= 0 (0: no padding), got {bucket!r}")
-        self.compile_prefill, self.prefill_bucket = bool(compile), bucket
-        if compile and self._compiled_forward is None:
+        if compile not in PROMPT_COMPILE or isinstance(compile, (int, float)) and not isinstance(compile, bool):
+            raise GenerationError(f"compile_prefill must be true (the whole forward), \"layers\" (each layer's two "
+                                  f"regions) or false, got {compile!r}")
+        self.compile_prefill, self.prefill_bucket = compile, bucket
+        if compile is True and self._compiled_forward is None:
             self._compiled_forward = compile_step(self._forward, dynamic=True)
-        self._chunk_forward = self._dynamic_forward if compile else self._forward
+        if compile == "layers" and self._regions is None:
+            self._regions = (compile_step(layer_qkv, dynamic=True), compile_step(layer_finish, dynamic=True))
+        self._chunk_forward = {True: self._dynamic_forward, False: self._forward,
+                               "layers": self._regional_forward}[compile]
         self.capture_prefill = bucket > 0 and self.device.type == "cuda"
         self._prefill_graphs: dict[int, tuple] = {}  # padded length -> (graph, ids, pos, hidden)
         self.capture_s: dict[int, float] = {}  # padded length -> seconds its capture took (warm_prefill)
@@ -120,6 +132,9 @@ class Generator:
 
     def _forward(self, chunk, pos, start: int, need: str):
         return self.model(chunk, pos, self.cache, start=start, need=need)
+
+    def _regional_forward(self, chunk, pos, start: int, need: str):
+        return self.model(chunk, pos, self.cache, start=start, need=need, regions=self._regions)
 
     def _dynamic_forward(self, chunk, pos, start: int, need: str):
         # the prompt length marked dynamic from the first call: on the H200 the first compile (a

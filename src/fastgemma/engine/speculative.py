@@ -140,7 +140,7 @@ class SpecGenerator(Generator):
 
     def __init__(self, model, cache, drafter, depth: int, *, step=None, sampler=argmax_sampler,
                  prefill_chunk: int = 2048, replay: Replay | None = None, graphs: bool = False, compile: bool = False,
-                 warmup_iters: int = 2, eos_check_steps: int = 4, compile_prefill: bool | None = None,
+                 warmup_iters: int = 2, eos_check_steps: int = 4, compile_prefill: bool | str | None = None,
                  prefill_bucket: int | None = None, fused_bookkeeping: bool | None = None):
         # `step` (the AR step) serves forced() only: teacher-forced logits do not depend on speculation.
         # The prompt follows the phases (compiled with them, captured per padded length with them)

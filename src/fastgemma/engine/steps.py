@@ -115,7 +115,7 @@ class GraphStep(StaticStep):
     name = "cuda_graph"
 
     def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, warmup_iters: int = 2,
-                 prefill_bucket: int = PREFILL_BUCKET, compile_prefill: bool = False):
+                 prefill_bucket: int = PREFILL_BUCKET, compile_prefill: bool | str = False):
         super().__init__(model, cache, sampler, compile)
         # the generator's prompt path (Generator): padded to prefill_bucket and captured, compiled
         # with compile_prefill

@@ -75,13 +75,27 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, p, attend):
         """x [B, T, hidden]; p [B, T, ple_dim] this layer's PLE input; attend(layer, a) -> [B, T, H*D]."""
-        a = self.input_layernorm(x)
-        x = x + self.post_attention_layernorm(self.self_attn.o_proj(attend(self, a)))
+        return self.finish(x, attend(self, self.input_layernorm(x)), p)
+
+    def finish(self, x, o, p):
+        """The layer after its attention: o [B, T, H*D] through o_proj, the residuals, the MLP and the PLE gate."""
+        x = x + self.post_attention_layernorm(self.self_attn.o_proj(o))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.ple:
             g = gelu_tanh(self.per_layer_input_gate(x)) * p
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return x * self.layer_scalar
+
+
+def layer_qkv(layer: DecoderLayer, x, cos, sin):
+    """A layer's work before its cache: the input norm, then q / k / v with their norms and RoPE (one of the
+    prompt forward's two compiled regions a layer, `Model.forward(regions=...)`)."""
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+def layer_finish(layer: DecoderLayer, x, o, p):
+    """A layer after its attention (the other region): DecoderLayer.finish."""
+    return layer.finish(x, o, p)
 
 
 def _rounded(x: float, dtype) -> float:
@@ -167,12 +181,15 @@ class Gemma4Model(nn.Module):
                 False: rope_cos_sin(pos, self.inv_freq_full, dtype)}
 
     # ---- prompt chunks and eager decode --------------------------------------------------------
-    def forward(self, ids, pos, cache, start: int, need: str = "all"):
+    def forward(self, ids, pos, cache, start: int, need: str = "all", regions=None):
         """ids, pos [B, T] with pos = start .. start+T-1 on every row, or (a padded prompt, start 0,
         Generator.prefill) pads in front at the position after the prompt, which no prompt row sees.
         need="all": hidden [B, T, hidden]; "last": [B, 1, hidden] (the KV-shared layers run on the
         last position only); "none": None (a prompt chunk before the last: the KV-shared layers,
-        which write nothing, are skipped)."""
+        which write nothing, are skipped). regions: (qkv, finish), each layer run as qkv(layer, x, cos,
+        sin), its cache writes and attention, finish(layer, x, o, p) instead of through layer(...): the same
+        arithmetic, with `layer_qkv` / `layer_finish` compiled once for every layer of a kind (the
+        generator's compile_prefill="layers"); None: each layer called as a module (its hooks run)."""
         c = self.config
         T = ids.shape[1]
         x, ple = self.embed(ids)
@@ -190,10 +207,15 @@ class Gemma4Model(nn.Module):
         bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
         q_pos = pos
 
-        def attend(layer, a):
+        def layer_rope(layer):
             s = layer.spec
-            cos, sin = rope_q[s.sliding] if not s.stores_kv else rope[s.sliding]
-            q, k, v = layer.self_attn.project(a, cos, sin)
+            return rope_q[s.sliding] if not s.stores_kv else rope[s.sliding]
+
+        def attend(layer, a):
+            return attend_qkv(layer, *layer.self_attn.project(a, *layer_rope(layer)))
+
+        def attend_qkv(layer, q, k, v):
+            s = layer.spec
             if s.stores_kv:
                 if s.sliding:
                     k_all = torch.cat([cache.k[s.index], k], 1)
@@ -218,7 +240,11 @@ class Gemma4Model(nn.Module):
                 # shared layers write no KV: only the last position matters for the next token
                 x, ple, q_pos = x[:, -1:], ple[:, -1:] if ple is not None else None, pos[:, -1:]
                 rope_q = {k: (cs[:, -1:], sn[:, -1:]) for k, (cs, sn) in rope.items()}
-            x = layer(x, ple[:, :, i] if ple is not None else None, attend)
+            p = ple[:, :, i] if ple is not None else None
+            if regions is None:
+                x = layer(x, p, attend)
+            else:
+                x = regions[1](layer, x, attend_qkv(layer, *regions[0](layer, x, *layer_rope(layer))), p)
         cache.ring_pos[bidx, ring_slots] = ring_row_pos.to(torch.int32)
         if need == "none":
             return None

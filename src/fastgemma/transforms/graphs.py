@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from ..checks import is_int
+from ..engine.generator import PROMPT_COMPILE
 from ..engine.steps import PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
 
 
@@ -39,14 +40,19 @@ class CudaGraph:
     needs_cuda = True
 
     def __init__(self, warmup_iters: int = 2, compile: bool = False, prefill_bucket: int = PREFILL_BUCKET,
-                 compile_prefill: bool | None = None):
+                 compile_prefill: bool | str | None = None):
         if warmup_iters < 1:
             raise ValueError(f"warmup_iters must be >= 1, got {warmup_iters}")
         if not is_int(prefill_bucket, 0):
             raise ValueError(f"prefill_bucket must be an integer >= 0 (0: the prompt is not captured), "
                              f"got {prefill_bucket!r}")
         self.warmup_iters, self.compile, self.prefill_bucket = warmup_iters, bool(compile), prefill_bucket
-        self.compile_prefill = self.compile if compile_prefill is None else bool(compile_prefill)
+        if compile_prefill is not None and (compile_prefill not in PROMPT_COMPILE
+                                            or not isinstance(compile_prefill, (bool, str))):
+            raise ValueError(f"compile_prefill must be true (the prompt's whole forward), layers (each decoder "
+                             f"layer's two regions, compiled once for every layer of a kind), false or null (as "
+                             f"`compile`), got {compile_prefill!r}")
+        self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
 
     def make_step(self, model, cache, sampler):
         return GraphStep(model, cache, sampler, compile=self.compile, warmup_iters=self.warmup_iters,
