@@ -38,6 +38,11 @@ class Generation:
 PROMPT_COMPILE = (False, True, "layers")  # compile_prefill's values: eager, the whole forward, each layer's regions
 
 
+def is_prompt_compile(v) -> bool:
+    """v one of PROMPT_COMPILE (a bool or the string: 1, "true" and the like are not)."""
+    return isinstance(v, (bool, str)) and v in PROMPT_COMPILE
+
+
 class Generator:
     """generate(prompt_ids, max_new_tokens, ignore_eos) on top of a model, a cache and a step."""
 
@@ -71,7 +76,7 @@ class Generator:
         none; > 0 on CUDA: one graph per padded length). Captured graphs are dropped (they hold the old path)."""
         if not is_int(bucket, 0):
             raise GenerationError(f"prefill_bucket must be an integer >= 0 (0: no padding), got {bucket!r}")
-        if compile not in PROMPT_COMPILE or isinstance(compile, (int, float)) and not isinstance(compile, bool):
+        if not is_prompt_compile(compile):
             raise GenerationError(f"compile_prefill must be true (the whole forward), \"layers\" (each layer's two "
                                   f"regions) or false, got {compile!r}")
         self.compile_prefill, self.prefill_bucket = compile, bucket

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from ..checks import is_int
-from ..engine.generator import PROMPT_COMPILE
+from ..engine.generator import is_prompt_compile
 from ..engine.steps import PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
 
 
@@ -47,8 +47,7 @@ class CudaGraph:
             raise ValueError(f"prefill_bucket must be an integer >= 0 (0: the prompt is not captured), "
                              f"got {prefill_bucket!r}")
         self.warmup_iters, self.compile, self.prefill_bucket = warmup_iters, bool(compile), prefill_bucket
-        if compile_prefill is not None and (compile_prefill not in PROMPT_COMPILE
-                                            or not isinstance(compile_prefill, (bool, str))):
+        if compile_prefill is not None and not is_prompt_compile(compile_prefill):
             raise ValueError(f"compile_prefill must be true (the prompt's whole forward), layers (each decoder "
                              f"layer's two regions, compiled once for every layer of a kind), false or null (as "
                              f"`compile`), got {compile_prefill!r}")
