@@ -139,16 +139,21 @@ def test_compiled_prefill_matches_eager():
     assert counters["stats"]["unique_graphs"] - graphs == 2  # + the chunk before the last (need="none")
 
 
-@pytest.mark.parametrize("pairs", [2, 4])
-def test_prefill_compiled_by_layer_regions_matches_eager(pairs):
+@pytest.mark.parametrize("pairs, stack", [(2, "plain"), (4, "plain"), (2, "int4"), (4, "int4")])
+def test_prefill_compiled_by_layer_regions_matches_eager(pairs, stack):
     """compile_prefill="layers": each decoder layer's two regions (layer_qkv, layer_finish) compiled with
     dynamic=True equal eager for prompts shorter and longer than the ring, padded or not, in one chunk or
     two; and the compilations do not grow with the layers: twice the layers of the same kinds, the same count
-    (a region a kind: sliding / full, storing K/V / KV-shared, and the shared layers' one last row)."""
+    (a region a kind: sliding / full, storing K/V / KV-shared, and the shared layers' one last row). The same
+    with bench's int4 stack (merged q|k|v and gate|up, int4 body on the torch twin, fused step), whose layers
+    carry their own bound methods and quantized modules."""
     from torch._dynamo.utils import counters
 
+    from fastgemma.bench.spec import build_stack
+
     cfg = dataclasses.replace(TINY, num_layers=2 * pairs, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * pairs)
-    m = synthetic_model(cfg, dtype=torch.float32, seed=1)
+    m = (synthetic_model(cfg, dtype=torch.float32, seed=1) if stack == "plain"
+         else build_stack(cfg, "cpu", "full", torch.float32, fuse=True)[0])
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     mk = lambda c: Generator(m, KVCache(cfg, 1, 96, window=WINDOW, dtype=torch.float32),  # noqa: E731
