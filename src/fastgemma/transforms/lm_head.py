@@ -585,13 +585,18 @@ class PrunedHead:
         tok, tok_name = (None, None) if path.suffix == ".jsonl" else self._get_tokenizer(cfg)
         toks = corpus_ids(path, tok)
         counts = Counter(toks)
+        ids, filled, coverage = self._from_counts(cfg, counts)
+        return ids, {"corpus": str(path), "tokenizer": tok_name, "corpus_tokens": len(toks),
+                     "corpus_distinct": len(counts), "corpus_coverage": coverage, "filled": filled}
+
+    def _from_counts(self, cfg, counts: Counter, then=()) -> tuple[list[int], int, float]:
+        """keepset_from_counts with pad / bos / eos and extra_ids always in -> (ids, how many were filled in,
+        the share of the counted occurrences whose id is kept)."""
         always = (cfg.pad_id, cfg.bos_id, *cfg.eos_ids, *self.extra_ids)
-        ids, filled = keepset_from_counts(counts, self.rows, V, always)
+        ids, filled = keepset_from_counts(counts, self.rows, cfg.vocab_size, always, then=then)
         kept = set(ids)
         covered = sum(n for i, n in counts.items() if i in kept)
-        return ids, {"corpus": str(path), "tokenizer": tok_name, "corpus_tokens": len(toks),
-                     "corpus_distinct": len(counts), "corpus_coverage": round(covered / max(1, len(toks)), 6),
-                     "filled": filled}
+        return ids, filled, round(covered / max(1, sum(counts.values())), 6)
 
     def _predicted(self, cfg, model):
         from .gptq import text_sequences
@@ -605,14 +610,11 @@ class PrunedHead:
         seqs, paths = text_sequences(cfg, t.calib, t.tokenizer, t.weights, t.calib_seq_len, t.calib_tokens, t.where)
         picks, near = predicted_counts(model, seqs, t.window, near=self.runners_up)
         text = Counter(i for s in seqs for i in s[1:])
-        always = (cfg.pad_id, cfg.bos_id, *cfg.eos_ids, *self.extra_ids)
-        ids, filled = keepset_from_counts(picks, self.rows, cfg.vocab_size, always, then=(near, text))
-        kept = set(ids)
-        covered = sum(n for i, n in picks.items() if i in kept)
+        ids, filled, coverage = self._from_counts(cfg, picks, then=(near, text))
         return ids, {"calib": paths, "calib_seq_len": t.calib_seq_len, "calib_window": t.window or cfg.sliding_window,
                      "predicted_positions": sum(picks.values()), "predicted_distinct": len(picks),
                      "runners_up": self.runners_up, "runners_up_distinct": len(set(near) - set(picks)),
-                     "predicted_coverage": round(covered / max(1, sum(picks.values())), 6), "filled": filled}
+                     "predicted_coverage": coverage, "filled": filled}
 
     @torch.no_grad()
     def apply(self, model):
