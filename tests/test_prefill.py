@@ -141,7 +141,7 @@ def test_compiled_prefill_matches_eager():
 
 @pytest.mark.parametrize("pairs, stack", [(2, "plain"), (4, "plain"), (2, "int4"), (4, "int4")])
 def test_prefill_compiled_by_layer_regions_matches_eager(pairs, stack):
-    """compile_prefill="layers": each decoder layer's two regions (layer_qkv, layer_finish) compiled with
+    """compile_prefill="layers": each decoder layer's two regions (layer_qkv, DecoderLayer.finish) compiled with
     dynamic=True equal eager for prompts shorter and longer than the ring, padded or not, in one chunk or
     two; and the compilations do not grow with the layers: twice the layers of the same kinds, the same count
     (a region a kind: sliding / full, storing K/V / KV-shared, and the shared layers' one last row). The same

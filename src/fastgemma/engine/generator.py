@@ -9,7 +9,7 @@ import torch
 
 from ..checks import is_int
 from ..metrics.timing import StepClock, compiled_graphs
-from ..model.decoder import layer_finish, layer_qkv
+from ..model.decoder import DecoderLayer, layer_qkv
 from .cache import KVCache
 from .compile import compile_step
 from .steps import EagerStep, argmax_sampler, warm_on_side_stream
@@ -50,7 +50,7 @@ class Generator:
                  compile_prefill: bool | str | None = None, prefill_bucket: int | None = None):
         """compile_prefill: torch.compile(dynamic=True) the prompt chunks' forward (one compilation
         serves every prompt length; the first prefill pays it); "layers": compile a layer's two regions
-        instead (model/decoder.py layer_qkv, layer_finish: one compilation serves every layer of a kind,
+        instead (model/decoder.py layer_qkv, DecoderLayer.finish: one compilation serves every layer of a kind,
         the cache writes and attention between them run as they are). prefill_bucket > 0: a prompt that fits
         in one chunk is padded in front to a multiple of it (pads sit at the next position, invisible
         to the prompt) and, on CUDA, replayed from one CUDA graph per padded length (captured on first
@@ -83,7 +83,7 @@ class Generator:
         if compile is True and self._compiled_forward is None:
             self._compiled_forward = compile_step(self._forward, dynamic=True)
         if compile == "layers" and self._regions is None:
-            self._regions = (compile_step(layer_qkv, dynamic=True), compile_step(layer_finish, dynamic=True))
+            self._regions = (compile_step(layer_qkv, dynamic=True), compile_step(DecoderLayer.finish, dynamic=True))
         self._chunk_forward = {True: self._dynamic_forward, False: self._forward,
                                "layers": self._regional_forward}[compile]
         self.capture_prefill = bucket > 0 and self.device.type == "cuda"

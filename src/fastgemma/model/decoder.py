@@ -89,13 +89,8 @@ class DecoderLayer(nn.Module):
 
 def layer_qkv(layer: DecoderLayer, x, cos, sin):
     """A layer's work before its cache: the input norm, then q / k / v with their norms and RoPE (one of the
-    prompt forward's two compiled regions a layer, `Model.forward(regions=...)`)."""
+    prompt forward's two compiled regions a layer, `Model.forward(regions=...)`; DecoderLayer.finish the other)."""
     return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
-
-
-def layer_finish(layer: DecoderLayer, x, o, p):
-    """A layer after its attention (the other region): DecoderLayer.finish."""
-    return layer.finish(x, o, p)
 
 
 def _rounded(x: float, dtype) -> float:
@@ -188,7 +183,7 @@ class Gemma4Model(nn.Module):
         last position only); "none": None (a prompt chunk before the last: the KV-shared layers,
         which write nothing, are skipped). regions: (qkv, finish), each layer run as qkv(layer, x, cos,
         sin), its cache writes and attention, finish(layer, x, o, p) instead of through layer(...): the same
-        arithmetic, with `layer_qkv` / `layer_finish` compiled once for every layer of a kind (the
+        arithmetic, with `layer_qkv` / `DecoderLayer.finish` compiled once for every layer of a kind (the
         generator's compile_prefill="layers"); None: each layer called as a module (its hooks run)."""
         c = self.config
         T = ids.shape[1]

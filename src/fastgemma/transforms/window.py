@@ -9,7 +9,6 @@ from __future__ import annotations
 from ..checks import is_int
 
 
-
 class SlidingWindow:
     """size=None keeps the model's own window (the `native` choice)."""
 
