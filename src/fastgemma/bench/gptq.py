@@ -41,6 +41,9 @@ def linear_shapes(cfg: ModelConfig) -> Counter:
     return shapes
 
 
+LOOPS = {"torch": gptq_columns.columns_torch, "triton": gptq_columns.columns_triton}  # name: column loop, on a GPU
+
+
 def _case(N: int, K: int, tokens: int, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
     w = torch.randn(N, K, device=device, generator=g) * 0.02
@@ -61,7 +64,7 @@ def bench_gptq(cfg: ModelConfig, tokens: int = 8192, group_size: int = 128, act_
     """One dict per shape: its count, seconds per call of each loop, whether their codes agree."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    loops = loops or {"torch": gptq_columns.columns_torch, "triton": gptq_columns.columns_triton}
+    loops = loops or LOOPS
     shapes = sorted(linear_shapes(cfg).items())
     bad = [f"{kind} ({N} x {K})" for (kind, N, K), _ in shapes if K % group_size]
     if bad:
@@ -118,11 +121,11 @@ def main(argv=None):
         raise SystemExit("bench.gptq times the GPU's column loops: no CUDA device here (--device cpu for the twin)")
     if a.tokens < 1:
         raise SystemExit(f"--tokens must be >= 1, got {a.tokens}")
-    loops = None if a.device == "cuda" else {"torch": gptq_columns.columns_torch}
+    loops = LOOPS if a.device == "cuda" else {"torch": gptq_columns.columns_torch}
     with open(a.out, "w") if a.out else contextlib.nullcontext() as out:
         cfg = _or_exit(preset, a.model)
         rows = _or_exit(bench_gptq, cfg, a.tokens, a.group_size, not a.no_act_order, a.device, loops, out)
-    print(table(rows, list(loops or ("torch", "triton"))))
+    print(table(rows, list(loops)))
 
 
 if __name__ == "__main__":
