@@ -9,7 +9,7 @@ import torch
 
 from ..checks import is_int
 from ..metrics.timing import StepClock, compiled_graphs
-from ..model.decoder import DecoderLayer, layer_qkv
+from ..model.decoder import PromptRegions
 from .cache import KVCache
 from .compile import compile_step
 from .steps import EagerStep, argmax_sampler, warm_on_side_stream
@@ -83,7 +83,7 @@ class Generator:
         if compile is True and self._compiled_forward is None:
             self._compiled_forward = compile_step(self._forward, dynamic=True)
         if compile == "layers" and self._regions is None:
-            self._regions = (compile_step(layer_qkv, dynamic=True), compile_step(DecoderLayer.finish, dynamic=True))
+            self._regions = PromptRegions(*(compile_step(f, dynamic=True) for f in PromptRegions()))
         self._chunk_forward = {True: self._dynamic_forward, False: self._forward,
                                "layers": self._regional_forward}[compile]
         self.capture_prefill = bucket > 0 and self.device.type == "cuda"

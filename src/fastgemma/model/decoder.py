@@ -15,6 +15,7 @@ Two ways through the cache, one layer code:
 from __future__ import annotations
 
 import struct
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -87,12 +88,6 @@ class DecoderLayer(nn.Module):
         return x * self.layer_scalar
 
 
-def layer_qkv(layer: DecoderLayer, x, cos, sin):
-    """A layer's work before its cache: the input norm, then q / k / v with their norms and RoPE (one of the
-    prompt forward's two compiled regions a layer, `Model.forward(regions=...)`; DecoderLayer.finish the other)."""
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
-
-
 def _rounded(x: float, dtype) -> float:
     """x rounded to dtype, in pure Python (traceable by torch.compile, no device work)."""
     if dtype == torch.float32:
@@ -118,6 +113,49 @@ def sdpa(q, k, v, mask, scale: float):
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(1, 2).flatten(2)
+
+
+# ---- the prompt forward's pieces a layer: Model.forward(regions=PromptRegions(...)) ------------------------------
+def layer_qkv(layer: DecoderLayer, x, cos, sin):
+    """A layer's work before its cache: the input norm, then q / k / v with their norms and RoPE."""
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+def store_ring(k_cache, v_cache, ring_pos, k, v, pos, bidx, ring_rows, ring_slots):
+    """A sliding layer's chunk K/V [B, T, Hkv, D] into its ring [B, ring, Hkv, D]: returns what the chunk
+    attends to, the ring as it was then the chunk (K, V and positions), and writes the chunk's last rows."""
+    k_all, v_all = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
+    kv_pos = torch.cat([ring_pos, pos.to(torch.int32)], 1)
+    k_cache[bidx, ring_slots] = k[:, ring_rows]
+    v_cache[bidx, ring_slots] = v[:, ring_rows]
+    return k_all, v_all, kv_pos
+
+
+def store_full(k_cache, v_cache, k, v, pos, bidx, full_len: int):
+    """A full layer's chunk K/V written at its positions: returns the first full_len slots (K, V)."""
+    k_cache[bidx, pos] = k
+    v_cache[bidx, pos] = v
+    return k_cache[:, :full_len], v_cache[:, :full_len]
+
+
+def visible_sdpa(q, k, v, q_pos, kv_pos, window: int, scale: float):
+    """sdpa under the mask of `_visible`."""
+    return sdpa(q, k, v, _visible(q_pos, kv_pos, window), scale)
+
+
+class PromptRegions(NamedTuple):
+    """How the prompt forward runs a layer: qkv(layer, x, cos, sin), its cache writes (store_ring / store_full),
+    attend(q, k, v, q_pos, kv_pos, window, scale), finish(layer, x, o, p). The defaults are the plain functions;
+    the generator's compile_prefill="layers" compiles each once for every layer of a kind (the cache tensors
+    are arguments, written in place), so the prompt compiles in seconds where the whole forward takes minutes."""
+    qkv: Callable = layer_qkv
+    store_ring: Callable = store_ring
+    store_full: Callable = store_full
+    attend: Callable = visible_sdpa
+    finish: Callable = DecoderLayer.finish
+
+
+PLAIN = PromptRegions()
 
 
 class Gemma4Model(nn.Module):
@@ -181,10 +219,9 @@ class Gemma4Model(nn.Module):
         Generator.prefill) pads in front at the position after the prompt, which no prompt row sees.
         need="all": hidden [B, T, hidden]; "last": [B, 1, hidden] (the KV-shared layers run on the
         last position only); "none": None (a prompt chunk before the last: the KV-shared layers,
-        which write nothing, are skipped). regions: (qkv, finish), each layer run as qkv(layer, x, cos,
-        sin), its cache writes and attention, finish(layer, x, o, p) instead of through layer(...): the same
-        arithmetic, with `layer_qkv` / `DecoderLayer.finish` compiled once for every layer of a kind (the
-        generator's compile_prefill="layers"); None: each layer called as a module (its hooks run)."""
+        which write nothing, are skipped). regions: a `PromptRegions` whose pieces run each layer instead of
+        layer(...), the same arithmetic (the generator's compile_prefill="layers" passes them compiled);
+        None: each layer called as a module (its hooks run), its cache writes and attention the plain pieces."""
         c = self.config
         T = ids.shape[1]
         x, ple = self.embed(ids)
@@ -212,22 +249,14 @@ class Gemma4Model(nn.Module):
         def attend_qkv(layer, q, k, v):
             s = layer.spec
             if s.stores_kv:
-                if s.sliding:
-                    k_all = torch.cat([cache.k[s.index], k], 1)
-                    v_all = torch.cat([cache.v[s.index], v], 1)
-                    kv_pos = torch.cat([cache.ring_pos, pos.to(torch.int32)], 1)
-                    cache.k[s.index][bidx, ring_slots] = k[:, ring_rows]
-                    cache.v[s.index][bidx, ring_slots] = v[:, ring_rows]
-                else:
-                    cache.k[s.index][bidx, pos] = k
-                    cache.v[s.index][bidx, pos] = v
-                    k_all, v_all, kv_pos = cache.k[s.index][:, :full_len], cache.v[s.index][:, :full_len], arange
-                shared[s.sliding] = (k_all, v_all, kv_pos)
+                kc, vc = cache.k[s.index], cache.v[s.index]
+                shared[s.sliding] = (r.store_ring(kc, vc, cache.ring_pos, k, v, pos, bidx, ring_rows, ring_slots)
+                                     if s.sliding else (*r.store_full(kc, vc, k, v, pos, bidx, full_len), arange))
             k_all, v_all, kv_pos = shared[s.sliding]
-            mask = _visible(q_pos, kv_pos, window if s.sliding else full_len + 1)
-            return sdpa(q, k_all, v_all, mask, c.attn_scale)
+            return r.attend(q, k_all, v_all, q_pos, kv_pos, window if s.sliding else full_len + 1, c.attn_scale)
 
         rope_q = rope
+        r = regions or PLAIN
         for i, layer in enumerate(self.layers):
             if i == c.first_shared_layer and need != "all":
                 if need == "none":
@@ -239,7 +268,7 @@ class Gemma4Model(nn.Module):
             if regions is None:
                 x = layer(x, p, attend)
             else:
-                x = regions[1](layer, x, attend_qkv(layer, *regions[0](layer, x, *layer_rope(layer))), p)
+                x = r.finish(layer, x, attend_qkv(layer, *r.qkv(layer, x, *layer_rope(layer))), p)
         cache.ring_pos[bidx, ring_slots] = ring_row_pos.to(torch.int32)
         if need == "none":
             return None
