@@ -53,7 +53,7 @@
 #             96:4.2,64:0,... --layers 42"; default: the int4 frontier step's store layer)
 #   prefill   time to first token per prompt length and prompt path: eager, compiled, graph (padded,
 #             one CUDA graph per padded length), compiled_graph, layers / layers_graph (each decoder layer's
-#             two regions compiled instead of the whole forward) (bench.prefill; PREFILL_ARGS, e.g.
+#             regions compiled instead of the whole forward) (bench.prefill; PREFILL_ARGS, e.g.
 #             "--variants graph,compiled_graph --prompt-lens 100,256,1024"; compiling takes ~4 min)
 #   spec      speculative decoding: depth x acceptance profile x window (bench.spec); compiled, as in
 #             docs/results.md: SPEC_ARGS="--compile --depths 7 --profiles frontier --mtp-depth 0 --prompts 2

@@ -6,6 +6,7 @@ ring's slack, for speculative decoding and for a batch; the compiled (dynamic) f
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,7 +177,18 @@ def test_compile_prefill_values_are_checked(model, bad):
     if bad is not None:  # None: the config's "as compile"
         with pytest.raises(ValueError, match="compile_prefill must be"):
             CudaGraph(compile_prefill=bad)
-    assert CudaGraph(compile=True, compile_prefill="layers").describe()["compile_prefill"] == "layers"
+    assert CudaGraph(compile=True, compile_prefill=True).describe()["compile_prefill"] is True
+    # unsaid: the layer regions with a compiled step (graphs=compiled's default), eager without
+    assert CudaGraph(compile=True).describe()["compile_prefill"] == "layers"
+    assert CudaGraph().describe()["compile_prefill"] is False
+
+
+def test_graphs_compiled_config_compiles_the_prompt_by_layer_regions():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "conf" / "graphs" / "compiled.yaml")
+    assert instantiate(cfg).describe()["compile_prefill"] == "layers"
 
 
 def test_warm_on_side_stream_runs_on_a_side_stream(monkeypatch):

@@ -1,5 +1,5 @@
 """Probe: how long torch.compile takes over the prompt's forward, the whole forward (graphs.compile_prefill=true)
-against each decoder layer's two regions (compile_prefill=layers), on E4B's layer layout (42 layers, 5 sliding : 1
+against each decoder layer's regions (compile_prefill=layers), on E4B's layer layout (42 layers, 5 sliding : 1
 full, 18 KV-shared, PLE) at a toy width, so that it runs on a CPU; compiling depends on the graph, not the widths.
 Each prompt's first prefill is timed (the compile falls in the first one that needs a new graph) and its last hidden
 state compared with the eager forward's. One mode a process: point TORCHINDUCTOR_CACHE_DIR at an empty folder for a
@@ -37,7 +37,7 @@ def toy_config(layers: int):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", required=True, help="true (the whole forward) | layers (each layer's two regions)")
+    ap.add_argument("--mode", required=True, help="true (the whole forward) | layers (each layer's regions)")
     ap.add_argument("--layers", type=int, default=42)
     ap.add_argument("--prompt-lens", default="100,150,300,37", help="prompts in this order, comma-separated")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk: a longer prompt adds a chunk before the last")

@@ -6,7 +6,8 @@ argmax). Same synthetic weights for all rows.
 
 Variants: eager (the forward as is), compiled (torch.compile, dynamic=True), graph (the prompt padded
 in front to a multiple of --bucket and replayed from one CUDA graph per padded length, as
-graphs=cuda_graph does), compiled_graph (both, as graphs=compiled does). A row times
+graphs=cuda_graph does), compiled_graph (both, as graphs=compiled graphs.compile_prefill=true does), layers /
+layers_graph (each decoder layer's regions compiled instead: graphs=compiled's default). A row times
 `Generator.prefill` + the sampler's first token (what TTFT counts), median of --repeats after
 --warmup calls of the same length (the first call of a variant compiles or captures: `first call s`). --profile also traces one prefill per length: kernels,
 kernel time by group and the top kernels; wall minus kernel time is what the host adds (launches,
@@ -108,8 +109,8 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="eager (the forward as is), compiled (torch.compile dynamic=True), graph (padded to "
                          "--bucket, one CUDA graph per padded length: graphs=cuda_graph), compiled_graph "
-                         "(both: graphs=compiled), layers / layers_graph (each decoder layer's two regions "
-                         "compiled instead of the whole forward: graphs.compile_prefill=layers)")
+                         "(both: graphs=compiled graphs.compile_prefill=true), layers / layers_graph (each decoder "
+                         "layer's regions compiled instead of the whole forward: graphs=compiled's default)")
     ap.add_argument("--bucket", type=int, default=PREFILL_BUCKET, help="padding multiple of the graph variants")
     ap.add_argument("--tiles", default="table",
                     help="int4 tiles of the prompt chunks, comma-separated: table, per_group (the table "

@@ -248,7 +248,8 @@ def main(argv=None):
     ap.add_argument("--prefill", default="graph",
                     help="the prompt's path, comma-separated for one row each (same captured decode graphs): "
                          "eager, graph (padded, one CUDA graph per padded length: graphs=cuda_graph), "
-                         "compiled_graph (+ torch.compile dynamic=True: graphs=compiled), compiled")
+                         "layers_graph (+ each decoder layer's regions compiled: graphs=compiled), compiled_graph "
+                         "(+ the whole forward compiled: graphs.compile_prefill=true), compiled, layers")
     ap.add_argument("--bookkeeping", default="on",
                     help="the accept bookkeeping and replay's drafts in one kernel each (on: kernels/spec_accept.py) "
                          "or as torch ops (off: their twins); on,off: a row each (a CPU without TRITON_INTERPRET "

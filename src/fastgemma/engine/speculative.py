@@ -32,7 +32,7 @@ import torch
 from ..checks import is_int
 from ..metrics.timing import StepClock
 from .compile import compile_step
-from .generator import Generation, GenerationError, Generator
+from .generator import Generation, GenerationError, Generator, prompt_compile_for
 from .steps import PREFILL_BUCKET, argmax_sampler, warm_on_side_stream
 
 # conditional per-position acceptance (P(accept draft j | drafts < j accepted)) measured in the
@@ -148,7 +148,7 @@ class SpecGenerator(Generator):
         if prefill_bucket is None:
             prefill_bucket = getattr(step, "prefill_bucket", PREFILL_BUCKET if graphs else 0)
         if compile_prefill is None:
-            compile_prefill = getattr(step, "compile_prefill", compile)
+            compile_prefill = getattr(step, "compile_prefill", prompt_compile_for(compile))
         super().__init__(model, cache, step, prefill_chunk=prefill_chunk, sampler=sampler,
                          compile_prefill=compile_prefill, prefill_bucket=prefill_bucket)
         if not is_int(depth, 1, cache.step_rows - 1):

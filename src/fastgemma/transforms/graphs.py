@@ -5,14 +5,15 @@
   CPU twin of the captured step, same code without the capture.
 - CudaGraph: the static step captured once in a torch.cuda.CUDAGraph and replayed (CUDA only);
   compile=True first runs the step body through torch.compile (elementwise fusion), and the
-  prompt's forward too (dynamic=True: one compilation for every length). prefill_bucket > 0: the
+  prompt's forward too (dynamic=True: one compilation for every length; by default each decoder layer's
+  regions, compile_prefill=True the whole forward). prefill_bucket > 0: the
   prompt is padded to a multiple of it and replayed from one CUDA graph per padded length
   (Generator.prefill; captured in the warm-up by Generator.warm_prefill).
 """
 from __future__ import annotations
 
 from ..checks import is_int
-from ..engine.generator import is_prompt_compile
+from ..engine.generator import is_prompt_compile, prompt_compile_for
 from ..engine.steps import PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
 
 
@@ -49,9 +50,9 @@ class CudaGraph:
         self.warmup_iters, self.compile, self.prefill_bucket = warmup_iters, bool(compile), prefill_bucket
         if compile_prefill is not None and not is_prompt_compile(compile_prefill):
             raise ValueError(f"compile_prefill must be true (the prompt's whole forward), layers (each decoder "
-                             f"layer's two regions, compiled once for every layer of a kind), false or null (as "
-                             f"`compile`), got {compile_prefill!r}")
-        self.compile_prefill = self.compile if compile_prefill is None else compile_prefill
+                             f"layer's regions, compiled once for every layer of a kind), false or null (layers "
+                             f"with `compile`, else false), got {compile_prefill!r}")
+        self.compile_prefill = prompt_compile_for(self.compile) if compile_prefill is None else compile_prefill
 
     def make_step(self, model, cache, sampler):
         return GraphStep(model, cache, sampler, compile=self.compile, warmup_iters=self.warmup_iters,
