@@ -98,6 +98,16 @@ def test_spec_with_padded_prefill_equals_ar(model, k):
         assert gen.generate(_prompt(T), NEW).tokens == ar
 
 
+def test_spec_with_the_prompt_by_layer_regions_equals_ar(model):
+    """graphs=compiled's prompt path under speculative decoding: the layer regions compiled, the phases eager."""
+    drafter = synthetic_drafter(TINY, dtype=torch.float32, seed=0)
+    ar = _gen(model, 0).generate(_prompt(23), NEW).tokens
+    gen = SpecGenerator(model, KVCache(TINY, 1, 23 + NEW, window=WINDOW, dtype=torch.float32), drafter, 4,
+                        compile_prefill="layers", prefill_bucket=0)
+    assert gen.compile_prefill == "layers"
+    assert gen.generate(_prompt(23), NEW).tokens == ar
+
+
 def test_bad_buckets_are_refused(model):
     with pytest.raises(GenerationError, match="prefill_bucket"):
         _gen(model, -1)
