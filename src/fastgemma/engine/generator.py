@@ -56,7 +56,7 @@ class Generator:
     def __init__(self, model, cache: KVCache, step=None, *, prefill_chunk: int = 2048, sampler=argmax_sampler,
                  compile_prefill: bool | str | None = None, prefill_bucket: int | None = None):
         """compile_prefill: torch.compile(dynamic=True) the prompt chunks' forward (one compilation
-        serves every prompt length; the first prefill pays it); "layers": compile a layer's two regions
+        serves every prompt length; the first prefill pays it); "layers": compile a layer's pieces
         instead (model/decoder.py PromptRegions: q / k / v, the cache writes, the attention, the rest; one
         compilation serves every layer of a kind). prefill_bucket > 0: a prompt that fits
         in one chunk is padded in front to a multiple of it (pads sit at the next position, invisible
