@@ -584,6 +584,9 @@ def test_prefill_bench_on_the_cpu(tmp_path):
     assert [(r["variant"], r["prompt_len"], r["padded_len"]) for r in rows] == [
         ("eager", 5, 5), ("eager", 40, 40), ("graph", 5, 16), ("graph", 40, 48)]
     assert all(r["ttft_ms"] > 0 and r["prefill_tps"] > 0 and isinstance(r["dynamo_graphs"], int) for r in rows)
+    # every row checked against the eager, unpadded forward: eager itself exactly, the padded path to rounding
+    assert [r["hidden_max_diff"] for r in rows[:2]] == [0.0, 0.0]
+    assert all(r["first_token_same"] and r["hidden_max_diff"] < 1e-4 * max(r["hidden_max"], 1.0) for r in rows)
     for bad, msg in ((["--variants", "fast"], "eager, compiled, graph"), (["--prompt-lens", "0"], "positive"),
                      (["--bucket", "0"], "--bucket")):
         with pytest.raises(SystemExit, match=msg):

@@ -9,7 +9,9 @@ in front to a multiple of --bucket and replayed from one CUDA graph per padded l
 graphs=cuda_graph does), compiled_graph (both, as graphs=compiled graphs.compile_prefill=true does), layers /
 layers_graph (each decoder layer's regions compiled instead: graphs=compiled's default). A row times
 `Generator.prefill` + the sampler's first token (what TTFT counts), median of --repeats after
---warmup calls of the same length (the first call of a variant compiles or captures: `first call s`). --profile also traces one prefill per length: kernels,
+--warmup calls of the same length (the first call of a variant compiles or captures: `first call s`); each row's
+prompt output is then compared with the eager, unpadded forward's (the last hidden state's max abs difference, and
+the first token). --profile also traces one prefill per length: kernels,
 kernel time by group and the top kernels; wall minus kernel time is what the host adds (launches,
 Python). Prints one JSON line per row (--out: JSONL), then a markdown table last.
 """
@@ -41,6 +43,20 @@ def time_prefill(gen: Generator, ids: torch.Tensor, repeats: int, warmup: int) -
         if i >= warmup:
             out.append(time.perf_counter() - t)
     return out
+
+
+def prefill_output(gen: Generator, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's last hidden state (fp32) and first token, copied out of any captured graph's buffers."""
+    h = gen.prefill(ids)
+    return h.float().clone(), gen.sampler(gen.model, h)[0].clone()
+
+
+def against(out: tuple, ref: tuple) -> dict:
+    """A variant's prefill output against the eager forward's: max abs difference of the last hidden state
+    (with the reference's own max abs, for scale) and whether the first token is the same."""
+    (h, tok), (rh, rtok) = out, ref
+    return dict(hidden_max_diff=(h - rh).abs().max().item(), hidden_max=rh.abs().max().item(),
+                first_token_same=bool(torch.equal(tok, rtok)))
 
 
 # name -> (torch.compile the forward, pad and capture per padded length)
@@ -151,8 +167,11 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     prompts = {L: torch.randint(10, cfg.vocab_size, (1, L), generator=g).to(dev) for L in lens}
     rows = []
+    reference = Generator(model, cache, sampler=sampler, prefill_chunk=a.chunk, compile_prefill=False,
+                          prefill_bucket=0)  # each row's output is checked against this eager, unpadded one
     for tname, table in tables.items():
         use_tiles(table)
+        ref = {L: prefill_output(reference, ids) for L, ids in prompts.items()}
         for v in variants:
             gen = fwd[VARIANTS[v][0]]
             set_variant(gen, v, a.bucket)  # drops graphs captured with other tiles
@@ -165,7 +184,8 @@ def main(argv=None):
                 row = dict(variant=v, tiles=tname, prompt_len=L, padded_len=gen.padded_length(L) or L, ttft_ms=ms, ttft_ms_min=min(s) * 1e3,
                            prefill_tps=L / ms * 1e3, first_call_s=first_s, gpu=gpu, model=cfg.name, head=a.head,
                            window=window or cfg.sliding_window, chunk=a.chunk,
-                           dynamo_graphs=dynamo_counters["stats"]["unique_graphs"])  # compilations so far
+                           dynamo_graphs=dynamo_counters["stats"]["unique_graphs"],  # compilations so far
+                           **against(prefill_output(gen, ids), ref[L]))
                 if a.profile and cuda:
                     from .profile import print_kernels, profile_calls, summarize_kernels
 
@@ -185,12 +205,14 @@ def main(argv=None):
     print(f"\n{cfg.name} synthetic, int4 g128 body + {a.head} head, window {window or cfg.sliding_window}, "
           f"chunk {a.chunk}; {gpu}")
     print("| variant | int4 tiles | prompt | padded | TTFT ms | min ms | prefill tok/s | first call s | compiled graphs "
-          "| kernels | kernel ms | host ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| vs eager: hidden max diff (of max) | first token | kernels | kernel ms | host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         prof = [f"{r[key]:.{nd}f}" if key in r else "" for key, nd in (("kernels", 0), ("kernel_ms", 2), ("host_ms", 2))]
         print(f"| {r['variant']} | {r['tiles']} | {r['prompt_len']} | {r['padded_len']} | {r['ttft_ms']:.2f} | {r['ttft_ms_min']:.2f} | "
-              f"{r['prefill_tps']:.0f} | {r['first_call_s']:.1f} | {r['dynamo_graphs']} | {' | '.join(prof)} |")
+              f"{r['prefill_tps']:.0f} | {r['first_call_s']:.1f} | {r['dynamo_graphs']} | "
+              f"{r['hidden_max_diff']:.3g} ({r['hidden_max']:.3g}) | {'same' if r['first_token_same'] else 'DIFFERS'} | "
+              f"{' | '.join(prof)} |")
 
 if __name__ == "__main__":
     main()
