@@ -179,6 +179,26 @@ def test_prefill_compiled_by_layer_regions_matches_eager(pairs, stack):
     assert counters["stats"]["unique_graphs"] - graphs == 14
 
 
+def test_layer_regions_compile_once_when_the_first_prompt_has_a_weight_size():
+    """A first prompt as long as a head_dim (32 and 64 here; 256 and 512 on E4B, both padded lengths) compiles
+    the regions for every length: without duck sizing its length does not take the weight's static size."""
+    from torch._dynamo.utils import counters
+
+    cfg = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
+    m = synthetic_model(cfg, dtype=torch.float32, seed=1)
+    eager = Generator(m, KVCache(cfg, 1, 96, window=WINDOW, dtype=torch.float32), prefill_chunk=64)
+    for first in (cfg.head_dim, cfg.global_head_dim):
+        torch._dynamo.reset()
+        regional = Generator(m, KVCache(cfg, 1, 96, window=WINDOW, dtype=torch.float32), prefill_chunk=64,
+                             compile_prefill="layers")
+        graphs = []
+        for T in (first, 20, 45, 7):
+            ids = torch.tensor([_prompt(T)])
+            assert (regional.prefill(ids) - eager.prefill(ids)).abs().max().item() < 1e-4
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs == graphs[:1] * 4, (first, graphs)
+
+
 @pytest.mark.parametrize("bad", ["layer", "true", 1, 0.0, None, [True]])
 def test_compile_prefill_values_are_checked(model, bad):
     with pytest.raises(GenerationError, match="compile_prefill must be"):

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from ..checks import is_int
 from ..metrics.timing import StepClock, compiled_graphs
@@ -146,7 +147,11 @@ class Generator:
         return self.model(chunk, pos, self.cache, start=start, need=need)
 
     def _regional_forward(self, chunk, pos, start: int, need: str):
-        return self.model(chunk, pos, self.cache, start=start, need=need, regions=self._regions)
+        # no duck sizing while the regions trace: a prompt length equal to a weight's static size (64 rows
+        # against a head_dim of 64) took that size's symbol, the regions compiled for that length alone, and
+        # every other length recompiled them (sweeps/probes/prompt_compile.py --prompt-lens 64,5)
+        with fx_config.patch(use_duck_shape=False):
+            return self.model(chunk, pos, self.cache, start=start, need=need, regions=self._regions)
 
     def _dynamic_forward(self, chunk, pos, start: int, need: str):
         # the prompt length marked dynamic from the first call: on the H200 the first compile (a
