@@ -199,6 +199,39 @@ def test_layer_regions_compile_once_when_the_first_prompt_has_a_weight_size():
         assert graphs == graphs[:1] * 4, (first, graphs)
 
 
+def test_chunk_starts_keep_the_last_chunk_long():
+    from fastgemma.engine.generator import MIN_LAST_CHUNK, chunk_starts
+
+    assert chunk_starts(40, 16) == [0, 16, 32]  # a last chunk of 8 as it is
+    assert chunk_starts(33, 16) == [0, 16, 25]  # 1 token left: the last chunk takes 8
+    assert chunk_starts(5, 16) == [0] and chunk_starts(16, 16) == [0] and chunk_starts(17, 4) == [0, 4, 8, 12, 13]
+    assert MIN_LAST_CHUNK == 8
+    for T in range(1, 70):
+        for c in (1, 3, 8, 16, 32):
+            s = chunk_starts(T, c)
+            ends = s[1:] + [T]
+            assert s[0] == 0 and all(0 < e - b <= c for b, e in zip(s, ends))
+            assert T - s[-1] >= min(T, c, MIN_LAST_CHUNK)
+
+
+def test_a_prompt_one_token_past_a_chunk_compiles_nothing_new_and_equals_one_chunk():
+    """Chunks of 32: a 33-token prompt runs as 32 - 7 = 25 + 8 tokens (no 1-token chunk, so no compile of its
+    own after a 40-token prompt), and its last hidden state is the one-chunk prefill's."""
+    from torch._dynamo.utils import counters
+
+    cfg = dataclasses.replace(TINY, num_layers=4, num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
+    m = synthetic_model(cfg, dtype=torch.float32, seed=1)
+    whole = Generator(m, KVCache(cfg, 1, 96, window=WINDOW, dtype=torch.float32), prefill_chunk=64)
+    torch._dynamo.reset()
+    regional = Generator(m, KVCache(cfg, 1, 96, window=WINDOW, dtype=torch.float32), prefill_chunk=32,
+                         compile_prefill="layers")
+    regional.prefill(torch.tensor([_prompt(40)]))
+    graphs = counters["stats"]["unique_graphs"]
+    ids = torch.tensor([_prompt(33)])
+    assert (regional.prefill(ids) - whole.prefill(ids)).abs().max().item() < 1e-4
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("bad", ["layer", "true", 1, 0.0, None, [True]])
 def test_compile_prefill_values_are_checked(model, bad):
     with pytest.raises(GenerationError, match="compile_prefill must be"):

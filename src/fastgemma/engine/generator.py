@@ -51,6 +51,21 @@ def prompt_compile_for(compile: bool) -> bool | str:
     return "layers" if compile else False
 
 
+MIN_LAST_CHUNK = 8  # a chunked prompt's last chunk is at least this long (or the whole prompt)
+
+
+def chunk_starts(T: int, chunk: int) -> list[int]:
+    """Where a T-token prompt's chunks start: every `chunk` tokens, except that the last chunk takes
+    MIN_LAST_CHUNK tokens (at most `chunk`) from the one before it when it would be shorter. A compiled forward
+    specializes a 1-token chunk (and its guards a 2-token one): a 4,097-token prompt would compile it again,
+    seconds for the layer regions and minutes for the whole forward, before its first token."""
+    starts = list(range(0, T, chunk))
+    want = min(MIN_LAST_CHUNK, chunk)
+    if len(starts) > 1 and T - starts[-1] < want:
+        starts[-1] = T - want
+    return starts
+
+
 class Generator:
     """generate(prompt_ids, max_new_tokens, ignore_eos) on top of a model, a cache and a step."""
 
@@ -134,13 +149,13 @@ class Generator:
             return self._padded_prefill(ids, padded)
         self.cache.reset()
         h = None
-        for start in range(0, T, c):
+        starts = chunk_starts(T, c)
+        for start, end in zip(starts, starts[1:] + [T]):
             # a fresh inference tensor like the padded path's and the graphs' inputs (their dispatch
             # keys and strides are guards of the compiled forward)
-            chunk = ids[:, start:start + c].clone(memory_format=torch.contiguous_format)
-            pos = torch.arange(start, start + chunk.shape[1], device=self.device)[None].expand_as(chunk)
-            last = start + c >= T
-            h = self._chunk_forward(chunk, pos, start, "last" if last else "none")
+            chunk = ids[:, start:end].clone(memory_format=torch.contiguous_format)
+            pos = torch.arange(start, end, device=self.device)[None].expand_as(chunk)
+            h = self._chunk_forward(chunk, pos, start, "last" if end == T else "none")
         return h
 
     def _forward(self, chunk, pos, start: int, need: str):
