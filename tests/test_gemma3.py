@@ -210,3 +210,16 @@ def test_gemma3_config_json_layouts():
 def test_gemma3_config_refusals(extra, message):
     with pytest.raises(ConfigError, match=message):
         from_hf_dict(_g3(**extra))
+
+
+def test_tiny_gemma3_prompt_by_layer_regions(tiny_pair):
+    """compile_prefill="layers" (graphs=compiled's prompt path) on Gemma 3's layers (no PLE, softcap, linear RoPE
+    on full layers): the prompt in chunks of 7 through the compiled regions, then greedy decode, gives
+    transformers' tokens."""
+    hf, ours = tiny_pair
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=12, do_sample=False)[0, 40:].tolist()
+    cache = KVCache(ours.config, 1, 128, dtype=torch.float32)
+    gen = Generator(ours, cache, EagerStep(ours, cache), prefill_chunk=7, compile_prefill="layers")
+    assert gen.generate(ids, 12).tokens == ref
