@@ -100,8 +100,8 @@ class Generator:
         if not is_int(bucket, 0):
             raise GenerationError(f"prefill_bucket must be an integer >= 0 (0: no padding), got {bucket!r}")
         if not is_prompt_compile(compile):
-            raise GenerationError(f"compile_prefill must be true (the whole forward), \"layers\" (each layer's two "
-                                  f"regions) or false, got {compile!r}")
+            raise GenerationError(f"compile_prefill must be true (the whole forward), \"layers\" (each layer's "
+                                  f"pieces, PromptRegions) or false, got {compile!r}")
         self.compile_prefill, self.prefill_bucket = compile, bucket
         if compile is True and self._compiled_forward is None:
             self._compiled_forward = compile_step(self._forward, dynamic=True)
