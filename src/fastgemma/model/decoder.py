@@ -115,7 +115,13 @@ def sdpa(q, k, v, mask, scale: float):
     return o.transpose(1, 2).flatten(2)
 
 
-# ---- the prompt forward's pieces a layer: Model.forward(regions=PromptRegions(...)) ------------------------------
+# ---- the prompt forward's pieces: Model.forward(regions=PromptRegions(...)) -------------------------------------
+def prompt_inputs(model, ids, pos):
+    """A chunk's inputs before the first layer: embeddings x0, per-layer inputs (or None), RoPE by kind."""
+    x, ple = model.embed(ids)
+    return x, ple, model.rope(pos, x.dtype)
+
+
 def layer_qkv(layer: DecoderLayer, x, cos, sin):
     """A layer's work before its cache: the input norm, then q / k / v with their norms and RoPE."""
     return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
@@ -144,10 +150,12 @@ def visible_sdpa(q, k, v, q_pos, kv_pos, window: int, scale: float):
 
 
 class PromptRegions(NamedTuple):
-    """How the prompt forward runs a layer: qkv(layer, x, cos, sin), its cache writes (store_ring / store_full),
-    attend(q, k, v, q_pos, kv_pos, window, scale), finish(layer, x, o, p). The defaults are the plain functions;
-    the generator's compile_prefill="layers" compiles each once for every layer of a kind (the cache tensors
-    are arguments, written in place), so the prompt compiles in seconds where the whole forward takes minutes."""
+    """How the prompt forward runs: inputs(model, ids, pos) once, then each layer as qkv(layer, x, cos, sin), its
+    cache writes (store_ring / store_full), attend(q, k, v, q_pos, kv_pos, window, scale), finish(layer, x, o, p).
+    The defaults are the plain functions; the generator's compile_prefill="layers" compiles each once (a layer's
+    once for every layer of a kind; the cache tensors are arguments, written in place), so the prompt compiles
+    in seconds where the whole forward takes minutes."""
+    inputs: Callable = prompt_inputs
     qkv: Callable = layer_qkv
     store_ring: Callable = store_ring
     store_full: Callable = store_full
@@ -224,8 +232,8 @@ class Gemma4Model(nn.Module):
         None: each layer called as a module (its hooks run), its cache writes and attention the plain pieces."""
         c = self.config
         T = ids.shape[1]
-        x, ple = self.embed(ids)
-        rope = self.rope(pos, x.dtype)
+        r = regions or PLAIN
+        x, ple, rope = r.inputs(self, ids, pos)
         # the last min(T, ring) rows go to the ring, as `ring` row indices clamped at 0 (a short chunk
         # writes its row 0 several times, the same values): fixed shapes, no branch on T vs ring, so
         # one torch.compile(dynamic=True) graph serves prompts shorter and longer than the ring
@@ -256,7 +264,6 @@ class Gemma4Model(nn.Module):
             return r.attend(q, k_all, v_all, q_pos, kv_pos, window if s.sliding else full_len + 1, c.attn_scale)
 
         rope_q = rope
-        r = regions or PLAIN
         for i, layer in enumerate(self.layers):
             if i == c.first_shared_layer and need != "all":
                 if need == "none":
