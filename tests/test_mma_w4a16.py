@@ -473,3 +473,49 @@ def test_persistent_config_text_and_refusals():
     assert "hw" in config_problem(MmaConfig(2, 4, hw=16), 64, 1024, 128, "none")
     assert "persist" in config_problem(MmaConfig(2, 4, persist=1, splits=2), 64, 1024, 128, "none")
     assert "fresh" in config_problem(MmaConfig(2, 4, fresh=True), 64, 1024, 128, "none")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the kernel runs under TRITON_INTERPRET=1 on a CPU")
+def test_embedding_projection_on_the_tensor_cores(monkeypatch):
+    """int4_mma, not batch_invariant: the embedding's PLE context projection (W_plm) takes the tensor-core
+    kernel where the table has a one-row entry for its shape (FuseLayers gives it the fragment-order copy),
+    its own launch at rows without an entry and where the table has none; the PLE inputs equal the model's
+    own embedding to bf16 rounding (its projection as the twin: the interpreter's per-group tl.dot is the
+    bug above)."""
+    import fastgemma.kernels.mma_table as mma_table
+    import fastgemma.kernels.mma_w4a16 as mma_mod
+    import fastgemma.kernels.w4a16 as w4a16_mod
+    from fastgemma.model.config import GEMMA4_TINY
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.fused_layer_ops import _embed
+    from fastgemma.transforms.quant import Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    def build():
+        model = synthetic_model(GEMMA4_TINY, "cpu", torch.bfloat16, seed=5)
+        Int4Quant(group_size=64, skip=("per_layer_projection", "per_layer_input_gate"), backend="triton").apply(model)
+        FuseLayers(backend="triton", int4_mma=True).apply(model)
+        plm = model.per_layer_model_projection
+        monkeypatch.setattr(plm, "_matmul", lambda x, qw, s, z, g, cfg, sz=None: w4a16_mod.w4a16_torch(x, qw, s, z, g))
+        return model, plm
+
+    key = (GEMMA4_TINY.num_layers * GEMMA4_TINY.ple_dim, GEMMA4_TINY.hidden_size, False)
+    calls = []
+    real = mma_mod.mma_w4a16
+    monkeypatch.setattr(mma_mod, "mma_w4a16", lambda *a, **k: calls.append((a[0].shape[0], a[1].N)) or real(*a, **k))
+    monkeypatch.setitem(mma_table.MMA_CONFIGS, key, MmaConfig(1, 1))
+    model, plm = build()
+    assert plm.mma
+    for ids in (torch.tensor([[7]]), torch.tensor([[3, 4, 5, 6, 7]])):
+        calls.clear()
+        x, ple = _embed(model, ids, False, True, False, True)
+        x_ref, ple_ref = model.embed(ids)
+        assert torch.equal(x, x_ref)
+        assert (ple.float() - ple_ref.float()).abs().max().item() <= 0.02 * ple_ref.float().abs().max().item()
+        assert calls == ([(1, plm.out_features)] if ids.shape[1] == 1 else [])  # no 5-row entry: its own launch
+    calls.clear()
+    monkeypatch.delitem(mma_table.MMA_CONFIGS, key)
+    model, plm = build()
+    assert not plm.mma
+    _, ple = _embed(model, torch.tensor([[7]]), False, True, False, True)
+    assert calls == [] and torch.equal(ple, model.embed(torch.tensor([[7]]))[1])

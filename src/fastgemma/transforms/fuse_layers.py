@@ -191,7 +191,7 @@ class FuseLayers:
         for line in settle_cuda_entries(next(model.parameters()).device):
             log.warning("the tensor-core table's CUDA entry %s", line)
         mods = [(role, mod) for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
-        if self.batch_invariant and model.config.ple_dim:  # the embedding's PLE projection (`_embed`)
+        if model.config.ple_dim:  # the embedding's PLE projection (`_embed`)
             mods.append(("ple_model", model.per_layer_model_projection))
         for role, mod in mods:
             shape = (mod.out_features, mod.in_features) if isinstance(mod, Int4Linear) else None

@@ -264,19 +264,27 @@ def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale:
     return o.flatten(2)
 
 
-def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool):
+def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool = False):
     """model.embed(ids); invariant (fuse.batch_invariant, Triton): the PLE context projection on the
     tensor-core kernel's one-row config (int4) or the skinny GEMM (dense) and its RMSNorm in
     kernels/residual_norm.py, one program per row, so each row's PLE input does not depend on the
     rows beside it (a dense projection's cuBLAS GEMV and GEMM, inductor's reductions, may sum in
-    other orders at 1 and k+1 rows)."""
-    if not (invariant and triton_ops and model.config.ple_dim):
+    other orders at 1 and k+1 rows). mma (fuse.int4_mma, Triton), not invariant: an int4 projection on the
+    tensor-core kernel where its table has the rows' config (else the linear's own launch), the norm as
+    the model computes it."""
+    if not (triton_ops and model.config.ple_dim) or not (invariant or mma):
         return model.embed(ids)
     from ..kernels.residual_norm import residual_norm_op
     from ..kernels.skinny_gemm import skinny_matmul_op
     from .quant import Int4Linear
 
     proj, norm, c = model.per_layer_model_projection, model.per_layer_projection_norm, model.config
+    if not invariant:
+        def on_mma(x0):
+            y = _mma_call(proj, x0.reshape(-1, x0.shape[-1]), "none", pdl)
+            return proj(x0) if y is None else y.reshape(*x0.shape[:-1], -1)
+
+        return model.embed(ids, on_mma)
 
     def project(x0):
         x2 = x0.reshape(-1, x0.shape[-1])

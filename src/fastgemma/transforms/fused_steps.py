@@ -37,7 +37,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     attn_fold (with norm_fold and attn_qkv): the attention's combine folded into o where o is the fold's
     producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers)."""
     c = model.config
-    x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
+    x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
     fold = _Fold(c.rms_eps, c.norm_offset, pdl) if norm_fold and int4_mma and triton_ops and not batch_invariant \
@@ -184,7 +184,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl, int4_mma=int4_mma,
                               invariant=batch_invariant)
 
-    x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl)
+    x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
     lead = x.shape[:-1]
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     h = x.reshape(-1, x.shape[-1])
