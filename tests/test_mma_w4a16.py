@@ -405,6 +405,7 @@ def test_table_from_text():
     assert parse_table("none") == {}
     assert parse_table("o_full@1=2x8,PLE_projection@8=1x1") == {(2560, 4096, False): MmaConfig(2, 8),
                                                                  (2560, 256, True): MmaConfig(1, 1)}
+    assert parse_table("W_plm@1=1x4i2") == {(10752, 2560, False): MmaConfig(1, 4, iters=2)}  # a name with '_'
     for bad in ("foo@1=1x1", "o@0=1x1", "o@1=2", "o=1x1", "o@1=1x1s"):
         with pytest.raises(ValueError, match="CASE@ROWS=TxW"):
             parse_table(bad)

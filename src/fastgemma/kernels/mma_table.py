@@ -179,12 +179,13 @@ def parse_table(spec: str) -> dict[tuple, MmaConfig]:
     for item in [x.strip() for x in spec.split(",") if x.strip()]:
         if item == "none":
             continue
-        m = re.fullmatch(r"(.+)@(\d+|inv)=(" + _CUDA_RE + "|" + _CONFIG_RE + ")", item.replace("_", " "))
-        if not m or m.group(1) not in E4B_CASES or m.group(2) == "0":
+        m = re.fullmatch(r"(.+)@(\d+|inv)=(" + _CUDA_RE + "|" + _CONFIG_RE + ")", item)
+        case = m and (m.group(1) if m.group(1) in E4B_CASES else m.group(1).replace("_", " "))  # W_plm, o_full
+        if not m or case not in E4B_CASES or m.group(2) == "0":
             raise ValueError(f"mma table entry {item!r}: CASE@ROWS=TxW[dD][iI][sS][pR][f][nH][rG][g] (or "
                              f"cudaWxS[cC][g]; ROWS 1.. or 'inv') with CASE one of {sorted(E4B_CASES)}, e.g. "
                              "'down@1=1x4s4'")
-        N, K, _ = E4B_CASES[m.group(1)]
+        N, K, _ = E4B_CASES[case]
         table[(N, K) if m.group(2) == "inv" else (N, K, int(m.group(2)) > 1)] = parse_config(m.group(3))
     return table
 
