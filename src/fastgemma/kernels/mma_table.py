@@ -88,6 +88,9 @@ MMA_CONFIGS: dict[tuple[int, int, bool], MmaConfig] = {
     # (kernels/cuda_gemm.py; that Triton entry where nvcc or sm_90 is missing), also as the norm fold's consumer:
     # 9.53 us against 12.91 for the Triton fold, the frontier AR step 1.705 -> 1.615 ms (run JX)
     (20480, 2560, False): MmaConfig(1, 5, 8, pairs=True, cuda=True),
+    # W_plm (10752 x 2560, the embedding's PLE context projection, `_embed`): no entry. 1x4i2 took 6.19 us alone
+    # against the int4 GEMV's 9.54, but in the step it waits on the embedding's kernels and held as much of the
+    # critical path (run LF: 1.549 -> 1.552 ms)
     (3072, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v: 4.09 (run DO)
     (6144, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q|k|v full: 4.51
     (2048, 2560, True): MmaConfig(2, 4, 5, persist=9, fresh=True),  # q: 3.73
