@@ -5,6 +5,7 @@ sweeps/h200.sh fold`) the norm fold's consumer on it, and bench.invariance (`--m
 one-row launches (docs/results.md, runs JC-JJ, JL-JY)."""
 import os
 import stat
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -131,8 +132,8 @@ def test_fuse_layers_settles_the_table_at_build_time():
     saved = dict(MMA_CONFIGS)
     try:
         set_table({**saved, **parse_table("gate|up@1=cuda5x8g")})
-        model = torch.nn.Linear(2, 2)  # a module on the CPU with no decoder layers: only its device is read
-        model.layers = []
+        model = torch.nn.Linear(2, 2)  # a module on the CPU with no decoder layers and no PLE: its device is read
+        model.layers, model.config = [], SimpleNamespace(ple_dim=0)
         FuseLayers(backend="triton", int4_mma=True)._enable_mma(model)
         assert MMA_CONFIGS[(*GATE_UP, False)] == CUDA_FALLBACKS[GATE_UP]
     finally:
