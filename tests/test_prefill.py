@@ -152,12 +152,12 @@ def test_compiled_prefill_matches_eager():
 
 @pytest.mark.parametrize("pairs, stack", [(2, "plain"), (4, "plain"), (2, "int4"), (4, "int4")])
 def test_prefill_compiled_by_layer_regions_matches_eager(pairs, stack):
-    """compile_prefill="layers": each decoder layer's pieces (PromptRegions: q / k / v, the cache writes, the
-    attention, the rest) compiled with dynamic=True equal eager for prompts shorter and longer than the ring,
-    padded or not, in one chunk or two; and the compilations do not grow with the layers: twice the layers of
-    the same kinds, the same count (a piece a kind: sliding / full, storing K/V / KV-shared, and the shared
-    layers' one last row). The same with bench's int4 stack (merged q|k|v and gate|up, int4 body on the torch twin, fused step), whose layers
-    carry their own bound methods and quantized modules."""
+    """compile_prefill="layers": each decoder layer's pieces (PromptRegions: q / k / v, the cache writes, the attention,
+    the rest) compiled with dynamic=True equal eager for prompts shorter and longer than the ring, padded or not,
+    in one chunk or two; and the compilations do not grow with the layers: twice the layers of the same kinds,
+    the same count (a piece a kind: sliding / full, storing K/V / KV-shared, and the shared layers' one last
+    row). The same with bench's int4 stack (merged q|k|v and gate|up, int4 body on the torch twin, fused step),
+    whose layers carry their own bound methods and quantized modules."""
     from torch._dynamo.utils import counters
 
     from fastgemma.bench.spec import build_stack

@@ -274,10 +274,6 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool =
     the model computes it."""
     if not (triton_ops and model.config.ple_dim) or not (invariant or mma):
         return model.embed(ids)
-    from ..kernels.residual_norm import residual_norm_op
-    from ..kernels.skinny_gemm import skinny_matmul_op
-    from .quant import Int4Linear
-
     proj, norm, c = model.per_layer_model_projection, model.per_layer_projection_norm, model.config
     if not invariant:
         def on_mma(x0):
@@ -285,6 +281,9 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool =
             return proj(x0) if y is None else y.reshape(*x0.shape[:-1], -1)
 
         return model.embed(ids, on_mma)
+    from ..kernels.residual_norm import residual_norm_op
+    from ..kernels.skinny_gemm import skinny_matmul_op
+    from .quant import Int4Linear
 
     def project(x0):
         x2 = x0.reshape(-1, x0.shape[-1])
