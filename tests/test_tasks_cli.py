@@ -61,6 +61,18 @@ def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path):
     assert all(len(h) == 4 for h in replay["reference_head"])
 
 
+def test_bench_with_the_mtp_drafter_runs_and_records_acceptance(tmp_path):
+    """spec=mtp through the bench task (the synthetic drafter): no replay trace is recorded, and the record
+    carries the acceptance metrics of the drafter's own drafts."""
+    rec = run_job(TINY + ["task=bench", "spec=mtp", "spec.depth=3"], tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    m = rec["metrics"]
+    assert m["output_tokens"] == 3 * 16 and 1 <= m["tokens_per_step"] <= 4
+    assert len(m["accept_by_pos"]) == 3 and 0 <= m["accept_mean"] <= 3
+    assert not any(k.startswith("replay traces") for k in rec["details"]["setup_s"])
+    assert rec["details"].get("replay") is None
+
+
 def test_replay_tokens_off_their_trace_are_counted_and_warned(caplog):
     from types import SimpleNamespace
 

@@ -74,16 +74,17 @@ def run(ctx):
     with phase("engine (cache, step capture / compile)", setup, dev, compiles):
         engine = f.engine(max_ctx)
     gen = engine.generator
+    replays = getattr(gen, "replay", None) is not None  # spec=replay (spec=mtp's generator has prime() too)
     with phase(f"warm-up ({len(warm)} request{'s' * (len(warm) != 1)})", setup, dev, compiles):
         for p in tqdm(warm, desc="warm-up", unit="req", disable=ctx.progress is False or None, leave=False):
-            if hasattr(gen, "prime"):  # spec=replay: the warm-up prompt's reference trace first, as below
+            if replays:  # spec=replay: the warm-up prompt's reference trace first, as below
                 gen.prime(p.ids, wl.max_new_tokens)
             gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
     # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled)
     longest = max(len(p.ids) for p in prompts)
     with phase(f"prompt graphs (up to {longest} tokens)", setup, dev, compiles):
         gen.warm_prefill(longest)
-    if hasattr(gen, "prime"):
+    if replays:
         # spec=replay drafts follow each prompt's reference greedy trace: record it untimed (the
         # engine's own outputs are not cached; the timed run still decodes every token)
         with phase(f"replay traces ({len(prompts)} prompts)", setup, dev, compiles):
