@@ -122,3 +122,13 @@ def test_launchers_compose():
         cfg = compose_cfg([f"hydra/launcher={name}"])
         assert "submitit" in cfg.hydra.launcher._target_
     assert (Path(CONF).parent / "launchers").is_dir()
+
+
+def test_spec_depth_sweeps_across_every_spec_choice():
+    """`-m spec=none,mtp,replay spec.depth=k`: each job composes and builds; spec=none stays plain AR."""
+    from hydra.utils import instantiate
+
+    for choice in ("none", "mtp", "replay"):
+        spec = instantiate(compose_cfg([f"spec={choice}", "spec.depth=3"]).spec)
+        assert spec.describe()["spec"] == choice
+        assert spec.describe().get("depth", 3) == 3

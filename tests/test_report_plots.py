@@ -7,7 +7,7 @@ from fastgemma.tracking.compare import marginal_gains, merge, pareto_front
 from fastgemma.tracking.jsonl import append_jsonl
 from fastgemma.tracking.record import new_record
 
-BASE = {"model": "gemma4_e4b", "weights": "synthetic", "window": "native", "quant": "bf16", "lm_head": "full",
+BASE = {"model": "gemma4_e4b", "weights": "synthetic", "window": "native", "fuse": "none", "quant": "bf16", "lm_head": "full",
         "spec": "none", "graphs": "eager", "attention": "torch", "sampler": "argmax", "workload": "challenge"}
 
 
@@ -56,6 +56,30 @@ def test_technique_keys_make_their_own_rows():
     by = {r.label(BASE): r.metrics for r in rows}
     assert by == {"baseline": {"ppl": 2.30}, "quant=int4": {"ppl": 2.40},
                   "quant=int4 quant.group_size=64": {"ppl": 2.50, "identity_rate": 0.5}}
+
+
+def test_fuse_choices_and_their_keys_are_rows_of_their_own():
+    """fuse is a technique like the others: fuse=merged is not the baseline, and fuse=layers with fuse.pdl=true
+    or false are two rows (not one row whose metrics the later record overwrote)."""
+    recs = [_rec("bench", {"tps": 100.0, "itl": 10.0}), _rec("bench", {"tps": 110.0, "itl": 9.0}, fuse="merged"),
+            _rec("bench", {"tps": 150.0, "itl": 6.0}, fuse="layers"), _rec("bench", {"tps": 170.0, "itl": 5.0}, fuse="layers")]
+    recs[2]["overrides"], recs[3]["overrides"] = ["fuse=layers", "fuse.pdl=false"], ["fuse=layers", "fuse.pdl=true"]
+    rows, _ = merge(recs)
+    by = {r.label(BASE): r.metrics["tps"] for r in rows}
+    assert by == {"baseline": 100.0, "fuse=merged": 110.0, "fuse=layers fuse.pdl=false": 150.0,
+                  "fuse=layers fuse.pdl=true": 170.0}
+    gains = {k: round(v, 6) for k, v in marginal_gains(rows, BASE)}  # a choice with its keys is one technique
+    assert gains == {"fuse=merged": 0.1, "fuse=layers fuse.pdl=false": 0.5, "fuse=layers fuse.pdl=true": 0.7}
+
+
+def test_spec_keys_of_plain_ar_do_not_split_its_row():
+    """`-m spec=none,mtp spec.depth=7`: the spec=none job took spec.depth without using it; its row is the
+    baseline's, while the mtp job's depth labels its own."""
+    recs = [_rec("bench", {"tps": 100.0, "itl": 10.0}), _rec("bench", {"tps": 80.0, "itl": 12.0}, spec="mtp")]
+    for r in recs:
+        r["overrides"] = [f"spec={r['choices']['spec']}", "spec.depth=7"]
+    rows, _ = merge(recs + [_rec("ppl", {"ppl": 2.3})])
+    assert {r.label(BASE): r.metrics.get("tps") for r in rows} == {"baseline": 100.0, "spec=mtp spec.depth=7": 80.0}
 
 
 def test_report_task_writes_table_and_pngs(tmp_path, capsys):

@@ -201,6 +201,7 @@ def test_every_experiment_runs_on_the_tiny_model(experiment, tmp_path):
     (["weights=hf"], "weights=hf needs weights.path"),
     (["model=checkpoint"], "weights=synthetic needs a model preset"),
     (["quant=int4", "quant.backend=torch", "quant.method=awq"], "quant.method must be one of ('rtn', 'gptq')"),
+    (["spec.depth=-1"], "spec depth must be a non-negative integer, got -1"),
 ])
 def test_bad_input_gives_one_clear_message(overrides, message, tmp_path, capsys):
     import torch

@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .engine.cache import KVCache
 from .model.config import ModelConfig
+from .tracking.record import TECHNIQUES
 
-TECHNIQUES = ("window", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
 # where a CUDA-only choice has a twin that runs anywhere
 CPU_TWINS = {"graphs": "graphs=static", "attention": "attention=torch", "quant": "quant.backend=torch or quant=bf16",
              "lm_head": "lm_head.backend=torch", "sampler": "sampler.backend=torch",

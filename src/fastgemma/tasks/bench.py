@@ -93,7 +93,7 @@ def run(ctx):
 
     reset_peak(dev)
     sync(dev)
-    log.info("timed: %d prompts x %d new tokens", len(prompts), wl.max_new_tokens)
+    log.info("timed: %d prompt%s x %d new tokens", len(prompts), "s" * (len(prompts) != 1), wl.max_new_tokens)
     gens, out_tokens = [], 0
     bar = tqdm(prompts, desc=f"bench {wl.name}", unit="prompt", disable=_disable(ctx, len(prompts)), dynamic_ncols=True)
     t0 = time.perf_counter()

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .record import METRICS
-
-TECHNIQUES = ("window", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
+from .record import TECHNIQUES
 CONTEXT = ("model", "weights", "workload")
 NOT_CONFIG = {"task", "eval", "logger", "experiment"}
 TABLE_METRICS = ("tps", "ppl", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "tokens_per_step", "vram_peak_gb",
@@ -41,11 +39,14 @@ class Row:
 
 
 def _technique_keys(rec: dict) -> dict:
-    """Command-line values of technique keys (quant.group_size=64, lm_head.rows=8192): variants of one choice."""
+    """Command-line values of technique keys (quant.group_size=64, lm_head.rows=8192): variants of one choice.
+    spec=none's are left out: plain AR takes spec.depth only so that a sweep over spec choices composes."""
     out = {}
+    plain_ar = (rec.get("choices") or {}).get("spec") == "none"
     for o in rec.get("overrides") or []:
         key, eq, value = str(o).lstrip("+~").partition("=")
-        if eq and "." in key and key.partition(".")[0] in TECHNIQUES:
+        group = key.partition(".")[0]
+        if eq and "." in key and group in TECHNIQUES and not (plain_ar and group == "spec"):
             out[key] = value
     return out
 

@@ -18,6 +18,9 @@ import uuid
 from pathlib import Path
 
 SCHEMA = 1
+# the config groups that are techniques (each sweepable on its own): what a result line, a report row's label
+# and the build's parts name; their sub-keys on the command line (quant.group_size=64) are variants of a choice
+TECHNIQUES = ("window", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
 
 # the metric names, in the order the console and report print them
 METRICS = (
@@ -73,7 +76,7 @@ def write_record(record: dict, run_dir) -> Path | None:
 def result_line(record: dict) -> str:
     """The one console line: task, non-baseline-looking choices, then the metrics that are set."""
     ch = record["choices"]
-    keys = ("model", "weights", "window", "quant", "lm_head", "spec", "graphs", "attention", "sampler", "workload")
+    keys = ("model", "weights", *TECHNIQUES, "workload")
     if record["task"] in ("ppl", "generate"):  # the prompt set plays no part in these
         keys = keys[:-1]
     head = " ".join(f"{k}={ch[k]}" for k in keys if k in ch)

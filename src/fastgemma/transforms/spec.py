@@ -20,9 +20,14 @@ from ..engine.generator import Generator
 
 
 class NoSpec:
-    """One token per step from the engine's step."""
+    """One token per step from the engine's step. depth: accepted and unused (spec.depth may be swept across
+    spec=none,mtp,replay); any non-negative count means plain AR."""
 
     needs_cuda = False
+
+    def __init__(self, depth: int = 0):
+        if not is_int(depth, 0, None):
+            raise ValueError(f"spec depth must be a non-negative integer, got {depth!r}")
 
     def make_generator(self, model, cache, step, sampler, prefill_chunk: int) -> Generator:
         return Generator(model, cache, step, prefill_chunk=prefill_chunk, sampler=sampler)
