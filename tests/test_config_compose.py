@@ -132,3 +132,17 @@ def test_spec_depth_sweeps_across_every_spec_choice():
         spec = instantiate(compose_cfg([f"spec={choice}", "spec.depth=3"]).spec)
         assert spec.describe()["spec"] == choice
         assert spec.describe().get("depth", 3) == 3
+
+
+def test_a_key_some_swept_choice_lacks_is_named_before_any_job():
+    from fastgemma.sweep_check import key_mismatches
+
+    bad = key_mismatches(["-m", "quant=int4,int8", "quant.group_size=64", "window=w188"], CONF)
+    assert bad == ["quant.group_size: quant=int8 has no key 'group_size' (its keys: skip, backend); the quant "
+                   "choices with it: int4; run quant=int8 in a command of its own"]
+    assert "the lm_head choices with it: pruned" in key_mismatches(["lm_head=full", "lm_head.rows=64"], CONF)[0]
+    # keys every listed choice has, added keys, groups left to their default, flags: nothing to say
+    for ok in (["-m", "spec=none,mtp,replay", "spec.depth=3"], ["quant=int4", "quant.group_size=64"],
+               ["lm_head=full", "++lm_head.rows=64"], ["quant.group_size=64"], ["--cfg", "job", "quant=int4"],
+               ["fuse=layers", "fuse.attn_tiles=[full_store:32x4s2]"], ["quant=int4,", "quant.x=("]):
+        assert key_mismatches(ok, CONF) == [], ok

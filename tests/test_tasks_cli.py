@@ -248,6 +248,15 @@ def test_multirun_2x2_writes_four_records_then_report(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
 
 
+def test_a_sweep_with_a_key_one_choice_lacks_stops_before_its_first_job(tmp_path):
+    r = cli(["-m", "model=gemma4_tiny", "workload=smoke", "device=cpu", "logger=jsonl", "quant=bf16,int4",
+             "quant.group_size=32", "quant.backend=torch"], tmp_path)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "fastgemma: error: quant.group_size: quant=bf16 has no key 'group_size' (its keys: backend); the quant "
+        "choices with it: int4; run quant=bf16 in a command of its own")
+    assert not (tmp_path / "results").exists() and not (tmp_path / "multirun").exists()
+
+
 def test_a_crashed_job_loses_no_other_record(tmp_path):
     r = cli(["-m", "model=gemma4_tiny", "workload=smoke", "device=cpu", "logger=jsonl", "progress=false",
              "workload.num_prompts=1", "workload.warmup=0", "graphs=cuda_graph,eager,static"], tmp_path)

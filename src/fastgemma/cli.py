@@ -134,6 +134,11 @@ def main():
     if not CONF_DIR.is_dir():
         sys.exit(f"fastgemma: error: config directory {CONF_DIR} not found (install the repository with "
                  "`pip install -e .` so that conf/ sits beside src/)")
+    from .sweep_check import key_mismatches
+
+    bad = key_mismatches(sys.argv[1:], CONF_DIR)
+    if bad:
+        sys.exit("\n".join(f"fastgemma: error: {m}" for m in bad))
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(run)()
 
 
