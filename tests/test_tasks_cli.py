@@ -168,6 +168,40 @@ def test_generate_text_and_ids(tmp_path, capsys):
     assert "prompt (6 tokens): Hello" in out and "prompt (4 tokens): [2, 10, 11, 12]" in out
 
 
+def _chat_tokenizer(path):
+    """A word-level tokenizer of the tiny model's ids with a Gemma-style chat template, saved as a checkpoint's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "user", "model", "Why", "is",
+             "the", "sky", "blue?"]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<start_of_turn> {{ m['role'] }} {{ m['content'] }} "
+                         "<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn> model {% endif %}")
+    tok.save_pretrained(path)
+    return tok
+
+
+def test_generate_chat_wraps_the_prompt_in_the_template(tmp_path):
+    _chat_tokenizer(tmp_path / "tok")
+    over = TINY + ["task=generate", "task.prompt=Why is the sky blue?", "task.max_new_tokens=3", "task.chat=true",
+                   f"tokenizer={tmp_path / 'tok'}"]
+    rec = run_job(over, tmp_path, "a")
+    assert rec["status"] == "ok", rec["error"]
+    # <bos> <start_of_turn> user Why is the sky blue? <end_of_turn> <start_of_turn> model
+    assert rec["details"]["prompt_ids"] == [2, 4, 6, 8, 9, 10, 11, 12, 5, 4, 7]
+    plain = run_job(over[:-2] + [f"tokenizer={tmp_path / 'tok'}"], tmp_path, "b")
+    assert plain["details"]["prompt_ids"] == [8, 9, 10, 11, 12]  # the text as it is (Gemma's tokenizers add <bos>)
+    for bad, message in ((["tokenizer=bytes"], "task.chat=true needs a tokenizer with a chat template"),
+                         (["task.prompt=null", "task.ids=[2,5]"], "task.ids are passed as they are")):
+        with pytest.raises(SystemExit):
+            run_job(over[:-1] + bad if bad[0].startswith("tokenizer") else over + bad, tmp_path, "c")
+        assert message in results(tmp_path)[-1]["error"]
+
+
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 # the CPU twins of CUDA-only choices, and an int4 layout the tiny model's 64/16-wide layers allow
 CPU_SHRINK = {("graphs", "cuda_graph"): ["graphs=static"], ("graphs", "compiled"): ["graphs=static"], ("attention", "triton"): ["attention=torch"],

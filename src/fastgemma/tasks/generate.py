@@ -18,9 +18,12 @@ def run(ctx):
         if tok is None:
             raise ValueError("task.prompt is text but these weights have no tokenizer: pass task.ids=[...], "
                              "tokenizer=bytes (a byte tokenizer) or tokenizer=<dir>")
-        from ..workloads.tokenizer import encode
+        from ..workloads.tokenizer import encode, encode_chat
 
-        ids = encode(tok, text)
+        ids = encode_chat(tok, text) if p.get("chat", False) else encode(tok, text)
+    elif p.get("chat", False):
+        raise ValueError("task.chat=true wraps a text prompt (task.prompt) in the chat template; task.ids are "
+                         "passed as they are")
     ids = [int(t) for t in ids]
     n = int(p.get("max_new_tokens", 64))
     with phase("engine (cache, step capture / compile)", setup, f.device, compiles):

@@ -53,6 +53,17 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
+def encode_chat(tokenizer, text: str) -> list[int]:
+    """Text as one user turn through the tokenizer's chat template, the model's turn opened after it (an
+    instruction-tuned checkpoint's format: its reply then ends at its end-of-turn id, one of the model's EOS)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("task.chat=true needs a tokenizer with a chat template (an instruction-tuned checkpoint's "
+                         f"own, tokenizer=auto or tokenizer=<dir>); this {type(tokenizer).__name__} has none")
+    # the template's text, then its ids: it writes <bos> itself (tokenize=True returns a dict or a list by version)
+    s = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(s, add_special_tokens=False))
+
+
 def encode_plain(tokenizer, text: str) -> list[int]:
     """Text -> ids without special tokens (corpus bodies, which the caller splits and prefixes)."""
     return list(tokenizer.encode(text, add_special_tokens=False))
