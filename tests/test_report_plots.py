@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fgcli_helpers import run_job
 
-from fastgemma.tracking.compare import marginal_gains, merge, pareto_front
+from fastgemma.tracking.compare import marginal_gains, merge, pareto_front, shared_choices
 from fastgemma.tracking.jsonl import append_jsonl
 from fastgemma.tracking.record import new_record
 
@@ -105,3 +105,26 @@ def test_report_without_records_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_job(["task=report", f"task.inputs=[{empty}]"], tmp_path)
     assert "no bench/ppl/identity records" in capsys.readouterr().err
+
+
+def test_what_every_row_shares_joins_the_baseline(tmp_path, capsys):
+    """A sweep run with graphs=static and quant.backend=torch on every job: its report compares the swept choices
+    (a baseline row, ratios against it), not the settings every row shares; task.baseline still wins."""
+    recs = [_rec("bench", {"tps": 100.0, "itl": 10.0}, graphs="static"),
+            _rec("bench", {"tps": 120.0, "itl": 8.0}, graphs="static", window="w192")]
+    for r in recs:
+        r["overrides"] = ["graphs=static", "quant.backend=torch"]
+    rows, _ = merge(recs)
+    assert shared_choices(rows) == {"attention": "torch", "fuse": "none", "graphs": "static", "lm_head": "full",
+                                    "quant": "bf16", "quant.backend": "torch", "sampler": "argmax", "spec": "none"}
+    path = tmp_path / "results.jsonl"
+    for r in recs:
+        append_jsonl(path, r)
+    run_job(["task=report", f"task.inputs=[{path}]", f"task.out={tmp_path / 'rep'}"], tmp_path)
+    out = capsys.readouterr().out
+    assert "Every row has graphs=static quant.backend=torch: the baseline has it too." in out
+    assert "| baseline | 100 |" in out and "| window=w192 | 120 (x1.20) |" in out
+    run_job(["task=report", f"task.inputs=[{path}]", f"task.out={tmp_path / 'rep2'}", "task.baseline={graphs: eager}"],
+            tmp_path)
+    out = capsys.readouterr().out
+    assert "| graphs=static | 100 |" in out and "Every row has quant.backend=torch" in out

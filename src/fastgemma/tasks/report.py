@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..tracking import plots
-from ..tracking.compare import failed_table, markdown_table, merge
+from ..tracking.compare import failed_table, markdown_table, merge, shared_choices
 from ..tracking.jsonl import read_records
 
 
@@ -21,12 +21,17 @@ def run(ctx):
     if not rows and not failed:
         raise ValueError(f"no bench/ppl/identity records in {', '.join(map(str, inputs))}")
     baseline = dict(p.get("baseline") or {})
-    for g, v in ctx.choices.items():  # the report run's own technique choices are the default baseline
+    fixed = {k: v for k, v in shared_choices(rows).items() if k not in baseline}
+    baseline.update(fixed)  # what every row shares is not what they compare
+    for g, v in ctx.choices.items():  # then the report run's own technique choices
         baseline.setdefault(g, v)
 
     table = markdown_table(rows, baseline) if rows else "(no successful runs)"
+    same = " ".join(f"{k}={v}" for k, v in fixed.items() if v != ctx.choices.get(k))
     md = ["# fastgemma report\n", f"{len(records)} records from {', '.join(map(str, inputs))}: "
-          f"{len(rows)} configurations, {len(failed)} failed runs.\n", table]
+          f"{len(rows)} configurations, {len(failed)} failed runs." + (f" Every row has {same}: the baseline "
+                                                                      f"has it too." if same else "") + "\n",
+          table]
     if failed:
         md += ["\n## Failed runs\n", failed_table(failed)]
     pngs = {"tps_vs_ppl": plots.tps_vs_ppl(rows, baseline, out / "tps_vs_ppl.png"),

@@ -38,6 +38,16 @@ class Row:
         return [k for k in keys if self.choices[k] != baseline.get(k)]
 
 
+def shared_choices(rows: list[Row]) -> dict:
+    """Technique choices and keys with one value on every row (a sweep's fixed settings, e.g. graphs=static for
+    all): not what the rows compare, so the report takes them as its baseline's unless told otherwise."""
+    if not rows:
+        return {}
+    keys = {k for r in rows for k in r.choices if k.partition(".")[0] in TECHNIQUES}
+    return {k: rows[0].choices.get(k) for k in sorted(keys)
+            if all(k in r.choices and r.choices[k] == rows[0].choices[k] for r in rows)}
+
+
 def _technique_keys(rec: dict) -> dict:
     """Command-line values of technique keys (quant.group_size=64, lm_head.rows=8192): variants of one choice.
     spec=none's are left out: plain AR takes spec.depth only so that a sweep over spec choices composes."""
