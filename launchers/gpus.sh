@@ -8,9 +8,6 @@ if [ -z "$n" ] || [ "$n" -lt 1 ]; then
   echo "launchers/gpus.sh: no GPU found (nvidia-smi -L lists none); use launchers/local.sh, or set GPUS=N" >&2
   exit 1
 fi
-command -v fastgemma >/dev/null || {
-  echo "launchers/gpus.sh: fastgemma is not on PATH: activate the environment it is installed in (. .venv/bin/activate)," \
-       "or install it there (pip install -e .)" >&2
-  exit 127
-}
+source "$(dirname "${BASH_SOURCE[0]}")/_require.sh"
+require_fastgemma launchers/gpus.sh
 exec fastgemma -m hydra/launcher=gpus hydra.launcher.gpus_per_node="$n" hydra.sweeper.max_batch_size="$n" "$@"

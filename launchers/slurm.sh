@@ -7,9 +7,6 @@ if ! command -v sbatch >/dev/null; then
   echo "launchers/slurm.sh: sbatch not found: this is not a SLURM login node" >&2
   exit 1
 fi
-command -v fastgemma >/dev/null || {
-  echo "launchers/slurm.sh: fastgemma is not on PATH: activate the environment it is installed in (. .venv/bin/activate)," \
-       "or install it there (pip install -e .)" >&2
-  exit 127
-}
+source "$(dirname "${BASH_SOURCE[0]}")/_require.sh"
+require_fastgemma launchers/slurm.sh
 exec fastgemma -m hydra/launcher=slurm "$@"

@@ -6,11 +6,8 @@ if [ ! -x "$launch" ]; then
   echo "sweeps: LAUNCHER=$launcher: no launchers/$launcher.sh (local, gpus or slurm)" >&2
   exit 2
 fi
-command -v fastgemma >/dev/null || {
-  echo "sweeps: fastgemma is not on PATH: activate the environment it is installed in (. .venv/bin/activate)," \
-       "or install it there (pip install -e .)" >&2
-  exit 127
-}
+source "$here/../launchers/_require.sh"
+require_fastgemma sweeps
 failed=0
 
 sweep() {  # sweep <override>... : one multirun; a failed job is counted, the next sweep still runs
