@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .record import TECHNIQUES
+
 CONTEXT = ("model", "weights", "workload")
 NOT_CONFIG = {"task", "eval", "logger", "experiment"}
 TABLE_METRICS = ("tps", "ppl", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "tokens_per_step", "vram_peak_gb",
