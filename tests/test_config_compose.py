@@ -144,5 +144,27 @@ def test_a_key_some_swept_choice_lacks_is_named_before_any_job():
     # keys every listed choice has, added keys, groups left to their default, flags: nothing to say
     for ok in (["-m", "spec=none,mtp,replay", "spec.depth=3"], ["quant=int4", "quant.group_size=64"],
                ["lm_head=full", "++lm_head.rows=64"], ["quant.group_size=64"], ["--cfg", "job", "quant=int4"],
-               ["fuse=layers", "fuse.attn_tiles=[full_store:32x4s2]"], ["quant=int4,", "quant.x=("]):
+               ["fuse=layers", "fuse.attn_tiles=[full_store:32x4s2]"], ["quant=int4,", "quant.x=("],
+               ["weights=hf", "weights.path=/x"], ["weights=gguf", "weights.spec=x"],  # @package _global_ choices
+               ["hydra/launcher=gpus", "hydra.launcher.timeout_min=5"], ["experiment=frontier", "quant.group_size=64"]):
         assert key_mismatches(ok, CONF) == [], ok
+    assert "weights=synthetic has no key 'path' (its keys: seed); the weights choices with it: hf" in \
+        key_mismatches(["weights=synthetic,hf", "weights.path=/x"], CONF)[0]
+
+
+def test_no_documented_command_is_refused_by_the_key_check():
+    """Every `fastgemma ...` line of the README and docs passes the up-front key check, but the one that shows it."""
+    import re
+    import shlex
+
+    from fastgemma.sweep_check import key_mismatches
+
+    refused = []
+    for doc in ("README.md", "docs/commands.md", "docs/results.md", "docs/quality.md", "docs/h100.md"):
+        for line in (Path(CONF).parent / doc).read_text().splitlines():
+            m = re.search(r"fastgemma (.*)", line)
+            if m:
+                cmd = m.group(1).split("#")[0].strip().strip("`")
+                if key_mismatches(shlex.split(cmd, posix=True) if cmd.count("'") % 2 == 0 else cmd.split(), CONF):
+                    refused.append(cmd)
+    assert refused == ["-m model=gemma4_tiny quant=int4,int8 quant.group_size=32"]

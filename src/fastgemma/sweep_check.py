@@ -21,6 +21,23 @@ def _parse(args: list[str]):
     return OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
 
 
+def _keys(path: Path, group: str) -> list[str] | None:
+    """The keys choice `path` gives its group's node, or None where the YAML alone cannot tell (a package other
+    than the group's or _global_, a defaults list that brings in other configs)."""
+    text = path.read_text()
+    head = next((ln for ln in text.splitlines() if ln.startswith("# @package")), "")
+    package = head.split()[2] if len(head.split()) > 2 else "_group_"
+    node = OmegaConf.create(text)
+    if package == "_global_":
+        node = node.get(group)
+    elif package != "_group_":
+        return None
+    if node is None or any(not (isinstance(d, dict) and all(str(k).startswith("override ") for k in d))
+                           for d in (node.get("defaults") or [])):
+        return None
+    return [str(k) for k in node if not str(k).startswith("_") and k != "defaults"]
+
+
 def _choices(o) -> list[str]:
     if o.is_sweep_override():
         return [str(v) for v in o.sweep_string_iterator()]
@@ -41,12 +58,11 @@ def key_mismatches(args: list[str], conf_dir: Path) -> list[str]:
         if not key or group not in choices or o.is_add() or o.is_force_add() or o.is_delete():
             continue
         top = key.partition(".")[0]
-        keys = {p.stem: [str(k) for k in OmegaConf.load(p) if not str(k).startswith("_")]
-                for p in sorted((conf_dir / group).glob("*.yaml"))}
-        with_key = [c for c, ks in keys.items() if top in ks]
+        keys = {p.stem: _keys(p, group) for p in sorted((conf_dir / group).glob("*.yaml"))}
+        with_key = [c for c, ks in keys.items() if ks is not None and top in ks]
         for c in choices[group]:
-            if c not in keys or top in keys[c]:
-                continue  # an unknown choice: Hydra names the options
+            if keys.get(c) is None or top in keys[c]:
+                continue  # an unknown choice (Hydra names the options) or one the YAML alone does not settle
             alone = f"; run {group}={c} in a command of its own" if len(choices[group]) > 1 else ""
             out.append(f"{o.key_or_group}: {group}={c} has no key {top!r} (its keys: {', '.join(keys[c]) or 'none'}); "
                        f"the {group} choices with it: {', '.join(with_key) or 'none'}{alone}")
