@@ -211,3 +211,21 @@ def test_synthetic_drafter_is_seeded():
     assert not torch.equal(a.pre_projection.weight, c.pre_projection.weight)
     order = a.masked_embedding.token_ordering
     assert torch.equal(order.sort().values, torch.arange(TINY.vocab_size))
+
+
+@pytest.mark.parametrize("task", ["bench", "identity"])
+def test_cli_runs_a_checkpoint_with_its_drafter_checkpoint(task, hf_tiny_dir, drafter_dir, tmp_path):
+    """weights=hf + spec=mtp spec.drafter=DIR through the tasks, as a user serves a local copy of both: the bench
+    record carries the acceptance metrics, identity is exact (fp32)."""
+    from fgcli_helpers import run_job
+
+    rec = run_job([f"task={task}", "weights=hf", f"weights.path={hf_tiny_dir[0]}", "workload=smoke", "device=cpu",
+                   "logger=jsonl", "progress=false", "spec=mtp", "spec.depth=3", f"spec.drafter={drafter_dir[0]}"],
+                  tmp_path)
+    assert rec["status"] == "ok", rec["error"]
+    m = rec["metrics"]
+    if task == "bench":
+        assert m["output_tokens"] == 3 * 16 and len(m["accept_by_pos"]) == 3 and 1 <= m["tokens_per_step"] <= 4
+    else:
+        assert m["identity_rate"] == 1.0
+    assert rec["details"]["parts"]["spec"]["drafter"] == str(drafter_dir[0])
