@@ -686,3 +686,21 @@ def test_draft_head_bench_on_the_cpu(capsys):
                                          "kernels/draft_head.py, PDL", "PDL, one select program a centroid"]
     assert all(r["ids_equal"] == r["checks"] == 3 and r["us"] == 1.0 for r in rows), rows
     assert "3/3" in capsys.readouterr().out
+
+
+def test_bench_stack_times_the_ple_table_beside_the_computed_inputs(tmp_path):
+    """bench.stack's 'ple' variant option (ple=table before the body's transforms) in the same process as the
+    step without it: the same tokens (fp32 twins), W_plm's bytes gone from the per-token figure."""
+    from fastgemma.bench import stack
+
+    out = tmp_path / "stack.jsonl"
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "--heads", "full", "--prompt-len",
+                "8", "--new", "4", "--variants", "base,base+ple", "--out", str(out)])
+    rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"base", "base+ple"} and rows["base+ple"]["identity_vs_first"] == 1.0
+    from fastgemma.model.config import GEMMA4_TINY as c
+
+    w_plm = (c.hidden_size * c.num_layers * c.ple_dim + c.ple_dim) * 4  # W_plm and its norm, fp32 on the CPU
+    assert round((rows["base"]["gb_per_token"] - rows["base+ple"]["gb_per_token"]) * 1e9) == w_plm
+    with pytest.raises(SystemExit, match="options joined by '.' from .*ple"):
+        stack.parse_variant("mma+pl")

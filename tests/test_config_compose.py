@@ -10,13 +10,13 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from fgcli_helpers import CONF, compose_cfg
 
-GROUPS = ("model", "weights", "window", "quant", "lm_head", "spec", "graphs", "attention", "sampler",
+GROUPS = ("model", "weights", "window", "ple", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler",
           "workload", "eval", "logger", "task", "experiment")
 CHOICES = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 
 def test_every_design_group_has_a_folder_and_its_baseline():
-    baseline = {"model": "gemma4_e4b", "weights": "synthetic", "window": "native", "quant": "bf16",
+    baseline = {"model": "gemma4_e4b", "weights": "synthetic", "window": "native", "ple": "project", "quant": "bf16",
                 "lm_head": "full", "spec": "none", "graphs": "eager", "attention": "torch", "sampler": "argmax",
                 "workload": "challenge", "eval": "none", "logger": "wandb"}
     cfg = compose_cfg([])
@@ -60,7 +60,7 @@ def _target_exists(target: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("group", ["window", "quant", "lm_head", "spec", "graphs", "attention", "sampler",
+@pytest.mark.parametrize("group", ["window", "ple", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler",
                                    "workload", "eval", "logger", "model"])
 def test_each_choice_builds_a_plain_object(group, tmp_path):
     """The builder instantiates every choice whose class is installed; none of them is a DictConfig."""

@@ -155,6 +155,7 @@ class GGUFWeights(HFWeights):
 @dataclass
 class Parts:
     window: object
+    ple: object
     fuse: object
     quant: object
     lm_head: object
@@ -180,6 +181,7 @@ def reference_parts() -> Parts:
     from .transforms.fuse import NoFuse
     from .transforms.graphs import Eager
     from .transforms.lm_head import FullHead
+    from .transforms.ple import PleProject
     from .transforms.sampler import Argmax
     from .transforms.spec import NoSpec
     from .transforms.window import SlidingWindow
@@ -191,7 +193,8 @@ def reference_parts() -> Parts:
         def describe(self):
             return {"quant": "as loaded"}
 
-    return Parts(SlidingWindow(None), NoFuse(), _AsLoaded(), FullHead(), NoSpec(), Eager(), TorchAttention(), Argmax())
+    return Parts(window=SlidingWindow(None), ple=PleProject(), fuse=NoFuse(), quant=_AsLoaded(), lm_head=FullHead(),
+                 spec=NoSpec(), graphs=Eager(), attention=TorchAttention(), sampler=Argmax())
 
 
 @dataclass
@@ -218,7 +221,7 @@ class EngineFactory:
     def model(self):
         if self._model is None:
             model, self.load_info = self.weights.load(self.model_cfg, self.device, self.dtype)
-            for group in ("fuse", "quant", "lm_head", "attention"):
+            for group in ("ple", "fuse", "quant", "lm_head", "attention"):
                 model = _apply(self.parts, group, model, self.choices)
             validate = getattr(self.parts.fuse, "validate", None)
             if validate is not None:  # a fused path that needs what later groups may have replaced

@@ -84,6 +84,7 @@ def int4_group_size(cfg) -> int:
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
                 "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold",
                 "afold": "attn_fold"}
+MODEL_OPTS = ("ple",)  # variant options that change the model, not the fused step: 'ple' = ple=table
 
 
 def parse_variant(v: str) -> dict:
@@ -94,12 +95,14 @@ def parse_variant(v: str) -> dict:
     'inv': batch_invariant, the verify pass's rows bit-equal to the one-row step's; 'dloop': draft_loop,
     the speculative draft loop in one persistent kernel; 'fold': norm_fold, with 'mma' the norms between
     o and gate|up and before the next q|k|v folded into those GEMVs; 'afold': attn_fold, with 'fold' and
-    'attn_qkv' the sliding layers' attention combine folded into o) -> FuseLayers options."""
+    'attn_qkv' the sliding layers' attention combine folded into o; 'ple': not a step option, the model's PLE
+    inputs from a table, transforms/ple.py, applied before quant) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
-    bad = [o for o in opts if o not in VARIANT_OPTS]
+    bad = [o for o in opts if o not in VARIANT_OPTS and o not in MODEL_OPTS]
     if bad:
-        raise SystemExit(f"bad variant {v!r}: base, or options joined by '+' from {', '.join(VARIANT_OPTS)}")
-    return {VARIANT_OPTS[o]: True for o in opts}
+        raise SystemExit(f"bad variant {v!r}: base, or options joined by '+' from "
+                         f"{', '.join((*VARIANT_OPTS, *MODEL_OPTS))}")
+    return {VARIANT_OPTS[o]: True for o in opts if o in VARIANT_OPTS}
 
 
 def mma_table_arg(text: str) -> dict:
@@ -141,6 +144,7 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str 
     from ..transforms.attention import TorchAttention, TritonAttention
     from ..transforms.fuse import MergeProjections
     from ..transforms.fuse_layers import FuseLayers
+    from ..transforms.ple import PleTable
     from ..transforms.quant import Int4Quant, Nf4Quant
     from ..transforms.quant_int8 import Int8Quant
 
@@ -148,7 +152,7 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str 
     backend = "triton" if cuda else "torch"
     gs = int4_group_size(cfg)
     skip = ("per_layer_input_gate",) + (("per_layer_projection",) if cfg.ple_dim % gs else ())
-    parts = [MergeProjections()]
+    parts = ([PleTable()] if "ple" in variant.split("+") else []) + [MergeProjections()]
     if body == "int4":
         parts.append(Int4Quant(group_size=gs, skip=skip, backend=backend))
     elif body == "int8":

@@ -188,6 +188,7 @@ class Gemma4Model(nn.Module):
         self.fused_verify = None    # optional wider step, same signature (fuse=layers: GEMM epilogues)
         self.fuse_drafter = None    # fn(drafter) -> drafter: the same fusion for an MTP drafter (fuse=layers)
         self.draft_head = None      # fn(g, centroids, ordering, rows, top_k) -> ids: kernels/draft_head (fuse=layers)
+        self.ple_from_table = False  # ple=table: embed_tokens_per_layer holds each id's whole PLE input (use_ple_table)
 
     def init_buffers(self):
         """(Re)compute non-persistent buffers: after building on the meta device and to_empty()."""
@@ -203,7 +204,7 @@ class Gemma4Model(nn.Module):
     def embed(self, ids, project=None, norm=None):
         """ids [B, T] -> x0 [B, T, hidden], ple [B, T, L, ple_dim] (or None). project / norm: what
         computes the PLE context projection and its RMSNorm (default: the model's modules; the fused
-        steps' batch-invariant kernels)."""
+        steps' batch-invariant kernels); after use_ple_table (ple=table) the PLE input is a row gather."""
         w = self.embed_tokens.weight
         # transformers casts sqrt(hidden) to the weight dtype first (50.5 in bf16 for 2560);
         # a host-side rounding keeps the step free of host-to-device copies (CUDA-graph safe)
@@ -212,10 +213,19 @@ class Gemma4Model(nn.Module):
             return x0, None
         c = self.config
         wt = self.embed_tokens_per_layer.weight
+        if self.ple_from_table:
+            return x0, F.embedding(ids, wt).unflatten(-1, (c.num_layers, c.ple_dim))
         tok = F.embedding(ids, wt) * _rounded(c.ple_dim ** 0.5, wt.dtype)
         ctx = (project or self.per_layer_model_projection)(x0) * (c.hidden_size ** -0.5)
         ctx = (norm or self.per_layer_projection_norm)(ctx.unflatten(-1, (c.num_layers, c.ple_dim)))
         return x0, (ctx + tok.unflatten(-1, (c.num_layers, c.ple_dim))) * (2.0 ** -0.5)
+
+    def use_ple_table(self):
+        """From now on embed() gathers the PLE input from embed_tokens_per_layer, whose rows the caller set to each
+        id's embed() output (transforms/ple.py); the context projection and its norm are dropped."""
+        self.ple_from_table = True
+        self.per_layer_model_projection = None
+        self.per_layer_projection_norm = None
 
     def rope(self, pos, dtype):
         return {True: rope_cos_sin(pos, self.inv_freq_sliding, dtype),

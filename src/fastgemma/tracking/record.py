@@ -20,7 +20,7 @@ from pathlib import Path
 SCHEMA = 1
 # the config groups that are techniques (each sweepable on its own): what a result line, a report row's label
 # and the build's parts name; their sub-keys on the command line (quant.group_size=64) are variants of a choice
-TECHNIQUES = ("window", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
+TECHNIQUES = ("window", "ple", "fuse", "quant", "lm_head", "spec", "graphs", "attention", "sampler")
 
 # the metric names, in the order the console and report print them
 METRICS = (

@@ -272,8 +272,8 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool =
     other orders at 1 and k+1 rows). mma (fuse.int4_mma, Triton), not invariant: an int4 projection on the
     tensor-core kernel where its table has the rows' config (else the linear's own launch), the norm as
     the model computes it."""
-    if not (triton_ops and model.config.ple_dim) or not (invariant or mma):
-        return model.embed(ids)
+    if not (triton_ops and model.config.ple_dim) or not (invariant or mma) or model.ple_from_table:
+        return model.embed(ids)  # (ple=table: a row gather, the same for every row count)
     proj, norm, c = model.per_layer_model_projection, model.per_layer_projection_norm, model.config
     if not invariant:
         def on_mma(x0):
