@@ -50,7 +50,7 @@ def test_a_model_without_ple_is_left_as_it_is():
     model = synthetic_model(cfg, "cpu", torch.float32, seed=3)
     t = PleTable()
     t.apply(model)
-    assert not model.ple_from_table and t.describe() == {"ple": "table", "chunk": 8192, "rows": 0}
+    assert not model.ple_from_table and t.describe() == {"ple": "table", "chunk": 2048, "rows": 0}
 
 
 def test_the_fused_steps_embedding_is_the_gather_at_every_row_count():

@@ -29,7 +29,7 @@ class PleProject:
 
 
 class PleTable:
-    def __init__(self, chunk: int = 8192):
+    def __init__(self, chunk: int = 2048):
         if not is_int(chunk, 1):
             raise ValueError(f"ple.chunk must be a positive integer (token ids per build GEMM), got {chunk!r}")
         self.chunk = chunk
@@ -45,7 +45,7 @@ class PleTable:
 
 
 @torch.no_grad()
-def build_ple_table(model, chunk: int = 8192) -> int:
+def build_ple_table(model, chunk: int = 2048) -> int:
     """Overwrite model.embed_tokens_per_layer's rows with p(t) (model.embed's PLE output, flattened) and switch
     the model to gathering them (`model.ple_table`); W_plm and its norm are dropped. -> rows computed."""
     c = model.config
