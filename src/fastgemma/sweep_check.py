@@ -52,13 +52,15 @@ def key_mismatches(args: list[str], conf_dir: Path) -> list[str]:
         return []
     choices = {o.key_or_group: _choices(o) for o in overrides
                if "." not in o.key_or_group and (conf_dir / o.key_or_group).is_dir() and not o.is_delete()}
-    out = []
+    out, read = [], {}  # read: each group's choices' keys, its YAMLs read once
     for o in overrides:
         group, _, key = o.key_or_group.partition(".")
         if not key or group not in choices or o.is_add() or o.is_force_add() or o.is_delete():
             continue
         top = key.partition(".")[0]
-        keys = {p.stem: _keys(p, group) for p in sorted((conf_dir / group).glob("*.yaml"))}
+        if group not in read:
+            read[group] = {p.stem: _keys(p, group) for p in sorted((conf_dir / group).glob("*.yaml"))}
+        keys = read[group]
         with_key = [c for c, ks in keys.items() if ks is not None and top in ks]
         for c in choices[group]:
             if keys.get(c) is None or top in keys[c]:

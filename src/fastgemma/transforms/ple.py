@@ -36,7 +36,7 @@ class PleTable:
         self.rows = 0
 
     def apply(self, model):
-        if model.config.ple_dim and getattr(model, "ple_table", None) is None:
+        if model.config.ple_dim and not model.ple_from_table:  # (a second apply would copy the table onto itself)
             self.rows = build_ple_table(model, self.chunk)
         return model
 
@@ -47,7 +47,7 @@ class PleTable:
 @torch.no_grad()
 def build_ple_table(model, chunk: int = 2048) -> int:
     """Overwrite model.embed_tokens_per_layer's rows with p(t) (model.embed's PLE output, flattened) and switch
-    the model to gathering them (`model.ple_table`); W_plm and its norm are dropped. -> rows computed."""
+    the model to gathering them (`model.use_ple_table`: W_plm and its norm dropped). -> rows computed."""
     c = model.config
     w = model.embed_tokens_per_layer.weight
     n = min(w.shape[0], c.vocab_size)  # ids past the token embedding's rows never reach embed()

@@ -61,7 +61,7 @@ def encode_chat(tokenizer, text: str) -> list[int]:
                          f"own, tokenizer=auto or tokenizer=<dir>); this {type(tokenizer).__name__} has none")
     # the template's text, then its ids: it writes <bos> itself (tokenize=True returns a dict or a list by version)
     s = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(s, add_special_tokens=False))
+    return encode_plain(tokenizer, s)
 
 
 def encode_plain(tokenizer, text: str) -> list[int]:
