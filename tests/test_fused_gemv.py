@@ -199,8 +199,8 @@ def _decode(model, cfg, prompt, new):
 def test_fuse_layers_step_equals_ordinary_step(family, quant, monkeypatch):
     """fp32 on the tiny model (sliding and full layers, KV sharing, PLE; a Gemma 3 variant without
     PLE, with the +1 norm offset): the fused step (twins, then the Triton kernels under the
-    interpreter) gives the ordinary step's tokens and logits over 3 new tokens, with dense, int4 and
-    int8 linears. The window (16) is shorter than the context, so ring-buffer slots wrap."""
+    interpreter, then with tail_norm) gives the ordinary step's tokens and logits over 3 new tokens, with dense,
+    int4 and int8 linears. The window (16) is shorter than the context, so ring-buffer slots wrap."""
     import fastgemma.kernels.gemv as gemv_mod
     import fastgemma.kernels.w4a16_table as w4a16_table
     from fastgemma.kernels.decode_attention import decode_attention_ref
@@ -238,6 +238,10 @@ def test_fuse_layers_step_equals_ordinary_step(family, quant, monkeypatch):
     monkeypatch.setattr(gemv_mod, "default_config", lambda N, K: GemvConfig(64, 64, 4))
     monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table.W4A16Config(64, 64, 1, 4))
     FuseLayers(backend="triton").apply(model)  # already merged: merging again is a no-op
+    tokens, logits = _decode(model, cfg, prompt, 3)
+    assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    # fuse.tail_norm: the last update and the final norm in kernels/residual_norm.py (kept on below)
+    model.fused_decode = functools.partial(model.fused_decode, tail_norm=True)
     tokens, logits = _decode(model, cfg, prompt, 3)
     assert tokens == ref_tokens and torch.allclose(logits, ref_logits, atol=1e-4, rtol=1e-4)
     if quant == "bf16":  # q/k/v norms, RoPE and the cache writes in kernels/qkv_finish.py (Gemma 3: no v norm)

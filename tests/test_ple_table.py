@@ -92,3 +92,22 @@ def test_the_fused_int4_stack_decodes_the_same_tokens_from_the_table(tmp_path):
     out = {ple: run_job(CLI_TINY + stack + [f"ple={ple}"], tmp_path, ple)["details"]["output_ids"]
            for ple in ("project", "table")}
     assert len(out["table"]) == 24 and out["table"] == out["project"]
+
+
+def test_the_table_gather_is_one_opaque_op_under_compile():
+    """Traced, the gather stays one op (model.decoder.gather_rows) whose output every layer's PLE gate reads: left to
+    inductor, each layer's slice of a plain embedding became a launch of its own (run LI)."""
+    _, model = _pair()
+    PleTable().apply(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids = torch.randint(0, TINY.vocab_size, (1, 1))
+    x, p = torch.compile(lambda i: model.embed(i), backend=backend, fullgraph=True)(ids)
+    want = model.embed(ids)
+    assert torch.equal(x, want[0]) and torch.equal(p, want[1])
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fastgemma.gather_rows.default) == 1, targets

@@ -83,8 +83,9 @@ def int4_group_size(cfg) -> int:
 
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
                 "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold",
-                "afold": "attn_fold"}
+                "afold": "attn_fold", "tail": "tail_norm"}
 MODEL_OPTS = ("ple",)  # variant options that change the model, not the fused step: 'ple' = ple=table
+STEP_OPTS = ("adv",)  # variant options of the captured step: 'adv' = graphs.advance=kernel
 
 
 def parse_variant(v: str) -> dict:
@@ -95,13 +96,15 @@ def parse_variant(v: str) -> dict:
     'inv': batch_invariant, the verify pass's rows bit-equal to the one-row step's; 'dloop': draft_loop,
     the speculative draft loop in one persistent kernel; 'fold': norm_fold, with 'mma' the norms between
     o and gate|up and before the next q|k|v folded into those GEMVs; 'afold': attn_fold, with 'fold' and
-    'attn_qkv' the sliding layers' attention combine folded into o; 'ple': not a step option, the model's PLE
-    inputs from a table, transforms/ple.py, applied before quant) -> FuseLayers options."""
+    'attn_qkv' the sliding layers' attention combine folded into o; 'tail': tail_norm, the last update and final
+    norm in kernels/residual_norm.py; 'ple': not a step option, the model's PLE inputs from a table,
+    transforms/ple.py, applied before quant; 'adv': the captured step's bookkeeping in one launch,
+    kernels/step_advance.py) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
-    bad = [o for o in opts if o not in VARIANT_OPTS and o not in MODEL_OPTS]
+    bad = [o for o in opts if o not in VARIANT_OPTS and o not in MODEL_OPTS and o not in STEP_OPTS]
     if bad:
         raise SystemExit(f"bad variant {v!r}: base, or options joined by '+' from "
-                         f"{', '.join((*VARIANT_OPTS, *MODEL_OPTS))}")
+                         f"{', '.join((*VARIANT_OPTS, *MODEL_OPTS, *STEP_OPTS))}")
     return {VARIANT_OPTS[o]: True for o in opts if o in VARIANT_OPTS}
 
 
@@ -373,7 +376,8 @@ def main(argv=None):
                 nhead, hinfo = set_head(model, kind, n, keepset(eos + full_tokens, n, cfg.vocab_size) if n else None,
                                         dev, workdir, hdtype)
                 cache.reset()
-                step = (GraphStep if cuda else StaticStep)(model, cache, sampler)
+                step = (GraphStep if cuda else StaticStep)(
+                    model, cache, sampler, advance="kernel" if "adv" in variant.split("+") else "ops")
                 gen = Generator(model, cache, step, sampler=sampler)
                 t = time.perf_counter()
                 step.prepare()

@@ -4,6 +4,8 @@
 - StaticStep: model.step (writes first, attends through model.step_attention), device positions.
 - GraphStep: StaticStep captured once in a torch.cuda.CUDAGraph and replayed; the graph advances
   its own position and feeds its token back, so a decode loop is N replays and nothing else.
+A static step's bookkeeping after its pick (token fed back, position + 1, the id kept, count + 1) is four
+torch ops (`advance="ops"`) or one launch on CUDA (`advance="kernel"`: kernels/step_advance.py).
 All return the next token ids [B, 1]; `last_logits` holds the fp32 logits [B, V] of the last call.
 """
 from __future__ import annotations
@@ -11,8 +13,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.argmax import argmax_last
+from ..kernels.step_advance import advance_fn, step_advance_ref
 from .compile import compile_step
 
+
+# a static step's bookkeeping: the four torch ops, or kernels/step_advance.py's one launch (CUDA; the ops elsewhere)
+ADVANCE = ("ops", "kernel")
 
 # prompts are padded to a multiple of this and replayed from one CUDA graph per padded length
 # (graphs=cuda_graph / compiled; Generator.prefill)
@@ -66,7 +72,9 @@ class EagerStep:
 class StaticStep:
     name = "static"
 
-    def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False):
+    def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, advance: str = "ops"):
+        if advance not in ADVANCE:
+            raise ValueError(f"advance must be one of {', '.join(ADVANCE)}, got {advance!r}")
         self.model, self.cache, self.sampler = model, cache, sampler
         if hasattr(sampler, "prepare"):  # its buffers exist before the step is traced (no recompile)
             sampler.prepare(model, cache.batch, cache.ring_pos.device)
@@ -80,6 +88,8 @@ class StaticStep:
         self.pos = torch.zeros(b, 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(b, cache.max_context, dtype=torch.long, device=dev)  # emitted ids
         self.count = torch.zeros(1, dtype=torch.long, device=dev)
+        self.advance = advance
+        self._advance = advance_fn(dev) if advance == "kernel" else step_advance_ref
         self.n = 0
         self.last_logits = None
 
@@ -93,10 +103,7 @@ class StaticStep:
 
     def _body(self):
         nxt, logits = self.forward(self.tok, self.pos)
-        self.tok.copy_(nxt)
-        self.pos.add_(1)
-        self.out.index_copy_(1, self.count, nxt)
-        self.count.add_(1)
+        self._advance(nxt, self.tok, self.pos, self.out, self.count)
         return nxt, logits
 
     def __call__(self, tok):
@@ -115,8 +122,8 @@ class GraphStep(StaticStep):
     name = "cuda_graph"
 
     def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, warmup_iters: int = 2,
-                 prefill_bucket: int = PREFILL_BUCKET, compile_prefill: bool | str = False):
-        super().__init__(model, cache, sampler, compile)
+                 prefill_bucket: int = PREFILL_BUCKET, compile_prefill: bool | str = False, advance: str = "ops"):
+        super().__init__(model, cache, sampler, compile, advance)
         # the generator's prompt path (Generator): padded to prefill_bucket and captured, compiled
         # with compile_prefill
         self.prefill_bucket, self.compile_prefill = prefill_bucket, compile_prefill

@@ -17,7 +17,7 @@ from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _embed, _finis
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
-                 norm_fold: bool = False, attn_fold: bool = False, query_qkv: bool = False):
+                 norm_fold: bool = False, attn_fold: bool = False, query_qkv: bool = False, tail_norm: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -35,7 +35,9 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     gate|up, and between the PLE projection (down without PLE) and the next layer's q|k|v or q, folded
     into those tensor-core GEMVs (kernels/norm_fold.py) where both have a one-row config that takes it;
     attn_fold (with norm_fold and attn_qkv): the attention's combine folded into o where o is the fold's
-    producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers)."""
+    producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers);
+    tail_norm: the last layer's residual update and the final norm in kernels/residual_norm.py (the verify
+    pass's kernel, its rounding; batch_invariant takes it anyway) instead of the compiled torch ops."""
     c = model.config
     x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
@@ -87,8 +89,8 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
         else:
             y, _ = call(x_last, last)
             pend = (h, y, norm, layer.layer_scalar, None, None)
-    res, y, norm, scale = pend[:4]  # the last layer's update, in torch (no GEMV follows it)
-    if batch_invariant:  # in the verify pass's kernel
+    res, y, norm, scale = pend[:4]  # the last layer's update (no GEMV follows it)
+    if batch_invariant or tail_norm:  # in the verify pass's kernel
         _, out = _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, model.norm.weight,
                                 c.rms_eps, c.norm_offset, triton_ops, pdl)
         return out.reshape(1, 1, -1)

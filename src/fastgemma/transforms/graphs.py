@@ -8,13 +8,14 @@
   prompt's forward too (dynamic=True: one compilation for every length; by default each decoder layer's
   regions, compile_prefill=True the whole forward). prefill_bucket > 0: the
   prompt is padded to a multiple of it and replayed from one CUDA graph per padded length
-  (Generator.prefill; captured in the warm-up by Generator.warm_prefill).
+  (Generator.prefill; captured in the warm-up by Generator.warm_prefill). advance: the step's bookkeeping
+  after its pick as four torch ops ("ops") or one launch ("kernel", kernels/step_advance.py).
 """
 from __future__ import annotations
 
 from ..checks import is_int
 from ..engine.generator import is_prompt_compile, prompt_compile_for
-from ..engine.steps import PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
+from ..engine.steps import ADVANCE, PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
 
 
 class Eager:
@@ -41,7 +42,7 @@ class CudaGraph:
     needs_cuda = True
 
     def __init__(self, warmup_iters: int = 2, compile: bool = False, prefill_bucket: int = PREFILL_BUCKET,
-                 compile_prefill: bool | str | None = None):
+                 compile_prefill: bool | str | None = None, advance: str = "ops"):
         if warmup_iters < 1:
             raise ValueError(f"warmup_iters must be >= 1, got {warmup_iters}")
         if not is_int(prefill_bucket, 0):
@@ -53,12 +54,17 @@ class CudaGraph:
                              f"layer's regions, compiled once for every layer of a kind), false or null (layers "
                              f"with `compile`, else false), got {compile_prefill!r}")
         self.compile_prefill = prompt_compile_for(self.compile) if compile_prefill is None else compile_prefill
+        if advance not in ADVANCE:
+            raise ValueError(f"advance must be ops (the step's bookkeeping as four torch ops) or kernel (one launch, "
+                             f"kernels/step_advance.py), got {advance!r}")
+        self.advance = advance
 
     def make_step(self, model, cache, sampler):
         return GraphStep(model, cache, sampler, compile=self.compile, warmup_iters=self.warmup_iters,
-                         prefill_bucket=self.prefill_bucket, compile_prefill=self.compile_prefill)
+                         prefill_bucket=self.prefill_bucket, compile_prefill=self.compile_prefill,
+                         advance=self.advance)
 
     def describe(self) -> dict:
         return {"graphs": "compiled" if self.compile else "cuda_graph", "warmup_iters": self.warmup_iters,
                 "compile": self.compile, "prefill_bucket": self.prefill_bucket,
-                "compile_prefill": self.compile_prefill}
+                "compile_prefill": self.compile_prefill, "advance": self.advance}
