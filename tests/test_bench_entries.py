@@ -688,16 +688,21 @@ def test_draft_head_bench_on_the_cpu(capsys):
     assert "3/3" in capsys.readouterr().out
 
 
-def test_bench_stack_times_the_ple_table_beside_the_computed_inputs(tmp_path):
-    """bench.stack's 'ple' variant option (ple=table before the body's transforms) in the same process as the
-    step without it: the same tokens (fp32 twins), W_plm's bytes gone from the per-token figure."""
+def test_bench_stack_model_and_step_variant_options(tmp_path):
+    """bench.stack's 'ple' variant option (ple=table before the body's transforms) and its step options ('tail',
+    'adv', 'combo') in the same process as the step without them: the same tokens (fp32 twins), W_plm's bytes gone
+    from the per-token figure."""
     from fastgemma.bench import stack
 
     out = tmp_path / "stack.jsonl"
     stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "--heads", "full", "--prompt-len",
-                "8", "--new", "4", "--variants", "base,base+ple", "--out", str(out)])
+                "8", "--new", "4", "--variants", "base,base+ple,base+tail+adv+combo", "--out", str(out)])
     rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"base", "base+ple"} and rows["base+ple"]["identity_vs_first"] == 1.0
+    assert set(rows) == {"base", "base+ple", "base+tail+adv+combo"} and rows["base+ple"]["identity_vs_first"] == 1.0
+    # the last norm's kernel (its twin here), the step's bookkeeping in one launch (the twin on a CPU), inductor's
+    # combo kernels (nothing compiles on a CPU): the same tokens
+    assert rows["base+tail+adv+combo"]["identity_vs_first"] == 1.0
+    assert rows["base+tail+adv+combo"]["stack"]["FuseLayers"]["tail_norm"] is True
     from fastgemma.model.config import GEMMA4_TINY as c
 
     w_plm = (c.hidden_size * c.num_layers * c.ple_dim + c.ple_dim) * 4  # W_plm and its norm, fp32 on the CPU

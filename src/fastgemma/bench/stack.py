@@ -85,7 +85,8 @@ VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn
                 "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold",
                 "afold": "attn_fold", "tail": "tail_norm"}
 MODEL_OPTS = ("ple",)  # variant options that change the model, not the fused step: 'ple' = ple=table
-STEP_OPTS = ("adv",)  # variant options of the captured step: 'adv' = graphs.advance=kernel
+STEP_OPTS = ("adv", "combo")  # variant options of the captured step: 'adv' = graphs.advance=kernel; 'combo' = the
+# body compiled with inductor's combo_kernels (independent small kernels horizontally fused into one launch)
 
 
 def parse_variant(v: str) -> dict:
@@ -99,7 +100,7 @@ def parse_variant(v: str) -> dict:
     'attn_qkv' the sliding layers' attention combine folded into o; 'tail': tail_norm, the last update and final
     norm in kernels/residual_norm.py; 'ple': not a step option, the model's PLE inputs from a table,
     transforms/ple.py, applied before quant; 'adv': the captured step's bookkeeping in one launch,
-    kernels/step_advance.py) -> FuseLayers options."""
+    kernels/step_advance.py; 'combo': the body compiled with inductor's combo_kernels) -> FuseLayers options."""
     opts = [o for o in v.split("+") if o and o != "base"]
     bad = [o for o in opts if o not in VARIANT_OPTS and o not in MODEL_OPTS and o not in STEP_OPTS]
     if bad:
@@ -367,7 +368,8 @@ def main(argv=None):
         torch._dynamo.reset()
         step_fn = model.step
         if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles
-            model.step = compile_step(step_fn)
+            combo = "combo" in variant.split("+")
+            model.step = compile_step(step_fn, options={"combo_kernels": True} if combo else None)
         cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
         refs, full_tokens = {}, []
         for kind, n, hdtype in heads:

@@ -56,7 +56,8 @@ def register_fallbacks() -> int:
     return added
 
 
-def compile_step(fn, dynamic: bool = False):
-    """torch.compile(fn, dynamic=dynamic) after `register_fallbacks`."""
+def compile_step(fn, dynamic: bool = False, options: dict | None = None):
+    """torch.compile(fn, dynamic=dynamic, options=options) after `register_fallbacks`; options: inductor's config
+    keys for this compile (e.g. {"combo_kernels": True}), None: its defaults."""
     register_fallbacks()
-    return torch.compile(fn, dynamic=dynamic)
+    return torch.compile(fn, dynamic=dynamic, options=options or None)
