@@ -219,19 +219,27 @@ class Gemma4Model(nn.Module):
         computes the PLE context projection and its RMSNorm (default: the model's modules; the fused
         steps' batch-invariant kernels); after use_ple_table (ple=table) the PLE input is a row gather."""
         w = self.embed_tokens.weight
-        # transformers casts sqrt(hidden) to the weight dtype first (50.5 in bf16 for 2560);
-        # a host-side rounding keeps the step free of host-to-device copies (CUDA-graph safe)
-        x0 = F.embedding(ids, w) * _rounded(self.config.embed_scale, w.dtype)
+        x0 = F.embedding(ids, w) * self.embed_scale()
+        return x0, self.ple_inputs(ids, x0, project, norm)
+
+    def embed_scale(self) -> float:
+        """The token embedding's scale: transformers casts sqrt(hidden) to the weight dtype first (50.5 in bf16 for
+        2560); a host-side rounding keeps the step free of host-to-device copies (CUDA-graph safe)."""
+        return _rounded(self.config.embed_scale, self.embed_tokens.weight.dtype)
+
+    def ple_inputs(self, ids, x0, project=None, norm=None):
+        """ids [B, T], x0 their scaled embeddings -> ple [B, T, L, ple_dim] (None without PLE); project / norm as
+        in embed()."""
         if not self.config.ple_dim:
-            return x0, None
+            return None
         c = self.config
         wt = self.embed_tokens_per_layer.weight
         if self.ple_from_table:
-            return x0, gather_rows(wt, ids).unflatten(-1, (c.num_layers, c.ple_dim))
+            return gather_rows(wt, ids).unflatten(-1, (c.num_layers, c.ple_dim))
         tok = F.embedding(ids, wt) * _rounded(c.ple_dim ** 0.5, wt.dtype)
         ctx = (project or self.per_layer_model_projection)(x0) * (c.hidden_size ** -0.5)
         ctx = (norm or self.per_layer_projection_norm)(ctx.unflatten(-1, (c.num_layers, c.ple_dim)))
-        return x0, (ctx + tok.unflatten(-1, (c.num_layers, c.ple_dim))) * (2.0 ** -0.5)
+        return (ctx + tok.unflatten(-1, (c.num_layers, c.ple_dim))) * (2.0 ** -0.5)
 
     def use_ple_table(self):
         """From now on embed() gathers the PLE input from embed_tokens_per_layer, whose rows the caller set to each
@@ -325,17 +333,23 @@ class Gemma4Model(nn.Module):
             x = layer(x, ple[:, :, i] if ple is not None else None, attend)
         return self.norm(x)
 
-    def step_store_attend(self, ids, pos, cache, pdl: bool = False, merge: bool = False, per_position: bool = False):
+    def step_store_attend(self, ids, pos, cache, pdl: bool = False, merge: bool = False, per_position: bool = False,
+                          start=None):
         """Marks the step's ring slots and returns fn(layer, q, k, v) -> [B, T, H*D]: writes the
         layer's K/V for these rows (store layers), then attends through self.step_attention.
         fn.rope: {sliding: (cos, sin)} for these positions; fn.attend(layer, q): the attention alone;
         fn.slots: {sliding: [B, T] cache rows of these positions}. pdl / merge / per_position: the
         attention kernel's launch options (the fused steps' `attn_pdl` / `attn_merge` /
-        `batch_invariant`; the twin ignores them)."""
+        `batch_invariant`; the twin ignores them). start: (rope, ring slots) already computed, the slots
+        already marked (kernels/step_start.py), else computed here."""
         c = self.config
         bidx = torch.arange(ids.shape[0], device=ids.device)[:, None]
-        slots = pos % cache.ring
-        cache.ring_pos[bidx, slots] = pos.to(torch.int32)
+        if start is None:
+            slots = pos % cache.ring
+            cache.ring_pos[bidx, slots] = pos.to(torch.int32)
+            rope = self.rope(pos, self.embed_tokens.weight.dtype)
+        else:
+            rope, slots = start
         attn = self.step_attention
         window = cache.window
 
@@ -357,7 +371,7 @@ class Gemma4Model(nn.Module):
                 cache.v[s.index][bidx, idx] = v
             return attend(layer, q)
 
-        store_attend.rope = self.rope(pos, self.embed_tokens.weight.dtype)
+        store_attend.rope = rope
         store_attend.attend = attend  # the attention alone, for callers that wrote K/V themselves
         store_attend.slots = {True: slots, False: pos}  # cache row of each step row, by `sliding`
         store_attend.pos = pos  # the rows' positions (the attention's q_pos)

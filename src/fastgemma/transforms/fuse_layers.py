@@ -60,7 +60,7 @@ class FuseLayers:
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
-                 attn_fold: bool = False, tail_norm: bool = False):
+                 attn_fold: bool = False, tail_norm: bool = False, start_kernel: bool = False):
         from ..kernels.attention_tiles import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -86,6 +86,7 @@ class FuseLayers:
         self.attn_fold = bool(attn_fold) and self.norm_fold
         self.batch_invariant = bool(batch_invariant)
         self.tail_norm = bool(tail_norm)
+        self.start_kernel = bool(start_kernel)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
         self.int4_mma = bool(int4_mma)
@@ -130,7 +131,8 @@ class FuseLayers:
                     query_qkv=step["attn_qkv"] and self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
                                                triton_ops=self.backend == "triton", norm_fold=self.norm_fold,
-                                               attn_fold=self.attn_fold, tail_norm=self.tail_norm, **body)
+                                               attn_fold=self.attn_fold, tail_norm=self.tail_norm,
+                                               start_kernel=self.start_kernel, **body)
         # the verify pass keeps qkv_finish: with its own rows in a split of their own, a row's softmax
         # would sum in an order that depends on where the step began (run ED: no faster, 2.217 -> 2.232
         # ms, and replay traces primed with every draft rejected no longer reproduced)
@@ -210,4 +212,4 @@ class FuseLayers:
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
                 "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
                 "norm_fold": self.norm_fold, "attn_fold": self.attn_fold, "tail_norm": self.tail_norm,
-                "verify_epilogues": True}
+                "start_kernel": self.start_kernel, "verify_epilogues": True}

@@ -264,23 +264,27 @@ def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale:
     return o.flatten(2)
 
 
-def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool = False):
+def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool = False, x0=None):
     """model.embed(ids); invariant (fuse.batch_invariant, Triton): the PLE context projection on the
     tensor-core kernel's one-row config (int4) or the skinny GEMM (dense) and its RMSNorm in
     kernels/residual_norm.py, one program per row, so each row's PLE input does not depend on the
     rows beside it (a dense projection's cuBLAS GEMV and GEMM, inductor's reductions, may sum in
     other orders at 1 and k+1 rows). mma (fuse.int4_mma, Triton), not invariant: an int4 projection on the
     tensor-core kernel where its table has the rows' config (else the linear's own launch), the norm as
-    the model computes it."""
+    the model computes it. x0: the tokens' scaled embeddings already computed (kernels/step_start.py): only the PLE
+    inputs are computed here."""
+    def embed(project=None, norm=None):
+        return model.embed(ids, project, norm) if x0 is None else (x0, model.ple_inputs(ids, x0, project, norm))
+
     if not (triton_ops and model.config.ple_dim) or not (invariant or mma) or model.ple_from_table:
-        return model.embed(ids)  # (ple=table: a row gather, the same for every row count)
+        return embed()  # (ple=table: a row gather, the same for every row count)
     proj, norm, c = model.per_layer_model_projection, model.per_layer_projection_norm, model.config
     if not invariant:
         def on_mma(x0):
             y = _mma_call(proj, x0.reshape(-1, x0.shape[-1]), "none", pdl)
             return proj(x0) if y is None else y.reshape(*x0.shape[:-1], -1)
 
-        return model.embed(ids, on_mma)
+        return embed(on_mma)
     from ..kernels.residual_norm import residual_norm_op
     from ..kernels.skinny_gemm import skinny_matmul_op
     from .quant import Int4Linear
@@ -297,4 +301,4 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool =
         return residual_norm_op(t.reshape(-1, t.shape[-1]), None, None, None, norm.weight, c.rms_eps,
                                 c.norm_offset, pdl)[1].reshape(t.shape)
 
-    return model.embed(ids, project, rms)
+    return embed(project, rms)

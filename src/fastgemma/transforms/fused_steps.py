@@ -11,13 +11,14 @@ from torch import nn
 
 from .fuse import MergeProjections
 from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _embed, _finish_q, _Fold, _layer_linears, _mma_call,
-                              _no_invariant_config, _qkv_attend, _residual_norm)
+                              _mma_cfg, _no_invariant_config, _qkv_attend, _residual_norm)
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
-                 norm_fold: bool = False, attn_fold: bool = False, query_qkv: bool = False, tail_norm: bool = False):
+                 norm_fold: bool = False, attn_fold: bool = False, query_qkv: bool = False, tail_norm: bool = False,
+                 start_kernel: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -37,10 +38,20 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     attn_fold (with norm_fold and attn_qkv): the attention's combine folded into o where o is the fold's
     producer and the attention has 2-8 splits (kernels/attn_fold.py: E4B's sliding layers);
     tail_norm: the last layer's residual update and the final norm in kernels/residual_norm.py (the verify
-    pass's kernel, its rounding; batch_invariant takes it anyway) instead of the compiled torch ops."""
+    pass's kernel, its rounding; batch_invariant takes it anyway) instead of the compiled torch ops;
+    start_kernel (Triton, not batch_invariant): the token's embedding, the first q|k|v's input norm where the
+    tensor-core kernel takes it (its prologue's own launch otherwise), ple=table's row, the RoPE cos / sin and the
+    ring slot in one launch (kernels/step_start.py)."""
     c = model.config
-    x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
-    store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
+    layers = list(model.layers)
+    xn0 = None  # the first q|k|v's normed input, where the start kernel made it
+    if start_kernel and triton_ops and not batch_invariant:
+        x, xn0, ple, rope, slots = _start(model, ids, pos, cache, layers[0], int4_mma)
+        x, ple = _embed(model, ids, False, triton_ops, pdl, int4_mma, x0=x) if ple is None else (x, ple)
+        store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, start=(rope, slots))
+    else:
+        x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
+        store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
     fold = _Fold(c.rms_eps, c.norm_offset, pdl) if norm_fold and int4_mma and triton_ops and not batch_invariant \
         else None
@@ -48,12 +59,11 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     # a residual update not yet applied: (res, y, norm, scale, rows, parts): h = (res + norm(y)) * scale;
     # rows / parts: the fold's, when the GEMV that made y was its producer (else None)
     pend = None
-    layers = list(model.layers)
     for i, layer in enumerate(layers):
         lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
         if pend is None:
-            qkv, _ = call(h, lin["in"], pre=pre)
+            qkv, _ = call(h, lin["in"], pre=pre) if xn0 is None else call(xn0, lin["in"])
         elif pend[4] is not None:
             qkv, h = fold.consume(lin["in"], pend[4], pend[5], pend[0], pend[1], pend[2].weight, pend[3])
         else:
@@ -95,6 +105,23 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
                                 c.rms_eps, c.norm_offset, triton_ops, pdl)
         return out.reshape(1, 1, -1)
     return model.norm((res + norm(y)) * scale).reshape(1, 1, -1)
+
+
+def _start(model, ids, pos, cache, layer0, int4_mma: bool):
+    """kernels/step_start.py's launch for the one-row step -> (x [1, 1, H], the first q|k|v's normed input [1, H] or
+    None where its GEMV takes the norm itself, ple [1, 1, L, P] or None without ple=table, rope, ring slots)."""
+    from ..kernels.step_start import step_start_op
+
+    c = model.config
+    w = model.embed_tokens.weight
+    # the tensor-core kernel launches the first q|k|v's prologue on its own (`_caller`): here it is made instead
+    norm0 = int4_mma and _mma_cfg(_layer_linears(0, layer0)["in"], 1, "none", w.dtype) is not None
+    table = model.embed_tokens_per_layer.weight if c.ple_dim and model.ple_from_table else None
+    x, xn, ple, cs, ss, cf, sf, slots = step_start_op(
+        ids, pos, w, model.embed_scale(), layer0.input_layernorm.weight if norm0 else None, c.rms_eps, c.norm_offset,
+        table, model.inv_freq_sliding, model.inv_freq_full, cache.ring_pos)
+    return (x, xn if norm0 else None, ple.unflatten(-1, (c.num_layers, c.ple_dim)) if table is not None else None,
+            {True: (cs, ss), False: (cf, sf)}, slots)
 
 
 # dense weights up to this size take the skinny GEMM in wider steps (the PLE gate: 1.3 MB); larger
