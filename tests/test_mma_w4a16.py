@@ -2,6 +2,7 @@
 the kernel under the interpreter (its mma blocks emulated) against exact sums on odd shapes, the
 fused step with int4_mma against the step without it, bad input, and the sm_90a build: its mma
 operands laid out one lane per row with a lane's 4 words in its registers, no spills."""
+import functools
 import os
 import subprocess
 import sys
@@ -244,6 +245,24 @@ def test_fused_steps_with_int4_mma(monkeypatch, wide_tiles, pairs):
     # q|k|v, and gate|up with its GeGLU epilogue), and the verify pass at 5 rows
     assert {(1, "none"), (1, "geglu"), (5, "none"), (5, "geglu")} <= {c[:2] for c in calls}
     assert any(c[2].splits == 2 for c in calls)
+    # fuse.start_kernel: the first q|k|v's norm (its prologue's own launch here) made by kernels/step_start.py
+    import fastgemma.kernels.step_start as ss
+
+    pres, real_start = [], ss.step_start
+    monkeypatch.setattr(ss, "step_start", lambda *a: pres.append(a[4] is not None) or real_start(*a))
+    outs = []
+    for dec in (functools.partial(mma_steps[0], start_kernel=True), plain_decode):
+        model.fused_decode = dec
+        cache = KVCache(GEMMA4_TINY, 1, 64, window=4, device="cpu", dtype=torch.bfloat16)
+        outs.append(model.step(torch.tensor([[7]]), torch.tensor([[0]]), cache).float())
+    from fastgemma.transforms.fused_layer_ops import _mma_cfg
+
+    # as the step's own call decides whether the tensor-core kernel takes q|k|v (with pairs, the tiny model's q|k|v
+    # shares gate|up's shape and so its paired entry, which a launch without GeGLU does not take)
+    assert pres == [_mma_cfg(lin["in"], 1, "none", torch.bfloat16) is not None]
+    shape = lambda m: (m.out_features, m.in_features)  # noqa: E731
+    assert pres == [True] or (pairs and shape(lin["in"]) == shape(lin["gate_up"]))
+    assert (outs[0] - outs[1]).abs().max().item() <= 0.03 * outs[1].abs().max().item()
 
 
 _SM90 = r'''
