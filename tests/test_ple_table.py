@@ -95,7 +95,7 @@ def test_the_fused_int4_stack_decodes_the_same_tokens_from_the_table(tmp_path):
 
 
 def test_the_table_gather_is_one_opaque_op_under_compile():
-    """Traced, the gather stays one op (model.decoder.gather_rows) whose output every layer's PLE gate reads: left to
+    """Traced, the gather stays one op (kernels/gather_rows.py) whose output every layer's PLE gate reads: left to
     inductor, each layer's slice of a plain embedding became a launch of its own (run LI)."""
     _, model = _pair()
     PleTable().apply(model)

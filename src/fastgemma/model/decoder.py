@@ -21,21 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.gather_rows import gather_rows
 from .config import ModelConfig, LayerSpec
 from .layers import MLP, RMSNorm, apply_rope, fill_rope_buffers, gelu_tanh, register_rope_buffers, rope_cos_sin
-
-
-@torch.library.custom_op("fastgemma::gather_rows", mutates_args=())
-def gather_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """w[ids] ([*ids.shape, w.shape[1]]) as one buffer, opaque to torch.compile. ple=table's PLE input is such a
-    gather; left to inductor, each layer's slice of it became a launch of its own before that layer's PLE gate (E4B
-    int4 step: 40 more kernels, +0.1 ms on an H100, run LI), since the fused GEMVs take realized inputs."""
-    return F.embedding(ids, w)
-
-
-@gather_rows.register_fake
-def _(w, ids):
-    return w.new_empty((*ids.shape, w.shape[1]))
 
 
 class Attention(nn.Module):
