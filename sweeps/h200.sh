@@ -28,8 +28,9 @@
 #             boundary); nf4 needs bitsandbytes (a wheel in .whl)
 #   loo       leave-one-out of the frontier AR step (bench.stack, window 188): the int4 body with every fused option,
 #             then with each left out (an option that needs it leaves with it: afold, fold, attn_qkv, mma,
-#             attn_pdl, all), each with the full head and the frontier's pruned int8 rows, in one process, so
-#             the `vs first variant` column is what each option buys; then two more processes, the whole stack at
+#             attn_pdl, tail, start, ple, adv, all), each with the full head and the frontier's pruned int8 rows,
+#             in one process, so the `vs first variant` column is what each option buys; then two more processes,
+#             the whole stack at
 #             the native window, and the bf16 and int8 (quant=int8) bodies' one-row steps at window 188 (their
 #             steps against the first row: across processes). LOO_HEADS (default "pruned:12288:int8") for other heads
 #   attention a store layer's attention with its q/k/v work at one row by path and tiles, full layers at
@@ -133,9 +134,11 @@ sh = '${INT4_SHAPES:-}'
 bench_shapes(ms=(${INT4_MS:-1},), shapes={k: S[k] for k in sh.split(',')} if sh else None, sweep=True, rep_ms=10,
              per_group_only='${INT4_PER_GROUP:-0}' == '1', packed='${INT4_PACKED:-1}' == '1')" ;;
     stack) run stack python3 -m fastgemma.bench.stack ${STACK_ARGS:-} --out "$out/stack.jsonl" ;;
-    loo) f=attn_pdl+mma+attn_qkv+fold+afold h="${LOO_HEADS:-pruned:12288:int8}"
+    loo) c=attn_pdl+mma+attn_qkv n=tail+start+ple+adv f=$c+fold+afold+$n h="${LOO_HEADS:-pruned:12288:int8}"
+         v="$f,$c+fold+$n,$c+$n,attn_pdl+mma+fold+$n,attn_pdl+attn_qkv+$n,mma+attn_qkv+fold+afold+$n,$c+fold+afold"
+         v="$v+start+ple+adv,$c+fold+afold+tail+ple+adv,$c+fold+afold+tail+start+adv,$c+fold+afold+tail+start+ple,base"
          run loo python3 -m fastgemma.bench.stack --bodies int4 --heads $h --window 188 --new 256 --out "$out/loo.jsonl" \
-           --variants "$f,attn_pdl+mma+attn_qkv+fold,attn_pdl+mma+attn_qkv,attn_pdl+mma+fold,attn_pdl+attn_qkv,mma+attn_qkv+fold+afold,base"
+           --variants "$v"
          run loo_native python3 -m fastgemma.bench.stack --bodies int4 --heads $h --window native --new 256 --variants "$f"
          run loo_bodies python3 -m fastgemma.bench.stack --bodies bf16 int8 --heads $h --window 188 --new 256 \
            --variants attn_pdl+attn_qkv ;;

@@ -72,7 +72,7 @@ class EagerStep:
 class StaticStep:
     name = "static"
 
-    def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, advance: str = "ops"):
+    def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, advance: str = "kernel"):
         if advance not in ADVANCE:
             raise ValueError(f"advance must be one of {', '.join(ADVANCE)}, got {advance!r}")
         self.model, self.cache, self.sampler = model, cache, sampler
@@ -122,7 +122,7 @@ class GraphStep(StaticStep):
     name = "cuda_graph"
 
     def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, warmup_iters: int = 2,
-                 prefill_bucket: int = PREFILL_BUCKET, compile_prefill: bool | str = False, advance: str = "ops"):
+                 prefill_bucket: int = PREFILL_BUCKET, compile_prefill: bool | str = False, advance: str = "kernel"):
         super().__init__(model, cache, sampler, compile, advance)
         # the generator's prompt path (Generator): padded to prefill_bucket and captured, compiled
         # with compile_prefill

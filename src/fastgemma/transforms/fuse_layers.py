@@ -79,6 +79,11 @@ class FuseLayers:
             log.warning("fuse.norm_fold is off under fuse.batch_invariant: the fold rounds otherwise than the "
                         "verify pass's norm kernel")
             norm_fold = False
+        if start_kernel and batch_invariant:
+            # its cos / sin round as CUDA's cosf / sinf, the verify pass's as inductor's: the rows would differ
+            log.warning("fuse.start_kernel is off under fuse.batch_invariant: the verify pass computes the step's "
+                        "inputs otherwise")
+            start_kernel = False
         if attn_fold and not batch_invariant and not (norm_fold and attn_qkv):  # (batch_invariant: off with the fold)
             raise ValueError("fuse.attn_fold folds the attention's combine into o as the norm fold's producer: it "
                              "needs fuse.norm_fold=true and fuse.attn_qkv=true")

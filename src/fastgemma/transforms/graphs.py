@@ -42,7 +42,7 @@ class CudaGraph:
     needs_cuda = True
 
     def __init__(self, warmup_iters: int = 2, compile: bool = False, prefill_bucket: int = PREFILL_BUCKET,
-                 compile_prefill: bool | str | None = None, advance: str = "ops"):
+                 compile_prefill: bool | str | None = None, advance: str = "kernel"):
         if warmup_iters < 1:
             raise ValueError(f"warmup_iters must be >= 1, got {warmup_iters}")
         if not is_int(prefill_bucket, 0):
