@@ -30,9 +30,8 @@
 #             then with each left out (an option that needs it leaves with it: afold, fold, attn_qkv, mma,
 #             attn_pdl, tail, start, ple, adv, all), each with the full head and the frontier's pruned int8 rows,
 #             in one process, so the `vs first variant` column is what each option buys; then two more processes,
-#             the whole stack at
-#             the native window, and the bf16 and int8 (quant=int8) bodies' one-row steps at window 188 (their
-#             steps against the first row: across processes). LOO_HEADS (default "pruned:12288:int8") for other heads
+#             the whole stack at the native window, and the bf16 and int8 (quant=int8) bodies' one-row steps at
+#             window 188 (their steps against the first row: across processes). LOO_HEADS (default "pruned:12288:int8") for other heads
 #   attention a store layer's attention with its q/k/v work at one row by path and tiles, full layers at
 #             300-32k tokens of context (bench.attention; ATTENTION_ARGS, default --qkv; "" for the split
 #             kernel alone vs its twin)
