@@ -232,23 +232,25 @@ def fused_pair():
     return m, m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "triton+qkv", "triton+attn_qkv"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton+qkv", "triton+attn_qkv", "torch+tail", "triton+tail"])
 def test_fused_drafter_step_matches_the_drafter(model, drafter, backend, wide_tiles):
     """fuse=layers' drafter step (the twins, and the Triton kernels in the interpreter, also with the
-    q kernel and the attention's PDL option, or the q norm + RoPE inside the attention's split kernel)
-    gives the unfused drafter's final-norm state and projected hidden state on one row, over a
+    q kernel and the attention's PDL option, or the q norm + RoPE inside the attention's split kernel, or the
+    last update + final norm in kernels/residual_norm.py: fuse.tail_norm) gives the unfused drafter's final-norm state and projected hidden state on one row, over a
     window shorter than the context; its merged gate|up also serves the unfused path (batches)
     unchanged."""
     from fastgemma.transforms.fuse_layers import FuseLayers
 
     m = synthetic_model(TINY, dtype=torch.float32, seed=3)
     m.step_attention = decode_attention_ref
-    qkv, attn_qkv = backend == "triton+qkv", backend == "triton+attn_qkv"
-    FuseLayers(backend=backend.split("+")[0], attn_pdl=qkv, qkv_kernel=qkv, attn_merge=qkv, attn_qkv=attn_qkv).apply(m)
+    qkv, attn_qkv, tail = backend == "triton+qkv", backend == "triton+attn_qkv", backend.endswith("+tail")
+    FuseLayers(backend=backend.split("+")[0], attn_pdl=qkv, qkv_kernel=qkv, attn_merge=qkv, attn_qkv=attn_qkv,
+               tail_norm=tail).apply(m)
     fused = m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0))
     assert fused.fused_forward is not None and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
     assert fused.fused_forward.keywords["qkv_kernel"] == qkv and fused.fused_forward.keywords["attn_pdl"] == qkv
-    assert fused.fused_forward.keywords["attn_qkv"] == attn_qkv
+    assert fused.fused_forward.keywords["attn_qkv"] == attn_qkv and fused.fused_forward.keywords["tail_norm"] == tail
+    assert fused.fused_forward.keywords["triton_ops"] == backend.startswith("triton")
     cache = KVCache(TINY, 1, MAX_CTX, window=12, dtype=torch.float32)
     ids = torch.tensor([PROMPT + [7, 9, 11, 13]])
     h = Generator(model, cache, prefill_chunk=16).prefill(ids)

@@ -145,7 +145,8 @@ class FuseLayers:
                                                **dict(body, attn_qkv=False))
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head,
-                                               draft_loop=self.draft_loop, **step)
+                                               draft_loop=self.draft_loop, tail_norm=self.tail_norm,
+                                               triton_ops=self.backend == "triton", **step)
         self._enable_mma(model)
         model.draft_head = head  # kernels/draft_head.py (or its twin): the fused drafter's head
         model.batch_invariant = self.batch_invariant  # the greedy pick reads it (transforms/sampler.py)

@@ -244,7 +244,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
 
 def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, attn_pdl: bool = False,
                 qkv_kernel: bool = False, attn_merge: bool = False, attn_qkv: bool = False,
-                attn_tiles: dict | None = None):
+                attn_tiles: dict | None = None, tail_norm: bool = False, triton_ops: bool = True):
     """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
     -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
     previous layer's residual update with its layer scalar, then input_layernorm), o, gate|up (+ the
@@ -252,7 +252,8 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
     kernels/qkv_finish.py with `qkv_kernel`) and the attention over the target's K/V as in the unfused
     step (its kernels under PDL with `attn_pdl`, no combine launch with `attn_merge`; with `attn_qkv`
     the q norm + RoPE in the attention's split kernel, kernels/decode_attention.py's q/k/v mode).
-    The last update and the final norm run in torch."""
+    The last update and the final norm run in torch, or with `tail_norm` in kernels/residual_norm.py (its twin
+    without `triton_ops`)."""
     body = d.config.body_config()
     if attn_pdl or attn_merge:
         attn = functools.partial(attn, pdl=attn_pdl, merge=attn_merge)
@@ -278,20 +279,25 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
         dn, _ = call(act, mlp.down_proj)
         pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
     res, y, norm, scale = pend
-    g = d.model.norm((res + norm(y)) * scale)
+    if tail_norm:
+        _, g = _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, d.model.norm.weight,
+                              body.rms_eps, body.norm_offset, triton_ops, pdl)
+    else:
+        g = d.model.norm((res + norm(y)) * scale)
     hp, _ = call(g, d.post_projection)
     return g.reshape(1, 1, -1), hp.reshape(1, 1, -1)
 
 
 def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, attn_qkv: bool = False, draft_loop: bool = False,
-                 attn_tiles: dict | None = None):
+                 attn_tiles: dict | None = None, tail_norm: bool = False, triton_ops: bool = True):
     """fuse=layers on the MTP drafter: gate|up merged, its one-row step through `fused_draft`;
     `head` replaces its centroid-masked head (FuseLayers passes `model.draft_head`; None: torch's
     topk path; with `pdl` its launches are programmatic dependent ones). Dense bias-free linears only
     (a quantized drafter keeps the unfused step).
     draft_loop: `drafter.loop_kernel` is kernels/draft_loop.DraftLoop, which speculative decoding
-    builds over its cache to run a one-row draft loop in one launch."""
+    builds over its cache to run a one-row draft loop in one launch. tail_norm: its last update and final norm
+    in kernels/residual_norm.py (the twin without triton_ops)."""
     for i, layer in enumerate(drafter.model.layers):
         for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             mod = layer.get_submodule(name)
@@ -301,7 +307,7 @@ def fuse_drafter(drafter, gemv, gemv4, pdl: bool = False, head=None, attn_pdl: b
     MergeProjections(qkv=False).apply(drafter.model)
     drafter.fused_forward = functools.partial(fused_draft, gemv=gemv, gemv4=gemv4, pdl=pdl, attn_pdl=attn_pdl,
                                               qkv_kernel=qkv_kernel, attn_merge=attn_merge, attn_qkv=attn_qkv,
-                                              attn_tiles=attn_tiles)
+                                              attn_tiles=attn_tiles, tail_norm=tail_norm, triton_ops=triton_ops)
     drafter.head_fn = functools.partial(head, pdl=True) if pdl and head is not None else head
     if draft_loop:
         from ..kernels.draft_loop import DraftLoop
