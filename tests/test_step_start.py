@@ -44,6 +44,19 @@ def test_kernel_matches_twin(dtype, with_pre, with_table, p):
     assert got[1].numel() == (96 if with_pre else 0) and got[2].numel() == (table.shape[1] if with_table else 0)
 
 
+def test_head_dims_of_any_size():
+    """RoPE halves that are no power of two (head_dim 80 and 192: 40 and 96 frequencies) and a hidden size that is
+    none either: the kernel masks its lanes."""
+    emb, pre, table, _, _, ring = _inputs(torch.float32, H=72)
+    fs = 1.0 / (10000.0 ** (torch.arange(0, 40).float() / 40))
+    ff = 1.0 / (1e6 ** (torch.arange(0, 96).float() / 96))
+    ids, pos = torch.tensor([[5]]), torch.tensor([[301]])
+    args = (emb, 8.0, pre, 1e-6, 0.0, table, fs, ff)
+    got, want = step_start(ids, pos, *args, ring.clone()), step_start_ref(ids, pos, *args, ring.clone())
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=0, atol=1e-6), name
+
+
 def test_bad_inputs_are_refused():
     emb, pre, table, fs, ff, ring = _inputs(torch.float32)
     one = torch.tensor([[3]])
@@ -53,8 +66,8 @@ def test_bad_inputs_are_refused():
         step_start(one, one, emb, 1.0, pre[:5], 1e-6, 0.0, table, fs, ff, ring)
     with pytest.raises(ValueError, match="PLE table must be a contiguous 2-D"):
         step_start(one, one, emb, 1.0, pre, 1e-6, 0.0, table.half(), fs, ff, ring)
-    with pytest.raises(ValueError, match="inv_freq_full must be 1-D fp32 of a power-of-two size"):
-        step_start(one, one, emb, 1.0, pre, 1e-6, 0.0, table, fs, ff[:12], ring)
+    with pytest.raises(ValueError, match="inv_freq_full must be contiguous 1-D fp32"):
+        step_start(one, one, emb, 1.0, pre, 1e-6, 0.0, table, fs, ff.double(), ring)
     with pytest.raises(ValueError, match="ring_pos must be int32"):
         step_start(one, one, emb, 1.0, pre, 1e-6, 0.0, table, fs, ff, ring.long())
 

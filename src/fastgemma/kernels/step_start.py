@@ -37,20 +37,22 @@ def _cos_sin(f, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _rope_store(p, freq_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    j = tl.arange(0, HALF)
-    c, s = _cos_sin(p.to(tl.float32) * tl.load(freq_ptr + j), INTERPRET)
+def _rope_store(p, freq_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    j = tl.arange(0, BLOCK)
+    ok = j < HALF
+    c, s = _cos_sin(p.to(tl.float32) * tl.load(freq_ptr + j, mask=ok, other=0.0), INTERPRET)
     for h in tl.static_range(2):  # cat((freqs, freqs)): both halves alike
-        tl.store(cos_ptr + h * HALF + j, c.to(DT))
-        tl.store(sin_ptr + h * HALF + j, s.to(DT))
+        tl.store(cos_ptr + h * HALF + j, c.to(DT), mask=ok)
+        tl.store(sin_ptr + h * HALF + j, s.to(DT), mask=ok)
 
 
 @triton.jit
 def _step_start_kernel(ids_ptr, pos_ptr, emb_ptr, scale, pre_ptr, eps, off, tab_ptr, fs_ptr, ff_ptr, ring_pos_ptr,
                        ring, x_ptr, xn_ptr, ple_ptr, cs_ptr, ss_ptr, cf_ptr, sf_ptr, slot_ptr,
                        H: tl.constexpr, BH: tl.constexpr, NP: tl.constexpr, CHUNK: tl.constexpr,
-                       HS: tl.constexpr, HF: tl.constexpr, HAS_PRE: tl.constexpr, HAS_TABLE: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       HS: tl.constexpr, BS: tl.constexpr, HF: tl.constexpr, BF: tl.constexpr,
+                       HAS_PRE: tl.constexpr, HAS_TABLE: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     tok = tl.load(ids_ptr).to(tl.int64)
@@ -59,8 +61,8 @@ def _step_start_kernel(ids_ptr, pos_ptr, emb_ptr, scale, pre_ptr, eps, off, tab_
         slot = p % ring
         tl.store(slot_ptr, slot)
         tl.store(ring_pos_ptr + slot, p.to(tl.int32))
-        _rope_store(p, fs_ptr, cs_ptr, ss_ptr, HS, DT, INTERPRET)
-        _rope_store(p, ff_ptr, cf_ptr, sf_ptr, HF, DT, INTERPRET)
+        _rope_store(p, fs_ptr, cs_ptr, ss_ptr, HS, BS, DT, INTERPRET)
+        _rope_store(p, ff_ptr, cf_ptr, sf_ptr, HF, BF, DT, INTERPRET)
         k = tl.arange(0, BH)
         ok = k < H
         x = _rnd(tl.load(emb_ptr + tok * H + k, mask=ok, other=0.0).to(tl.float32) * scale, DT)
@@ -85,10 +87,8 @@ def _check(ids, pos, emb, pre, table, inv_freq_sliding, inv_freq_full, ring_pos)
         raise ValueError(f"step_start: the PLE table must be a contiguous 2-D {emb.dtype} tensor, got "
                          f"{table.dtype} {tuple(table.shape)}")
     for name, f in (("inv_freq_sliding", inv_freq_sliding), ("inv_freq_full", inv_freq_full)):
-        n = f.numel()
-        if f.dtype != torch.float32 or f.dim() != 1 or n & (n - 1):
-            raise ValueError(f"step_start: {name} must be 1-D fp32 of a power-of-two size, got {f.dtype} "
-                             f"{tuple(f.shape)}")
+        if f.dtype != torch.float32 or f.dim() != 1 or not f.is_contiguous():
+            raise ValueError(f"step_start: {name} must be contiguous 1-D fp32, got {f.dtype} {tuple(f.shape)}")
     if ring_pos.dim() != 2 or ring_pos.shape[0] != 1 or ring_pos.dtype != torch.int32 or ring_pos.stride(1) != 1:
         raise ValueError(f"step_start: ring_pos must be int32 [1, ring], got {ring_pos.dtype} {tuple(ring_pos.shape)}")
     if not emb.is_contiguous():
@@ -115,14 +115,14 @@ def step_start(ids, pos, emb, scale: float, pre, eps: float, off: float, table, 
         raise RuntimeError("step_start runs on CUDA tensors (or with TRITON_INTERPRET=1); use step_start_ref")
     outs = _outputs(emb, pre, table, inv_freq_sliding, inv_freq_full, ids)
     x, xn, ple, cs, ss, cf, sf, slot = outs
-    H = emb.shape[1]
+    H, hs, hf = emb.shape[1], inv_freq_sliding.numel(), inv_freq_full.numel()
     NP = table.shape[1] if table is not None else 0
     _step_start_kernel[(1 + triton.cdiv(NP, PLE_CHUNK),)](
         ids, pos, emb, float(scale), pre if pre is not None else emb, float(eps), float(off),
         table if table is not None else emb, inv_freq_sliding, inv_freq_full, ring_pos, ring_pos.shape[1],
         x, xn if pre is not None else x, ple if table is not None else x, cs, ss, cf, sf, slot,
-        H=H, BH=triton.next_power_of_2(H), NP=NP, CHUNK=PLE_CHUNK, HS=inv_freq_sliding.numel(),
-        HF=inv_freq_full.numel(), HAS_PRE=pre is not None, HAS_TABLE=table is not None, INTERPRET=_INTERPRET,
+        H=H, BH=triton.next_power_of_2(H), NP=NP, CHUNK=PLE_CHUNK, HS=hs, BS=triton.next_power_of_2(hs), HF=hf,
+        BF=triton.next_power_of_2(hf), HAS_PRE=pre is not None, HAS_TABLE=table is not None, INTERPRET=_INTERPRET,
         num_warps=4)
     return outs
 
