@@ -1,7 +1,7 @@
 """GPU-only kernel variants compile for sm_90a here (no GPU needed): PDL launches, every
 fused-GEMV prologue / epilogue (dense, int4 and int8), the int4 per-group dot kernel, the int4 head's
 pick, the verify pass's PDL launches (nothing read before the wait, the GEMMs' trigger after the
-main loop) and the q/k/v kernel, without register spills, with the PDL wait after the dense
+main loop), the q/k/v kernel and the step's start / advance kernels, without register spills, with the PDL wait after the dense
 kernels' weight loads and before the int4 kernel's first load, and with the per-group kernel's
 inline PTX and tensor-core dots in place."""
 import os
