@@ -7,6 +7,7 @@ source "$(dirname "$0")/_common.sh"
 common=(task=bench eval=ppl experiment=frontier "$@")
 sweep "${common[@]}"                                          # the full stack
 sweep "${common[@]}" window=native
+sweep "${common[@]}" ple=project                              # the PLE inputs computed per token, no table
 sweep "${common[@]}" fuse=none
 sweep "${common[@]}" quant=bf16
 sweep "${common[@]}" lm_head=full                             # every head row, bf16
