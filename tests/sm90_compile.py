@@ -399,8 +399,9 @@ def accept_line():
 
 def step_edge_lines():
     """kernels/step_start.py at E4B's sizes (hidden 2,560; RoPE halves 128 and 256; the PLE row 10,752) with the
-    first norm and the table, and kernels/step_advance.py at one row ("edge" lines: name, registers, spill bytes,
-    the libdevice cos / sin calls' trace in the PTX: calls to __nv_ functions left unresolved, sin / cos.approx)."""
+    first norm and the table, kernels/step_advance.py at one row and kernels/gather_rows.py ("edge" lines: name,
+    registers, spill bytes, the libdevice cos / sin calls' trace in the PTX: calls to __nv_ functions left
+    unresolved, sin / cos.approx)."""
     from fastgemma.kernels.step_advance import _step_advance_kernel
     from fastgemma.kernels.step_start import PLE_CHUNK, _step_start_kernel
 
@@ -415,12 +416,17 @@ def step_edge_lines():
     ce = dict(H=2560, BH=4096, NP=10752, CHUNK=PLE_CHUNK, HS=128, BS=128, HF=256, BF=256, HAS_PRE=True,
               HAS_TABLE=True, INTERPRET=False)
     ptx, regs, spills = build(_step_start_kernel, sig, ce, [i for i, n in enumerate(order) if n in ptrs], 4)
-    print(f"edge	step start E4B	{regs}	{spills}	{ptx.count('call.uni')}	"
+    print(f"edge\tstep start E4B\t{regs}\t{spills}\t{ptx.count('call.uni')}\t"
           f"{len(re.findall(r'(sin|cos)[.]approx', ptx))}")
     sig = {"nxt_ptr": "*i64", "tok_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": "*i64", "count_ptr": "*i64",
            "stride_out": "i32", "width": "i32"}
     ptx, regs, spills = build(_step_advance_kernel, sig, dict(B=1, BLOCK=2), [0, 1, 2, 3, 4], 1)
-    print(f"edge	step advance	{regs}	{spills}	{ptx.count('call.uni')}	0")
+    print(f"edge\tstep advance\t{regs}\t{spills}\t{ptx.count('call.uni')}\t0")
+    from fastgemma.kernels.gather_rows import CHUNK, _gather_rows_kernel
+
+    sig = {"w_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "D": "i32", "stride_w": "i32"}
+    ptx, regs, spills = build(_gather_rows_kernel, sig, dict(CHUNK=CHUNK), [0, 1, 2], 4)
+    print(f"edge\tgather rows\t{regs}\t{spills}\t{ptx.count('call.uni')}\t0")
 
 
 def draft_loop_line():

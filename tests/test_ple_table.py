@@ -111,3 +111,21 @@ def test_the_table_gather_is_one_opaque_op_under_compile():
     assert torch.equal(x, want[0]) and torch.equal(p, want[1])
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.fastgemma.gather_rows.default) == 1, targets
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3), (5,)])
+@pytest.mark.parametrize("D", [96, 4096 + 904])
+def test_the_gather_kernel_copies_the_rows(shape, D):
+    """kernels/gather_rows.py's launch (the op's CUDA path; the interpreter here) against F.embedding: the same
+    values, rows of any width (chunks of 4,096 and a masked tail), int64 and int32 ids."""
+    from fastgemma.kernels.gather_rows import gather_rows_triton
+
+    w = torch.randn(40, D).bfloat16()
+    ids = torch.randint(0, 40, shape)
+    for i in (ids, ids.int()):
+        got = gather_rows_triton(w, i)
+        assert got.shape == (*shape, D) and torch.equal(got, torch.nn.functional.embedding(ids, w))
+    with pytest.raises(ValueError, match="rows contiguous"):
+        gather_rows_triton(w.t(), ids)
+    with pytest.raises(ValueError, match="ids must be integers"):
+        gather_rows_triton(w, ids.float())

@@ -1,9 +1,9 @@
 """GPU-only kernel variants compile for sm_90a here (no GPU needed): PDL launches, every
 fused-GEMV prologue / epilogue (dense, int4 and int8), the int4 per-group dot kernel, the int4 head's
 pick, the verify pass's PDL launches (nothing read before the wait, the GEMMs' trigger after the
-main loop), the q/k/v kernel and the step's start / advance kernels, without register spills, with the PDL wait after the dense
-kernels' weight loads and before the int4 kernel's first load, and with the per-group kernel's
-inline PTX and tensor-core dots in place."""
+main loop), the q/k/v kernel and the step's start / advance / row-gather kernels, without register
+spills, with the PDL wait after the dense kernels' weight loads and before the int4 kernel's first
+load, and with the per-group kernel's inline PTX and tensor-core dots in place."""
 import os
 import subprocess
 import sys
@@ -95,10 +95,10 @@ def test_gpu_only_variants_compile_for_sm90():
     # the speculative step's accept (one warp): a barrier between the reads of the values it updates in place
     # and its writes, per batch row and before the step counter; the PTX lays the row loop out rotated, so
     # the stores before its first barrier are the previous row's tail (pos, hits, tries, the log: 4)
-    # the step's edges in one launch each (kernels/step_start.py at E4B's sizes, kernels/step_advance.py): no
+    # the step's edges in one launch each (kernels/step_start.py at E4B's sizes, step_advance.py, gather_rows.py): no
     # spills, libdevice's cos / sin inlined (no call left, no approximate sin / cos: CUDA's cosf / sinf, as torch's)
     edge = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "edge"}
-    assert set(edge) == {"step start E4B", "step advance"}, edge
+    assert set(edge) == {"step start E4B", "step advance", "gather rows"}, edge
     assert all(spills == 0 and calls == 0 and approx == 0 for _, spills, calls, approx in edge.values()), edge
     accept = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "accept"}
     regs, spills, bars, stores_before = accept["accept k=7 replay"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from ..kernels.argmax import argmax_last
-from ..kernels.step_advance import advance_fn, step_advance_ref
 from .compile import compile_step
 
 
@@ -88,6 +87,8 @@ class StaticStep:
         self.pos = torch.zeros(b, 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(b, cache.max_context, dtype=torch.long, device=dev)  # emitted ids
         self.count = torch.zeros(1, dtype=torch.long, device=dev)
+        from ..kernels.step_advance import advance_fn, step_advance_ref
+
         self.advance = advance
         self._advance = advance_fn(dev) if advance == "kernel" else step_advance_ref
         self.n = 0

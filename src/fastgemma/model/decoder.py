@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.gather_rows import gather_rows
 from .config import ModelConfig, LayerSpec
 from .layers import MLP, RMSNorm, apply_rope, fill_rope_buffers, gelu_tanh, register_rope_buffers, rope_cos_sin
 
@@ -222,7 +221,9 @@ class Gemma4Model(nn.Module):
             return None
         c = self.config
         wt = self.embed_tokens_per_layer.weight
-        if self.ple_from_table:
+        if self.ple_from_table:  # one opaque op (kernels/gather_rows.py), not inductor's per-layer slices
+            from ..kernels.gather_rows import gather_rows
+
             return gather_rows(wt, ids).unflatten(-1, (c.num_layers, c.ple_dim))
         tok = F.embedding(ids, wt) * _rounded(c.ple_dim ** 0.5, wt.dtype)
         ctx = (project or self.per_layer_model_projection)(x0) * (c.hidden_size ** -0.5)
