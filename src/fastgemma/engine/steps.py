@@ -89,7 +89,6 @@ class StaticStep:
         self.count = torch.zeros(1, dtype=torch.long, device=dev)
         from ..kernels.step_advance import advance_fn, step_advance_ref
 
-        self.advance = advance
         self._advance = advance_fn(dev) if advance == "kernel" else step_advance_ref
         self.n = 0
         self.last_logits = None

@@ -80,6 +80,16 @@ def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: b
     return residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
 
 
+def _final_norm(res, y, norm, scale, final, eps: float, off: float, kernel: bool, triton_ops: bool, pdl: bool):
+    """The last layer's residual update and the model's final norm: final((res + norm(y)) * scale), in
+    kernels/residual_norm.py's kernel (its twin without triton_ops) where `kernel`, else through the modules (a
+    compiled step: inductor's ops) -> the normed row."""
+    if kernel:
+        return _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, final.weight, eps, off,
+                              triton_ops, pdl)[1]
+    return final((res + norm(y)) * scale)
+
+
 def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, invariant: bool = False,
             triton_ops: bool = True):
     """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op;

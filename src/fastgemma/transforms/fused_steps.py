@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .fuse import MergeProjections
-from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _embed, _finish_q, _Fold, _layer_linears, _mma_call,
-                              _mma_cfg, _no_invariant_config, _qkv_attend, _residual_norm)
+from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _embed, _final_norm, _finish_q, _Fold, _layer_linears,
+                              _mma_call, _mma_cfg, _no_invariant_config, _qkv_attend, _residual_norm)
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
@@ -99,12 +99,9 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
         else:
             y, _ = call(x_last, last)
             pend = (h, y, norm, layer.layer_scalar, None, None)
-    res, y, norm, scale = pend[:4]  # the last layer's update (no GEMV follows it)
-    if batch_invariant or tail_norm:  # in the verify pass's kernel
-        _, out = _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, model.norm.weight,
-                                c.rms_eps, c.norm_offset, triton_ops, pdl)
-        return out.reshape(1, 1, -1)
-    return model.norm((res + norm(y)) * scale).reshape(1, 1, -1)
+    # the last layer's update (no GEMV follows it); batch_invariant: in the verify pass's kernel
+    return _final_norm(*pend[:4], model.norm, c.rms_eps, c.norm_offset, batch_invariant or tail_norm, triton_ops,
+                       pdl).reshape(1, 1, -1)
 
 
 def _start(model, ids, pos, cache, layer0, int4_mma: bool):
@@ -278,12 +275,7 @@ def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, 
                       layer.pre_feedforward_layernorm.weight, epilogue="geglu")
         dn, _ = call(act, mlp.down_proj)
         pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
-    res, y, norm, scale = pend
-    if tail_norm:
-        _, g = _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, d.model.norm.weight,
-                              body.rms_eps, body.norm_offset, triton_ops, pdl)
-    else:
-        g = d.model.norm((res + norm(y)) * scale)
+    g = _final_norm(*pend, d.model.norm, body.rms_eps, body.norm_offset, tail_norm, triton_ops, pdl)
     hp, _ = call(g, d.post_projection)
     return g.reshape(1, 1, -1), hp.reshape(1, 1, -1)
 
