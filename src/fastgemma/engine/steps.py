@@ -19,6 +19,12 @@ from .compile import compile_step
 # a static step's bookkeeping: the four torch ops, or kernels/step_advance.py's one launch (CUDA; the ops elsewhere)
 ADVANCE = ("ops", "kernel")
 
+
+def check_advance(advance: str) -> None:
+    if advance not in ADVANCE:
+        raise ValueError(f"advance must be ops (the step's bookkeeping as four torch ops) or kernel (one launch, "
+                         f"kernels/step_advance.py), got {advance!r}")
+
 # prompts are padded to a multiple of this and replayed from one CUDA graph per padded length
 # (graphs=cuda_graph / compiled; Generator.prefill)
 PREFILL_BUCKET = 64
@@ -72,8 +78,7 @@ class StaticStep:
     name = "static"
 
     def __init__(self, model, cache, sampler=argmax_sampler, compile: bool = False, advance: str = "kernel"):
-        if advance not in ADVANCE:
-            raise ValueError(f"advance must be one of {', '.join(ADVANCE)}, got {advance!r}")
+        check_advance(advance)
         self.model, self.cache, self.sampler = model, cache, sampler
         if hasattr(sampler, "prepare"):  # its buffers exist before the step is traced (no recompile)
             sampler.prepare(model, cache.batch, cache.ring_pos.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..checks import is_int
 from ..engine.generator import is_prompt_compile, prompt_compile_for
-from ..engine.steps import ADVANCE, PREFILL_BUCKET, EagerStep, GraphStep, StaticStep
+from ..engine.steps import PREFILL_BUCKET, EagerStep, GraphStep, StaticStep, check_advance
 
 
 class Eager:
@@ -54,9 +54,7 @@ class CudaGraph:
                              f"layer's regions, compiled once for every layer of a kind), false or null (layers "
                              f"with `compile`, else false), got {compile_prefill!r}")
         self.compile_prefill = prompt_compile_for(self.compile) if compile_prefill is None else compile_prefill
-        if advance not in ADVANCE:
-            raise ValueError(f"advance must be ops (the step's bookkeeping as four torch ops) or kernel (one launch, "
-                             f"kernels/step_advance.py), got {advance!r}")
+        check_advance(advance)  # here too: a bad choice stops the run before its model is built
         self.advance = advance
 
     def make_step(self, model, cache, sampler):
