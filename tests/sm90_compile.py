@@ -402,28 +402,26 @@ def step_edge_lines():
     first norm and the table, kernels/step_advance.py at one row and kernels/gather_rows.py ("edge" lines: name,
     registers, spill bytes, the libdevice cos / sin calls' trace in the PTX: calls to __nv_ functions left
     unresolved, sin / cos.approx)."""
+    import inspect
+
+    from fastgemma.kernels.gather_rows import CHUNK, _gather_rows_kernel
     from fastgemma.kernels.step_advance import _step_advance_kernel
     from fastgemma.kernels.step_start import PLE_CHUNK, _step_start_kernel
 
-    ptrs = {"ids_ptr": "*i64", "pos_ptr": "*i64", "emb_ptr": "*bf16", "pre_ptr": "*bf16", "tab_ptr": "*bf16",
-            "fs_ptr": "*fp32", "ff_ptr": "*fp32", "ring_pos_ptr": "*i32", "x_ptr": "*bf16", "xn_ptr": "*bf16",
-            "ple_ptr": "*bf16", "cs_ptr": "*bf16", "ss_ptr": "*bf16", "cf_ptr": "*bf16", "sf_ptr": "*bf16",
-            "slot_ptr": "*i64"}
-    sig = dict(ptrs, scale="fp32", eps="fp32", off="fp32", ring="i32")
-    order = ["ids_ptr", "pos_ptr", "emb_ptr", "scale", "pre_ptr", "eps", "off", "tab_ptr", "fs_ptr", "ff_ptr",
-             "ring_pos_ptr", "ring", "x_ptr", "xn_ptr", "ple_ptr", "cs_ptr", "ss_ptr", "cf_ptr", "sf_ptr", "slot_ptr"]
-    sig = {n: sig[n] for n in order}
+    kinds = {"ids_ptr": "*i64", "pos_ptr": "*i64", "fs_ptr": "*fp32", "ff_ptr": "*fp32", "ring_pos_ptr": "*i32",
+             "slot_ptr": "*i64", "scale": "fp32", "eps": "fp32", "off": "fp32", "ring": "i32"}
+    # the kernel's runtime arguments in its order: other pointers are bf16 rows
+    names = [n for n in inspect.signature(_step_start_kernel.fn).parameters if n.islower()]
+    sig = {n: kinds.get(n, "*bf16") for n in names}
     ce = dict(H=2560, BH=4096, NP=10752, CHUNK=PLE_CHUNK, HS=128, BS=128, HF=256, BF=256, HAS_PRE=True,
               HAS_TABLE=True, INTERPRET=False)
-    ptx, regs, spills = build(_step_start_kernel, sig, ce, [i for i, n in enumerate(order) if n in ptrs], 4)
+    ptx, regs, spills = build(_step_start_kernel, sig, ce, [i for i, n in enumerate(names) if n.endswith("_ptr")], 4)
     print(f"edge\tstep start E4B\t{regs}\t{spills}\t{ptx.count('call.uni')}\t"
           f"{len(re.findall(r'(sin|cos)[.]approx', ptx))}")
     sig = {"nxt_ptr": "*i64", "tok_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": "*i64", "count_ptr": "*i64",
            "stride_out": "i32", "width": "i32"}
     ptx, regs, spills = build(_step_advance_kernel, sig, dict(B=1, BLOCK=2), [0, 1, 2, 3, 4], 1)
     print(f"edge\tstep advance\t{regs}\t{spills}\t{ptx.count('call.uni')}\t0")
-    from fastgemma.kernels.gather_rows import CHUNK, _gather_rows_kernel
-
     sig = {"w_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "D": "i32", "stride_w": "i32"}
     ptx, regs, spills = build(_gather_rows_kernel, sig, dict(CHUNK=CHUNK), [0, 1, 2], 4)
     print(f"edge\tgather rows\t{regs}\t{spills}\t{ptx.count('call.uni')}\t0")
