@@ -51,6 +51,21 @@ def test_bad_buffers_are_refused():
 
 def test_the_kernel_is_the_cuda_pick():
     assert advance_fn("cuda") is step_advance and advance_fn("cpu") is step_advance_ref
+    assert advance_fn("cpu", once=True) is step_advance_ref
+
+
+def test_checked_once_checks_the_first_call_then_launches_as_the_kernel():
+    once, plain = advance_fn("cuda", once=True), _buffers(2, 8, 0)
+    with pytest.raises(ValueError, match="count must be int64"):  # the first call checks
+        once(*_buffers(2, 8, 0)[:4], torch.zeros(1, 1, dtype=torch.long))
+    once = advance_fn("cuda", once=True)
+    got = _buffers(2, 8, 0)
+    for _ in range(3):  # later calls: the bare launch, the same updates
+        once(*got)
+        step_advance(*plain)
+    for name, a, b in zip(("nxt", "tok", "pos", "out", "count"), got, plain):
+        assert torch.equal(a, b), name
+    assert got[4].item() == 3
 
 
 @pytest.mark.parametrize("B", [1, 2])

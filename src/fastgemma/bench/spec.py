@@ -42,7 +42,7 @@ from ..metrics.identity import common_prefix, top1_agreement
 from ..model.config import preset
 from ..model.drafter import synthetic_drafter
 from .floor import floor_option
-from .stack import VARIANT_OPTS, attn_tiles_arg, fused_table_arg, mma_table_arg, random_prompts
+from .stack import VARIANT_OPTS, attn_tiles_arg, fused_table_arg, mma_table_arg, random_prompts, variant_options
 
 
 def build_stack(cfg, dev, head: str, dtype=torch.bfloat16, fuse: bool = False, variant: str = "base",
@@ -284,7 +284,7 @@ def main(argv=None):
         set_fused_table(fused_table_arg(a.fused_table))  # this process's table
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.time()
-    if a.attn_tiles and (a.fuse != "layers" or "attn_qkv" not in a.variant.split("+")):
+    if a.attn_tiles and (a.fuse != "layers" or "attn_qkv" not in variant_options(a.variant)):
         raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give --fuse layers and a --variant "
                          "with attn_qkv")
     a.attn_tiles = attn_tiles_arg(a.attn_tiles or "default")
@@ -314,7 +314,7 @@ def main(argv=None):
     epilogues = _on_off("--verify-epilogues", a.verify_epilogues)
     # the fused k+1-row pass's switches: record key -> its rows (on / off)
     switch_rows = {_switch_key(flag): _on_off(flag, getattr(a, _switch_key(flag))) for flag in VERIFY_SWITCHES}
-    variant_mma = a.fuse == "layers" and "mma" in a.variant.split("+")
+    variant_mma = a.fuse == "layers" and "mma" in variant_options(a.variant)
     switch_rows["verify_mma"] = _on_off("--verify-mma", a.verify_mma or ("on" if variant_mma else "off"))
     switch_rows["verify_attn_qkv"] = _on_off("--verify-attn-qkv", a.verify_attn_qkv)
     if "on" in switch_rows["verify_mma"] and not variant_mma:

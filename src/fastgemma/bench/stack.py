@@ -89,6 +89,11 @@ STEP_OPTS = ("adv", "combo")  # variant options of the captured step: 'adv' = gr
 # body compiled with inductor's combo_kernels (independent small kernels horizontally fused into one launch)
 
 
+def variant_options(v: str) -> set:
+    """A variant's options: its '+'-joined names ('base' and empty names dropped)."""
+    return {o for o in v.split("+") if o and o != "base"}
+
+
 def parse_variant(v: str) -> dict:
     """A fused-step variant: 'base' (the GEMVs under PDL) or '+'-joined options from VARIANT_OPTS
     ('attn_pdl': the attention kernels too; 'qkv': kernels/qkv_finish.py; 'attn_merge': no attention
@@ -102,8 +107,8 @@ def parse_variant(v: str) -> dict:
     option, the model's PLE inputs from a table, transforms/ple.py, applied before quant; 'adv': the captured
     step's bookkeeping in one launch, kernels/step_advance.py; 'combo': the body compiled with inductor's
     combo_kernels) -> FuseLayers options."""
-    opts = [o for o in v.split("+") if o and o != "base"]
-    bad = [o for o in opts if o not in VARIANT_OPTS and o not in MODEL_OPTS and o not in STEP_OPTS]
+    opts = variant_options(v)
+    bad = [o for o in sorted(opts) if o not in VARIANT_OPTS and o not in MODEL_OPTS and o not in STEP_OPTS]
     if bad:
         raise SystemExit(f"bad variant {v!r}: base, or options joined by '+' from "
                          f"{', '.join((*VARIANT_OPTS, *MODEL_OPTS, *STEP_OPTS))}")
@@ -157,7 +162,7 @@ def build_body(cfg, dev: str, body: str, dtype, fuse: bool = True, variant: str 
     backend = "triton" if cuda else "torch"
     gs = int4_group_size(cfg)
     skip = ("per_layer_input_gate",) + (("per_layer_projection",) if cfg.ple_dim % gs else ())
-    parts = ([PleTable()] if "ple" in variant.split("+") else []) + [MergeProjections()]
+    parts = ([PleTable()] if "ple" in variant_options(variant) else []) + [MergeProjections()]
     if body == "int4":
         parts.append(Int4Quant(group_size=gs, skip=skip, backend=backend))
     elif body == "int8":
@@ -323,7 +328,7 @@ def main(argv=None):
     fused_tables = {"" if t == "default" else t: shipped_fused if t == "default" else fused_table_arg(t)
                     for t in a.fused_table or ["default"]}
     attn_tiles = list(dict.fromkeys(attn_tiles_arg(t) for t in a.attn_tiles or ["default"]))  # '': the kernel's own
-    if a.attn_tiles and not any("attn_qkv" in v.split("+") for v in variants):
+    if a.attn_tiles and not any("attn_qkv" in variant_options(v) for v in variants):
         raise SystemExit("--attn-tiles sets the q/k/v attention mode's tiles: give a variant with attn_qkv")
     # the full head first: the reference of identity, and the pruned keepsets' first ids
     heads = [("full", None, "auto")] + [h for h in dict.fromkeys(parse_head(h) for h in a.heads)
@@ -345,8 +350,8 @@ def main(argv=None):
     workdir = tempfile.mkdtemp(prefix="fastgemma-stack-")  # the pruned heads' keepset files
     eos = list(cfg.eos_ids)  # kept first, so greedy decode can still stop
     plan = [(b, v, t, at, ft) for b in a.bodies for v in (variants if b not in UNFUSED else variants[:1])
-            for t in (tables if "mma" in v.split("+") else [""])
-            for at in (attn_tiles if "attn_qkv" in v.split("+") else [""])
+            for t in (tables if "mma" in variant_options(v) else [""])
+            for at in (attn_tiles if "attn_qkv" in variant_options(v) else [""])
             for ft in (fused_tables if b not in UNFUSED else [""])]
     first = {}  # body -> prompt length -> the first variant's full-head tokens
     first_ms = {}  # (body, head, prompt length) -> the first variant's step ms: each later variant's delta
@@ -369,7 +374,7 @@ def main(argv=None):
         torch._dynamo.reset()
         step_fn = model.step
         if compiled:  # the body once; the head's pick stays outside, so swapping heads never recompiles
-            combo = "combo" in variant.split("+")
+            combo = "combo" in variant_options(variant)
             model.step = compile_step(step_fn, options={"combo_kernels": True} if combo else None)
         cache = KVCache(cfg, 1, max_ctx, window=window, device=dev, dtype=dtype)
         refs, full_tokens = {}, []
@@ -380,7 +385,7 @@ def main(argv=None):
                                         dev, workdir, hdtype)
                 cache.reset()
                 step = (GraphStep if cuda else StaticStep)(
-                    model, cache, sampler, advance="kernel" if "adv" in variant.split("+") else "ops")
+                    model, cache, sampler, advance="kernel" if "adv" in variant_options(variant) else "ops")
                 gen = Generator(model, cache, step, sampler=sampler)
                 t = time.perf_counter()
                 step.prepare()

@@ -94,7 +94,7 @@ class StaticStep:
         self.count = torch.zeros(1, dtype=torch.long, device=dev)
         from ..kernels.step_advance import advance_fn, step_advance_ref
 
-        self._advance = advance_fn(dev) if advance == "kernel" else step_advance_ref
+        self._advance = advance_fn(dev, once=True) if advance == "kernel" else step_advance_ref
         self.n = 0
         self.last_logits = None
 

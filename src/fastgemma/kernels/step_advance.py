@@ -7,7 +7,8 @@ few rows), so the count is read before any row's write and advanced once. A coun
 ids' width writes no id (index_copy_ would fault the device); the generator never steps that far.
 
 `step_advance` launches (CUDA tensors, or any under TRITON_INTERPRET=1), `step_advance_ref` is the torch
-twin (the four ops), `advance_fn(device)` picks one for a step's buffers once, at build time.
+twin (the four ops), `advance_fn(device)` picks one for a step's buffers once, at build time; a step that calls it
+on the same buffers every token checks them on the first call only (`once=True`: a few us of Python a token).
 """
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def step_advance(nxt, tok, pos, out, count) -> None:
     _check(nxt, tok, pos, out, count)
     if not (nxt.is_cuda or _INTERPRET):
         raise RuntimeError("step_advance runs on CUDA tensors (or with TRITON_INTERPRET=1); use step_advance_ref")
+    _launch(nxt, tok, pos, out, count)
+
+
+def _launch(nxt, tok, pos, out, count) -> None:
     B = tok.shape[0]
     _step_advance_kernel[(1,)](nxt, tok, pos, out, count, out.stride(0), out.shape[1],
                                B=B, BLOCK=max(2, triton.next_power_of_2(B)), num_warps=1)
@@ -65,6 +70,23 @@ def step_advance_ref(nxt, tok, pos, out, count) -> None:
     count.add_(1)
 
 
-def advance_fn(device: torch.device):
-    """The step's bookkeeping for buffers on `device`: the kernel on CUDA, the twin elsewhere."""
-    return step_advance if torch.device(device).type == "cuda" else step_advance_ref
+class _CheckedOnce:
+    """step_advance on its first call, the bare launch after it: for a step whose buffers never change."""
+
+    def __init__(self):
+        self._fn = self._first
+
+    def _first(self, *bufs) -> None:
+        step_advance(*bufs)
+        self._fn = _launch
+
+    def __call__(self, *bufs) -> None:
+        self._fn(*bufs)
+
+
+def advance_fn(device: torch.device, once: bool = False):
+    """The step's bookkeeping for buffers on `device`: the kernel on CUDA, the twin elsewhere. once: the buffers are
+    checked on the first call only (a step that passes the same buffers every token)."""
+    if torch.device(device).type != "cuda":
+        return step_advance_ref
+    return _CheckedOnce() if once else step_advance

@@ -230,6 +230,11 @@ class Gemma4Model(nn.Module):
         ctx = (norm or self.per_layer_projection_norm)(ctx.unflatten(-1, (c.num_layers, c.ple_dim)))
         return (ctx + tok.unflatten(-1, (c.num_layers, c.ple_dim))) * (2.0 ** -0.5)
 
+    @property
+    def ple_projected(self) -> bool:
+        """The PLE inputs come from the context projection (W_plm and its norm): PLE and no table (ple=project)."""
+        return bool(self.config.ple_dim) and not self.ple_from_table
+
     def use_ple_table(self):
         """From now on embed() gathers the PLE input from embed_tokens_per_layer, whose rows the caller set to each
         id's embed() output (transforms/ple.py); the context projection and its norm are dropped."""

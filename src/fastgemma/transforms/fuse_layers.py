@@ -176,7 +176,7 @@ class FuseLayers:
         epilogues = {"gate_up": "geglu", "ple_gate": "gelu_mul"}
         named = [(f"layers.{i}.{role}", mod, epilogues.get(role, "none"))
                  for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
-        if model.config.ple_dim and not model.ple_from_table:
+        if model.ple_projected:
             named.append(("per_layer_model_projection", model.per_layer_model_projection, "none"))
         # the runtime's own lookup: None without int4_mma's copy, an epilogue the kernel lacks, or no config
         bad = [f"{name} ({mod.out_features} x {mod.in_features}, {epi})" for name, mod, epi in named
@@ -200,7 +200,7 @@ class FuseLayers:
         for line in settle_cuda_entries(next(model.parameters()).device):
             log.warning("the tensor-core table's CUDA entry %s", line)
         mods = [(role, mod) for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
-        if model.config.ple_dim and not model.ple_from_table:  # the embedding's PLE projection (`_embed`)
+        if model.ple_projected:  # the embedding's PLE projection (`_embed`)
             mods.append(("ple_model", model.per_layer_model_projection))
         for role, mod in mods:
             shape = (mod.out_features, mod.in_features) if isinstance(mod, Int4Linear) else None

@@ -286,7 +286,7 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool =
     def embed(project=None, norm=None):
         return model.embed(ids, project, norm) if x0 is None else (x0, model.ple_inputs(ids, x0, project, norm))
 
-    if not (triton_ops and model.config.ple_dim) or not (invariant or mma) or model.ple_from_table:
+    if not (triton_ops and model.ple_projected and (invariant or mma)):
         return embed()  # (ple=table: a row gather, the same for every row count)
     proj, norm, c = model.per_layer_model_projection, model.per_layer_projection_norm, model.config
     if not invariant:

@@ -36,7 +36,7 @@ class PleTable:
         self.rows = 0
 
     def apply(self, model):
-        if model.config.ple_dim and not model.ple_from_table:  # (a second apply would copy the table onto itself)
+        if model.ple_projected:  # (a second apply would copy the table onto itself)
             self.rows = build_ple_table(model, self.chunk)
         return model
 
