@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .engine.cache import KVCache
+from .engine.eos_watch import EOS_LAG, check_eos_lag
 from .model.config import ModelConfig
 from .tracking.record import TECHNIQUES
 
@@ -209,9 +210,11 @@ class EngineFactory:
     """Loads the weights once (lazily), applies the transforms, and makes engines sized to a job."""
 
     def __init__(self, model_cfg: ModelConfig | None, weights, parts: Parts, device: torch.device,
-                 dtype: torch.dtype, prefill_chunk: int = 2048, tokenizer: str = "auto", choices: dict | None = None):
+                 dtype: torch.dtype, prefill_chunk: int = 2048, tokenizer: str = "auto", choices: dict | None = None,
+                 eos_lag: int = EOS_LAG):
         self.model_cfg, self.weights, self.parts = model_cfg, weights, parts
         self.device, self.dtype, self.prefill_chunk = device, dtype, prefill_chunk
+        self.eos_lag = check_eos_lag(eos_lag)
         self.tokenizer_spec, self.choices = tokenizer, dict(choices or {})
         self._model = None
         self._tokenizer = None
@@ -252,6 +255,7 @@ class EngineFactory:
         sampler = self.parts.sampler
         step = self.parts.graphs.make_step(model, cache, sampler)
         generator = self.parts.spec.make_generator(model, cache, step, sampler, self.prefill_chunk)
+        generator.set_eos_lag(self.eos_lag)
         step.prepare()
         if hasattr(generator, "prepare"):
             generator.prepare()  # speculative: capture the draft-loop, verify and accept graphs
@@ -267,7 +271,7 @@ class EngineFactory:
 
     def reference(self) -> "EngineFactory":
         return EngineFactory(self.model_cfg, self.weights, reference_parts(), self.device, self.dtype,
-                             self.prefill_chunk, self.tokenizer_spec)
+                             self.prefill_chunk, self.tokenizer_spec, eos_lag=self.eos_lag)
 
     def release(self):
         self._model = None
@@ -276,8 +280,8 @@ class EngineFactory:
             torch.cuda.empty_cache()
 
     def describe(self) -> dict:
-        d = {"device": str(self.device), "dtype": dtype_name(self.dtype), "weights": self.weights.describe(),
-             "parts": self.parts.describe(), "window_effective": None}
+        d = {"device": str(self.device), "dtype": dtype_name(self.dtype), "eos_lag": self.eos_lag,
+             "weights": self.weights.describe(), "parts": self.parts.describe(), "window_effective": None}
         if self._model is not None:
             c = self.config
             d.update(model={"name": c.name, "family": c.family, "params": c.param_count()["total"],
@@ -381,6 +385,10 @@ def build_context(cfg: DictConfig, choices: dict, out_dir, job_num: int | None =
     weights = instantiate_group(cfg, "weights", choices)
     workload = instantiate_group(cfg, "workload", choices)
     evaluation = instantiate_group(cfg, "eval", choices)
+    try:
+        eos_lag = check_eos_lag(cfg.get("eos_lag", EOS_LAG))
+    except ValueError as err:
+        raise BuildError(str(err)) from err
     factory = EngineFactory(model_cfg, weights, parts, device, dtype, int(cfg.get("prefill_chunk", 2048)),
-                            str(cfg.get("tokenizer", "auto")), choices)
+                            str(cfg.get("tokenizer", "auto")), choices, eos_lag)
     return RunContext(task, params, factory, workload, evaluation, progress, Path(out_dir), seed, choices)

@@ -13,6 +13,7 @@ from ..metrics.timing import StepClock, compiled_graphs
 from ..model.decoder import PromptRegions
 from .cache import KVCache
 from .compile import compile_step
+from .eos_watch import EOS_LAG, EosWatch, check_eos_lag
 from .steps import EagerStep, argmax_sampler, warm_on_side_stream
 
 
@@ -86,12 +87,19 @@ class Generator:
         self.prefill_chunk = prefill_chunk
         self.device = cache.ring_pos.device
         self.eos = set(model.config.eos_ids)
+        self.eos_lag = EOS_LAG  # decode steps queued past the end-of-sequence check (set_eos_lag)
         if compile_prefill is None:
             compile_prefill = getattr(self.step, "compile_prefill", False)
         if prefill_bucket is None:
             prefill_bucket = int(getattr(self.step, "prefill_bucket", 0))
         self._compiled_forward = self._regions = None
         self.set_prefill(compile_prefill, prefill_bucket)
+
+    def set_eos_lag(self, lag: int) -> None:
+        """Decode steps the queue may run ahead of the end-of-sequence check (engine/eos_watch.py): a request
+        that ends runs at most this many steps past its end, their tokens dropped; 0: each token read as it is
+        made (a host sync a token). Speculative decoding checks every few steps instead (SpecGenerator)."""
+        self.eos_lag = check_eos_lag(lag)
 
     def set_prefill(self, compile: bool | str, bucket: int) -> None:
         """The prompt's path: torch.compile(dynamic=True) of the chunk forward (True), of each layer's
@@ -266,12 +274,20 @@ class Generator:
         first = tok
         self.step.begin(T)
         n = 1
-        while n < max_new_tokens:
-            if not ignore_eos and int(tok[0, 0]) in self.eos:
-                break
-            tok = self.step(tok)
-            clock.mark()
-            n += 1
+        if ignore_eos:
+            while n < max_new_tokens:
+                tok = self.step(tok)
+                clock.mark()
+                n += 1
+        else:  # the end found `eos_lag` steps late at most (engine/eos_watch.py), their tokens dropped below
+            watch = EosWatch(self.eos, self.device, self.eos_lag)
+            watch.push(first, 0)
+            while n < max_new_tokens and watch.end is None:
+                tok = self.step(tok)
+                clock.mark()
+                watch.push(self.step.emitted_at(n - 1), n)
+                n += 1
+            watch.close()
         times = clock.intervals()
         out = torch.cat([first, self.step.tokens()], 1) if n > 1 else first
         tokens = out[0].tolist()
@@ -280,8 +296,9 @@ class Generator:
                 if t in self.eos:
                     tokens = tokens[: i + 1]
                     break
-        return Generation(tokens=tokens, prompt_len=T, ttft_s=times[0], step_s=times[1:],
-                          tokens_per_step=[1] * (len(times) - 1))
+        step_s = times[1:len(tokens)]  # the steps that made kept tokens (not those run past the end)
+        return Generation(tokens=tokens, prompt_len=T, ttft_s=times[0], step_s=step_s,
+                          tokens_per_step=[1] * len(step_s))
 
     @torch.inference_mode()
     def forced(self, prompt_ids, forced_tokens) -> torch.Tensor:

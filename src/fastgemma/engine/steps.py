@@ -73,6 +73,10 @@ class EagerStep:
         """[B, n] ids emitted since begin()."""
         return torch.cat(self.emitted, 1)
 
+    def emitted_at(self, i: int):
+        """[B, 1] the i-th id emitted since begin() (from 0), on the device; it keeps its value until begin()."""
+        return self.emitted[i]
+
 
 class StaticStep:
     name = "static"
@@ -119,6 +123,9 @@ class StaticStep:
 
     def tokens(self):
         return self.out[:, : self.n]
+
+    def emitted_at(self, i: int):
+        return self.out[:, i:i + 1]
 
 
 class GraphStep(StaticStep):
