@@ -133,7 +133,7 @@ def test_fuse_layers_settles_the_table_at_build_time():
     try:
         set_table({**saved, **parse_table("gate|up@1=cuda5x8g")})
         model = torch.nn.Linear(2, 2)  # a module on the CPU with no decoder layers and no PLE: its device is read
-        model.layers, model.config = [], SimpleNamespace(ple_dim=0)
+        model.layers, model.config, model.ple_projected = [], SimpleNamespace(ple_dim=0), False
         FuseLayers(backend="triton", int4_mma=True)._enable_mma(model)
         assert MMA_CONFIGS[(*GATE_UP, False)] == CUDA_FALLBACKS[GATE_UP]
     finally:

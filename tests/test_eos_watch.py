@@ -9,7 +9,7 @@ import torch
 from conftest import TINY
 from fastgemma.engine import eos_watch
 from fastgemma.engine.cache import KVCache
-from fastgemma.engine.eos_watch import EosWatch, check_eos_lag, copies_for
+from fastgemma.engine.eos_watch import EosWatch, ReadAtOnce, check_eos_lag, copies_for
 from fastgemma.engine.generator import Generator
 from fastgemma.engine.steps import StaticStep
 from fastgemma.weights.synthetic import synthetic_model
@@ -21,10 +21,10 @@ class NeverLanded:
     def __init__(self):
         self.unread = self.most_unread = 0
 
-    def put(self, ids):
+    def put(self, *srcs):
         self.unread += 1
         self.most_unread = max(self.most_unread, self.unread)
-        return int(ids[0, 0])
+        return torch.cat([s.reshape(-1) for s in srcs]).clone()
 
     @staticmethod
     def landed(ticket) -> bool:
@@ -42,8 +42,8 @@ class NeverLanded:
 def never_landed(monkeypatch):
     made = []
 
-    def fake(device, lag):
-        made.append(NeverLanded() if lag else None)
+    def fake(device, lag, width=1):
+        made.append(NeverLanded() if lag else ReadAtOnce())
         return made[-1]
 
     monkeypatch.setattr(eos_watch, "copies_for", fake)
@@ -79,8 +79,10 @@ def test_a_landed_copy_is_read_at_once():
     assert w.end == 1 and not w.pending
 
 
-def test_no_copier_on_a_cpu_or_at_lag_zero():
-    assert copies_for("cpu", 4) is None and copies_for("cuda", 0) is None
+def test_read_at_once_on_a_cpu_or_at_lag_zero():
+    assert isinstance(copies_for("cpu", 4), ReadAtOnce) and isinstance(copies_for("cuda", 0), ReadAtOnce)
+    got = ReadAtOnce.put(torch.tensor([3]), torch.tensor([[4, 5]]))
+    assert ReadAtOnce.landed(got) and ReadAtOnce.read(got).tolist() == [3, 4, 5]
 
 
 @pytest.mark.parametrize("bad", [-1, 65, 1.5, "2", None, True])

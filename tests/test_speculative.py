@@ -117,6 +117,38 @@ def test_eos_stops_like_ar(model, drafter):
     assert g.tokens == cut and sum(g.tokens_per_step) == len(cut) - 1
 
 
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_steps_read_from_side_copies_stop_at_the_end_and_at_the_limit(model, drafter, monkeypatch, lag):
+    """The steps' counts and ids read lag steps late at most (a copier whose copies never land on their own, the
+    side stream's worst case): the end's tokens, at most `lag` steps past it; no end: not one step more than the
+    request needs."""
+    import fastgemma.engine.speculative as speculative
+    from fastgemma.engine.eos_watch import ReadAtOnce
+    from test_eos_watch import NeverLanded
+
+    copiers = []
+    monkeypatch.setattr(speculative, "copies_for",
+                        lambda device, lag, width=1: copiers.append(NeverLanded() if lag else ReadAtOnce())
+                        or copiers[-1])
+    ref = ar_tokens(model, None)
+    eos = ref[9]
+    cut = ref[: ref.index(eos) + 1]
+    gen = spec(model, drafter, 3, replay=Replay("frontier"))
+    gen.set_eos_lag(lag)
+    gen.prime(PROMPT, NEW)
+    runs = []
+    decode = gen._decode
+    gen._decode = lambda *a: runs.append(decode(*a)) or runs[-1]
+    free = gen.generate(PROMPT, NEW)
+    assert free.tokens == ref and runs[-1] == len(free.tokens_per_step)
+    gen.eos = {eos}
+    g = gen.generate(PROMPT, NEW, ignore_eos=False)
+    assert g.tokens == cut and sum(g.tokens_per_step) == len(cut) - 1
+    assert len(g.tokens_per_step) <= runs[-1] <= len(g.tokens_per_step) + lag
+    if lag:
+        assert max(c.most_unread for c in copiers if isinstance(c, NeverLanded)) <= lag + 1
+
+
 @torch.no_grad()
 def test_rollback_is_free(model, drafter):
     """k = 15 (16 verify rows, the cache's step_rows) rejected rows before every step: the target's

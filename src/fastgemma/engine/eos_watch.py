@@ -1,13 +1,13 @@
-"""Where greedy decode meets an end-of-sequence id, found without draining the decode queue.
+"""Where decode meets an end-of-sequence id (and, speculative, how far it got), read without draining the queue.
 
 The plain check reads each new token on the host (`int(tok)`): a host sync a token, so the GPU idles while
-the copy returns, Python checks the id and the next step's CUDA graph is launched (tens of us against a
-~1.6 ms step). `EosWatch` copies each step's token on a side stream that waits only for the step that made
-it (an event on the decode stream), into pinned host memory (`SideStreamCopies`), and the host reads a copy
-once it has landed; it blocks on the oldest copy only when more than `lag` later tokens are pending. The
-decode stream gets nothing but event records, so it keeps up to `lag` steps queued, and a request that ends
-runs at most `lag` steps past its end (the generator drops their tokens). lag 0 reads every token at once,
-the plain check; on a CPU every token is read at once too (no queue to drain).
+the copy returns, Python checks the id and the next step's CUDA graph is launched (20 us against a 1.63 ms
+step on an H100, run LM). Here each step's token (speculative: its count and the ids it may have written) is
+copied on a side stream that waits only for the step that made it (an event on the decode stream), into pinned
+host memory (`SideStreamCopies`); the host reads a copy once it has landed and blocks on the oldest copy only
+when more than `lag` later steps are pending. The decode stream gets nothing but event records, so it keeps up
+to `lag` steps queued, and a request that ends runs at most `lag` steps past its end (the generator drops their
+tokens). lag 0 reads every step at once (`ReadAtOnce`, the plain check), as does a CPU (no queue to drain).
 """
 from __future__ import annotations
 
@@ -17,55 +17,83 @@ import torch
 
 from ..checks import is_int
 
-EOS_LAG = 2  # decode steps queued past the EOS check (the config's `eos_lag`)
+EOS_LAG = 2  # decode steps queued past the end-of-sequence check (the config's `eos_lag`)
 
 
 def check_eos_lag(lag) -> int:
     if not is_int(lag, 0, 64):
         raise ValueError(f"eos_lag must be an integer in [0, 64] (decode steps queued past the end-of-sequence "
-                         f"check; 0: a host sync a token), got {lag!r}")
+                         f"check; 0: a host sync a step), got {lag!r}")
     return int(lag)
 
 
-class SideStreamCopies:
-    """Row 0's id of [B, 1] device tensors copied into pinned host slots on a side stream, each after the work
-    queued so far on the current stream: put(ids) -> ticket; landed(ticket) without blocking; read(ticket) waits
-    for that copy only. At most `slots` tickets may be unread at once."""
+class ReadAtOnce:
+    """The copier's twin: put(*srcs) reads the 1-D tensors at once (a host sync on a GPU) -> ticket; landed is
+    always true; read(ticket) -> their values, concatenated, as a CPU int64 tensor."""
 
-    def __init__(self, device, slots: int):
+    @staticmethod
+    def put(*srcs):
+        return torch.cat([s.reshape(-1) for s in srcs]).to("cpu", torch.long)
+
+    @staticmethod
+    def landed(ticket) -> bool:
+        return True
+
+    @staticmethod
+    def read(ticket):
+        return ticket
+
+    def close(self) -> None:
+        pass
+
+
+class SideStreamCopies:
+    """1-D int64 device tensors copied into a pinned host row on a side stream, after the work queued so far on
+    the current stream: put(*srcs) -> ticket; landed(ticket) without blocking; read(ticket) waits for that copy
+    only -> the row's values (a CPU view, valid until `slots` more puts). At most `slots` tickets unread at once;
+    a row holds `width` values; sources must keep their values until their copy lands."""
+
+    def __init__(self, device, slots: int, width: int):
         self.side = torch.cuda.Stream(device)
-        self.host = torch.empty(slots, dtype=torch.long, pin_memory=True)
+        self.host = torch.empty(slots, width, dtype=torch.long, pin_memory=True)
         self.n = 0
 
-    def put(self, ids: torch.Tensor):
+    def put(self, *srcs):
         made = torch.cuda.Event()
-        made.record()  # on the decode stream: after the step that made ids
-        slot = self.host[self.n % self.host.numel()]
+        made.record()  # on the decode stream: after the step that made srcs
+        row = self.host[self.n % self.host.shape[0]]
         self.n += 1
+        at = 0
         with torch.cuda.stream(self.side):
             self.side.wait_event(made)
-            slot.copy_(ids[0, 0], non_blocking=True)
+            for s in srcs:
+                row[at:at + s.numel()].copy_(s, non_blocking=True)
+                at += s.numel()
             landed = torch.cuda.Event()
             landed.record(self.side)
-        ids.record_stream(self.side)  # the allocator must not hand ids out again before the copy has read it
-        return landed, slot
+        for s in srcs:
+            s.record_stream(self.side)  # the allocator must not hand s out again before the copy has read it
+        return landed, row[:at]
 
     @staticmethod
     def landed(ticket) -> bool:
         return ticket[0].query()
 
     @staticmethod
-    def read(ticket) -> int:
+    def read(ticket):
         ticket[0].synchronize()
-        return int(ticket[1])
+        return ticket[1]
 
     def close(self) -> None:
         self.side.synchronize()
 
 
-def copies_for(device, lag: int):
-    """The copier of a watch on `device`: side-stream copies on CUDA with lag > 0, else None (read at once)."""
-    return SideStreamCopies(device, lag + 2) if lag > 0 and torch.device(device).type == "cuda" else None
+def copies_for(device, lag: int, width: int = 1):
+    """The copier of `lag` on `device`: side-stream copies of rows of `width` on CUDA with lag > 0, else
+    ReadAtOnce."""
+    if lag > 0 and torch.device(device).type == "cuda":
+        return SideStreamCopies(device, lag + 2, width)
+    return ReadAtOnce()
 
 
 class EosWatch:
@@ -85,19 +113,14 @@ class EosWatch:
     def push(self, ids: torch.Tensor, n: int) -> None:
         if self.end is not None:
             return
-        if self.copies is None:
-            if int(ids[0, 0]) in self.eos:
-                self.end = n
-            return
-        self.pending.append((n, self.copies.put(ids)))
+        self.pending.append((n, self.copies.put(ids[0, :1])))
         while self.pending and self.end is None:  # the landed copies in order; the oldest waited for past the lag
             m, ticket = self.pending[0]
             if n - m < self.lag and not self.copies.landed(ticket):
                 return
             self.pending.popleft()
-            if self.copies.read(ticket) in self.eos:
+            if int(self.copies.read(ticket)[0]) in self.eos:
                 self.end = m
 
     def close(self) -> None:
-        if self.copies is not None:
-            self.copies.close()
+        self.copies.close()

@@ -98,7 +98,7 @@ class Generator:
     def set_eos_lag(self, lag: int) -> None:
         """Decode steps the queue may run ahead of the end-of-sequence check (engine/eos_watch.py): a request
         that ends runs at most this many steps past its end, their tokens dropped; 0: each token read as it is
-        made (a host sync a token). Speculative decoding checks every few steps instead (SpecGenerator)."""
+        made (a host sync a token). SpecGenerator reads its steps' counts the same way."""
         self.eos_lag = check_eos_lag(lag)
 
     def set_prefill(self, compile: bool | str, bucket: int) -> None:

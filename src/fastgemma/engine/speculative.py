@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from ..checks import is_int
 from ..metrics.timing import StepClock
 from .compile import compile_step
+from .eos_watch import copies_for
 from .generator import Generation, GenerationError, Generator, prompt_compile_for
 from .steps import PREFILL_BUCKET, argmax_sampler, warm_on_side_stream
 
@@ -140,7 +142,7 @@ class SpecGenerator(Generator):
 
     def __init__(self, model, cache, drafter, depth: int, *, step=None, sampler=argmax_sampler,
                  prefill_chunk: int = 2048, replay: Replay | None = None, graphs: bool = False, compile: bool = False,
-                 warmup_iters: int = 2, eos_check_steps: int = 4, compile_prefill: bool | str | None = None,
+                 warmup_iters: int = 2, compile_prefill: bool | str | None = None,
                  prefill_bucket: int | None = None, fused_bookkeeping: bool | None = None):
         # `step` (the AR step) serves forced() only: teacher-forced logits do not depend on speculation.
         # The prompt follows the phases (compiled with them, captured per padded length with them)
@@ -158,7 +160,6 @@ class SpecGenerator(Generator):
             raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=static or eager on a CPU")
         self.drafter, self.k, self.replay = drafter, depth, replay
         self.graphs, self.compile, self.warmup_iters = graphs, compile, warmup_iters
-        self.eos_check_steps = eos_check_steps
         self.split_timing = False      # bench: events between draft / verify / accept
         self.last_split_s: dict[str, list[float]] = {}
         self._graphs = None
@@ -409,29 +410,13 @@ class SpecGenerator(Generator):
         phases = self._phases()
         split = self.split_timing
         remaining = max_new_tokens - 1
-        done = steps = 0
-        eos_at = None
-        if not ignore_eos and int(first[0, 0]) in self.eos:
-            remaining = 0
-        while done < remaining:
-            batch = -(-(remaining - done) // (k + 1))
-            if not ignore_eos:
-                batch = min(batch, self.eos_check_steps)
-            for _ in range(batch):
-                for ph in phases:
-                    ph()
-                    if split:
-                        clock.mark()
-                if not split:
-                    clock.mark()
-            steps += batch
-            done = int(self.count.min())  # the one host sync per batch
-            if not ignore_eos:
-                new = self.out[0, :done].tolist()
-                hit = next((i for i, t in enumerate([int(first[0, 0])] + new) if t in self.eos), None)
-                if hit is not None:
-                    eos_at = hit
-                    break
+        eos = frozenset() if ignore_eos else self.eos
+        first_end = bool(eos) and int(first[0, 0]) in eos  # (a host sync, once a request, where ends count)
+        steps = self._decode(phases, clock, split, 0 if first_end else remaining, eos)
+        done = int(self.count.min())
+        eos_at = 0 if first_end else None
+        if eos and not first_end:  # the first end id among the steps' tokens (index 0: the prompt's token)
+            eos_at = next((i + 1 for i, t in enumerate(self.out[0, :done].tolist()) if t in eos), None)
         times = clock.intervals()
         ttft, rest = times[0], times[1:]
         if split:
@@ -456,6 +441,40 @@ class SpecGenerator(Generator):
             tokens=tokens, prompt_len=T, ttft_s=ttft, step_s=step_s, tokens_per_step=per_step, depth=k,
             accept_hits=self.hits[0].tolist(), accept_tries=self.tries[0].tolist(), accepted=acc,
             replay_mismatch=int(self.mismatch[0]) if self.replay is not None else 0)
+
+    def _decode(self, phases, clock, split: bool, remaining: int, eos: frozenset) -> int:
+        """Run steps until `remaining` tokens are out or an end id (of `eos`) is: -> the steps run. Each step's
+        accepted counts (`n_log`, a slot a step) and the ids it may have kept are copied on a side stream
+        (engine/eos_watch.py), each slot final once its step is done, and read once landed. A step is launched
+        while the tokens known plus k + 1 a step in flight fall short of `remaining` and at most `eos_lag` steps
+        are in flight unread; otherwise the oldest copy is waited for, which leaves the later steps queued (no
+        drain but the last). An end id stops the launches, at most `eos_lag` steps past it. ReadAtOnce (lag 0, a
+        CPU) reads each step as it is launched."""
+        k, lag = self.k, self.eos_lag
+        copies = copies_for(self.device, lag, (lag + 2) * (k + 2))  # a row: the unread steps' counts, their ids
+        out, n_log = self.out[0], self.n_log[0]
+        pending = deque()  # (tokens known, steps known, steps run) when each copy was put, its ticket
+        known = seen = steps = 0  # tokens known out, the steps they came from, the steps run
+        while known < remaining:
+            if known + len(pending) * (k + 1) < remaining and len(pending) <= lag:
+                for ph in phases:
+                    ph()
+                    if split:
+                        clock.mark()
+                if not split:
+                    clock.mark()
+                steps += 1
+                hi = min(known + (steps - seen) * (k + 1), out.numel())  # as far as the unread steps may keep
+                pending.append((known, seen, steps, copies.put(n_log[seen:steps], out[known:hi])))
+                if not copies.landed(pending[0][3]) and len(pending) <= lag:
+                    continue
+            lo, first, last, ticket = pending.popleft()
+            row = copies.read(ticket).tolist()
+            known, seen = lo + sum(row[:last - first]) + last - first, last
+            if eos and any(t in eos for t in row[last - first:last - first + known - lo]):
+                break
+        copies.close()
+        return steps
 
     def _load_reference(self, T: int, reference: list[int]):
         """Reference token at each absolute position: ref[T + i] = reference[i]."""
