@@ -11,6 +11,7 @@ tokens). lag 0 reads every step at once (`ReadAtOnce`, the plain check), as does
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 import torch
@@ -89,11 +90,17 @@ class SideStreamCopies:
 
 
 def copies_for(device, lag: int, width: int = 1):
-    """The copier of `lag` on `device`: side-stream copies of rows of `width` on CUDA with lag > 0, else
-    ReadAtOnce."""
-    if lag > 0 and torch.device(device).type == "cuda":
-        return SideStreamCopies(device, lag + 2, width)
+    """The copier of `lag` on `device`: side-stream copies of rows of `width` on CUDA with lag > 0 (one per
+    device, lag and width, reused by every request: a stream and a pinned buffer made once), else ReadAtOnce."""
+    device = torch.device(device)
+    if lag > 0 and device.type == "cuda":
+        return _side_copies(device, lag + 2, width)
     return ReadAtOnce()
+
+
+@functools.lru_cache(maxsize=None)
+def _side_copies(device: torch.device, slots: int, width: int) -> SideStreamCopies:
+    return SideStreamCopies(device, slots, width)
 
 
 class EosWatch:
