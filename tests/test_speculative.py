@@ -177,6 +177,21 @@ def test_rollback_is_free(model, drafter):
 
 
 @torch.no_grad()
+def test_replay_draws_follow_the_prompt_not_its_trace(model, drafter):
+    """Two references for one prompt (numerics that moved the greedy trace) draw the same acceptances; another
+    prompt or another replay seed draws others."""
+    gen = spec(model, drafter, 3, replay=Replay("frontier"))
+    draws = []
+    for prompt, trace, seed in (([5, 6, 7], [9] * 20, 0), ([5, 6, 7], [11, 12] * 10, 0), ([5, 6, 8], [9] * 20, 0),
+                                ([5, 6, 7], [9] * 20, 1)):
+        gen.replay.seed = seed
+        gen._load_reference(3, trace, gen.replay.draw_seed(torch.tensor([prompt])))
+        draws.append(gen.uniform.clone())
+    assert torch.equal(draws[0], draws[1])
+    assert not torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[3])
+    assert gen.replay.draw_seed([5, 6, 7]) == gen.replay.draw_seed(torch.tensor([[5, 6, 7]]))  # any form of the ids
+
+
 def test_replay_acceptance_follows_the_profile(model, drafter):
     """The replay draws and the accept bookkeeping over ~4,000 steps against a target that always
     continues the reference (draft and accept phases only; the model-level tests above show the
@@ -187,7 +202,7 @@ def test_replay_acceptance_follows_the_profile(model, drafter):
         gen = spec(model, drafter, k, replay=Replay(profile, seed=s), max_ctx=4096)
         n_new = 4096 - 8 - k - 2
         trace = torch.randint(5, TINY.vocab_size, (n_new,), generator=torch.Generator().manual_seed(s)).tolist()
-        gen._load_reference(8, trace)
+        gen._load_reference(8, trace, gen.replay.draw_seed(list(range(8))))
         gen._reset_state(8)
         gen.stat_end.fill_(8 + n_new)
         while int(gen.pos) + 2 * k + 2 < 8 + n_new and int(gen.step_i) < 2000:

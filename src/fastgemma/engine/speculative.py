@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -121,6 +122,14 @@ class Replay:
     def key(prompt_ids) -> tuple:
         """A prompt's key in `references`."""
         return tuple(int(x) for x in torch.as_tensor(prompt_ids).reshape(-1).tolist())
+
+    def draw_seed(self, prompt_ids) -> int:
+        """The seed of a request's acceptance draws: the replay's seed and the prompt's ids (CRC-32 of them as
+        int64), not its reference trace, so two runs of one workload draw the same acceptances whatever numerics
+        moved their greedy traces (a choice that rounds otherwise, another GPU) and their step times compare
+        with their tok/s."""
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).cpu().numpy().astype("<i8")
+        return self.seed * 1_000_003 + zlib.crc32(ids.tobytes())
 
 
 def draft_steps(d, emb, cache, attn, tok, hid, pos, k: int):
@@ -397,7 +406,7 @@ class SpecGenerator(Generator):
         self.prepare()
         k = self.k
         if reference is not None:
-            self._load_reference(T, reference)
+            self._load_reference(T, reference, self.replay.draw_seed(ids))
         clock = StepClock(self.device)
         clock.mark()
         h = self.prefill(ids)
@@ -476,14 +485,15 @@ class SpecGenerator(Generator):
         copies.close()
         return steps
 
-    def _load_reference(self, T: int, reference: list[int]):
-        """Reference token at each absolute position: ref[T + i] = reference[i]."""
+    def _load_reference(self, T: int, reference: list[int], seed: int):
+        """Reference token at each absolute position: ref[T + i] = reference[i]; the acceptance draws from
+        `seed` (Replay.draw_seed)."""
         ref = torch.zeros(self.ref.shape, dtype=torch.long)
         n = min(len(reference), self.ref.shape[1] - T)
         ref[:, T:T + n] = torch.as_tensor(reference[:n], dtype=torch.long)
         self.ref.copy_(ref)
         self.ref_end.fill_(T + n)
-        g = torch.Generator().manual_seed(self.replay.seed * 1_000_003 + T * 7919 + sum(reference[:4]))
+        g = torch.Generator().manual_seed(seed)
         self.uniform.copy_(torch.rand(self.uniform.shape, generator=g))
 
     def describe(self) -> dict:

@@ -48,8 +48,8 @@ def check_context(ctx, prompts, max_new: int) -> int:
 
 def _replay_details(gen, prompts, gens) -> dict | None:
     """spec=replay: emitted tokens that left the reference trace (summed over the timed requests; bf16 drift
-    or a bug, 0 when the engine reproduces its own greedy trace) and each prompt's first 4 trace tokens, which
-    seed its acceptance draws (so two runs' acceptance compare only where these agree)."""
+    or a bug, 0 when the engine reproduces its own greedy trace) and each prompt's first 4 trace tokens (which
+    greedy trace it followed; the acceptance draws are seeded by the prompt, Replay.draw_seed)."""
     replay = getattr(gen, "replay", None)
     if replay is None:
         return None
