@@ -214,7 +214,10 @@ class EngineFactory:
                  eos_lag: int = EOS_LAG):
         self.model_cfg, self.weights, self.parts = model_cfg, weights, parts
         self.device, self.dtype, self.prefill_chunk = device, dtype, prefill_chunk
-        self.eos_lag = check_eos_lag(eos_lag)
+        try:
+            self.eos_lag = check_eos_lag(eos_lag)
+        except ValueError as err:
+            raise BuildError(str(err)) from err
         self.tokenizer_spec, self.choices = tokenizer, dict(choices or {})
         self._model = None
         self._tokenizer = None
@@ -385,10 +388,6 @@ def build_context(cfg: DictConfig, choices: dict, out_dir, job_num: int | None =
     weights = instantiate_group(cfg, "weights", choices)
     workload = instantiate_group(cfg, "workload", choices)
     evaluation = instantiate_group(cfg, "eval", choices)
-    try:
-        eos_lag = check_eos_lag(cfg.get("eos_lag", EOS_LAG))
-    except ValueError as err:
-        raise BuildError(str(err)) from err
     factory = EngineFactory(model_cfg, weights, parts, device, dtype, int(cfg.get("prefill_chunk", 2048)),
-                            str(cfg.get("tokenizer", "auto")), choices, eos_lag)
+                            str(cfg.get("tokenizer", "auto")), choices, cfg.get("eos_lag", EOS_LAG))
     return RunContext(task, params, factory, workload, evaluation, progress, Path(out_dir), seed, choices)

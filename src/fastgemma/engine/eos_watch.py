@@ -108,7 +108,7 @@ class EosWatch:
     index of the first end id seen so far in row 0, or None. A token is seen once its copy has landed: at once
     with lag 0 or on a CPU, else when the host finds it landed or when more than `lag` later tokens are pending.
     ids must keep its value until its copy has landed: a step's own slot of its emitted ids (`emitted_at(i)`),
-    not a buffer the next step overwrites. close() waits for the copies still in flight."""
+    not a buffer the next step overwrites. close() reads the copies still in flight."""
 
     def __init__(self, eos, device, lag: int = EOS_LAG):
         self.eos = frozenset(int(e) for e in eos)
@@ -121,13 +121,16 @@ class EosWatch:
         if self.end is not None:
             return
         self.pending.append((n, self.copies.put(ids[0, :1])))
-        while self.pending and self.end is None:  # the landed copies in order; the oldest waited for past the lag
-            m, ticket = self.pending[0]
-            if n - m < self.lag and not self.copies.landed(ticket):
-                return
-            self.pending.popleft()
+        self._read(lambda m, ticket: n - m >= self.lag or self.copies.landed(ticket))
+
+    def _read(self, ready) -> None:
+        """The pending copies in order, while ready(n, ticket) and no end is seen (the oldest waited for)."""
+        while self.pending and self.end is None and ready(*self.pending[0]):
+            m, ticket = self.pending.popleft()
             if int(self.copies.read(ticket)[0]) in self.eos:
                 self.end = m
 
     def close(self) -> None:
+        """Read every copy still pending (`end` is then the first end id of all pushed tokens, or None)."""
+        self._read(lambda m, ticket: True)
         self.copies.close()

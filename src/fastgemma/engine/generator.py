@@ -291,11 +291,8 @@ class Generator:
         times = clock.intervals()
         out = torch.cat([first, self.step.tokens()], 1) if n > 1 else first
         tokens = out[0].tolist()
-        if not ignore_eos:
-            for i, t in enumerate(tokens):
-                if t in self.eos:
-                    tokens = tokens[: i + 1]
-                    break
+        if not ignore_eos and watch.end is not None:  # the first end id (the watch read every token made)
+            tokens = tokens[: watch.end + 1]
         step_s = times[1:len(tokens)]  # the steps that made kept tokens (not those run past the end)
         return Generation(tokens=tokens, prompt_len=T, ttft_s=times[0], step_s=step_s,
                           tokens_per_step=[1] * len(step_s))

@@ -421,11 +421,9 @@ class SpecGenerator(Generator):
         remaining = max_new_tokens - 1
         eos = frozenset() if ignore_eos else self.eos
         first_end = bool(eos) and int(first[0, 0]) in eos  # (a host sync, once a request, where ends count)
-        steps = self._decode(phases, clock, split, 0 if first_end else remaining, eos)
+        steps, eos_at = self._decode(phases, clock, split, 0 if first_end else remaining, eos)
+        eos_at = 0 if first_end else eos_at
         done = int(self.count.min())
-        eos_at = 0 if first_end else None
-        if eos and not first_end:  # the first end id among the steps' tokens (index 0: the prompt's token)
-            eos_at = next((i + 1 for i, t in enumerate(self.out[0, :done].tolist()) if t in eos), None)
         times = clock.intervals()
         ttft, rest = times[0], times[1:]
         if split:
@@ -451,8 +449,9 @@ class SpecGenerator(Generator):
             accept_hits=self.hits[0].tolist(), accept_tries=self.tries[0].tolist(), accepted=acc,
             replay_mismatch=int(self.mismatch[0]) if self.replay is not None else 0)
 
-    def _decode(self, phases, clock, split: bool, remaining: int, eos: frozenset) -> int:
-        """Run steps until `remaining` tokens are out or an end id (of `eos`) is: -> the steps run. Each step's
+    def _decode(self, phases, clock, split: bool, remaining: int, eos: frozenset) -> tuple[int, int | None]:
+        """Run steps until `remaining` tokens are out or an end id (of `eos`) is: -> (the steps run, the first end
+        id's index among the request's tokens, the prompt's token being 0, or None). Each step's
         accepted counts (`n_log`, a slot a step) and the ids it may have kept are copied on a side stream
         (engine/eos_watch.py), each slot final once its step is done, and read once landed. A step is launched
         while the tokens known plus k + 1 a step in flight fall short of `remaining` and at most `eos_lag` steps
@@ -464,7 +463,8 @@ class SpecGenerator(Generator):
         out, n_log = self.out[0], self.n_log[0]
         pending = deque()  # (tokens known, steps known, steps run) when each copy was put, its ticket
         known = seen = steps = 0  # tokens known out, the steps they came from, the steps run
-        while known < remaining:
+        end = None
+        while known < remaining and end is None:
             if known + len(pending) * (k + 1) < remaining and len(pending) <= lag:
                 for ph in phases:
                     ph()
@@ -480,10 +480,12 @@ class SpecGenerator(Generator):
             lo, first, last, ticket = pending.popleft()
             row = copies.read(ticket).tolist()
             known, seen = lo + sum(row[:last - first]) + last - first, last
-            if eos and any(t in eos for t in row[last - first:last - first + known - lo]):
-                break
+            # the copies are read in order and each covers the ids from the count known at its put: the first end
+            # id seen is the first of all
+            hit = next((j for j, t in enumerate(row[last - first:last - first + known - lo]) if t in eos), None)
+            end = None if hit is None else lo + hit + 1
         copies.close()
-        return steps
+        return steps, end
 
     def _load_reference(self, T: int, reference: list[int], seed: int):
         """Reference token at each absolute position: ref[T + i] = reference[i]; the acceptance draws from
