@@ -44,15 +44,18 @@ def test_bench_smoke_writes_one_record(tmp_path, capsys, caplog):
     assert "timed: 3 prompts x 16 new tokens" in logged
 
 
-def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path):
+def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path, caplog):
     """spec=replay through the bench task: the warm-up's and the timed prompts' reference traces are
     recorded before their requests (no request primes its own, which would warn and time a greedy pass)."""
     import warnings
+
+    from fastgemma.transforms.spec import SYNTHETIC_MTP
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="spec=replay: no reference trace")
         rec = run_job(TINY + ["task=bench", "spec=replay", "spec.depth=2"], tmp_path)
     assert rec["status"] == "ok", rec["error"]
+    assert SYNTHETIC_MTP not in caplog.text  # replay's synthetic drafter is only its cost
     assert "replay traces (3 prompts)" in rec["details"]["setup_s"]
     assert rec["metrics"]["tokens_per_step"] >= 1 and rec["metrics"]["accept_by_pos"]
     # the timed requests reproduced their traces; each prompt's trace head (its draws' seed) recorded
@@ -61,10 +64,15 @@ def test_bench_with_replay_primes_every_trace_before_its_request(tmp_path):
     assert all(len(h) == 4 for h in replay["reference_head"])
 
 
-def test_bench_with_the_mtp_drafter_runs_and_records_acceptance(tmp_path):
-    """spec=mtp through the bench task (the synthetic drafter): no replay trace is recorded, and the record
-    carries the acceptance metrics of the drafter's own drafts."""
-    rec = run_job(TINY + ["task=bench", "spec=mtp", "spec.depth=3"], tmp_path)
+def test_bench_with_the_mtp_drafter_runs_and_records_acceptance(tmp_path, caplog):
+    """spec=mtp through the bench task (the synthetic drafter): no replay trace is recorded, the record
+    carries the acceptance metrics of the drafter's own drafts, and the user is told once that a random
+    drafter's acceptance is no trained drafter's."""
+    from fastgemma.transforms.spec import SYNTHETIC_MTP
+
+    with caplog.at_level("WARNING", logger="fastgemma"):
+        rec = run_job(TINY + ["task=bench", "spec=mtp", "spec.depth=3"], tmp_path)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"].count(SYNTHETIC_MTP) == 1
     assert rec["status"] == "ok", rec["error"]
     m = rec["metrics"]
     assert m["output_tokens"] == 3 * 16 and 1 <= m["tokens_per_step"] <= 4

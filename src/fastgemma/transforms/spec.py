@@ -13,10 +13,18 @@ the verify pass and the accept bookkeeping are captured when the AR step is a CU
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from ..checks import is_int
 from ..engine.generator import Generator
+
+log = logging.getLogger("fastgemma")
+
+SYNTHETIC_MTP = ("spec=mtp with spec.drafter=synthetic: the drafter's weights are random, so its drafts almost never "
+                 "match the target's tokens (accept_mean ~0, ~1 token a step): tok/s measures its cost, not a trained "
+                 "drafter's gain; spec=replay times the same step at a trained drafter's acceptance profile, "
+                 "spec.drafter=DIR loads google/gemma-4-E4B-it-assistant")
 
 
 class NoSpec:
@@ -69,6 +77,8 @@ class MtpSpec:
 
         w = model.embed_tokens.weight
         if self.drafter == "synthetic":
+            if self.kind == "mtp":
+                log.warning(SYNTHETIC_MTP)
             d = synthetic_drafter(model.config, device=w.device, dtype=w.dtype, seed=self.drafter_seed)
         else:
             d = load_drafter(self.drafter, model.config, device=w.device, dtype=w.dtype)
