@@ -5,6 +5,8 @@ import json
 import time
 import multiprocessing as mp
 
+import pytest
+
 from fgcli_helpers import TINY, results, run_job, wandb_offline_summary
 
 from fastgemma.tracking.jsonl import append_jsonl, read_records
@@ -42,6 +44,12 @@ def test_reader_skips_a_torn_line_and_says_where(tmp_path):
     warnings = []
     recs = read_records([path], warn=warnings.append)
     assert len(recs) == 2 and len(warnings) == 1 and f"{path}:2:" in warnings[0]
+
+
+def test_a_missing_results_path_says_where_results_come_from(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"results path .*nope\.jsonl does not exist \(task=bench runs .*"
+                                                 r"task\.inputs="):
+        read_records([tmp_path / "nope.jsonl"])
 
 
 def test_record_is_json_safe_and_names_are_shared():

@@ -41,7 +41,9 @@ def read_records(paths, warn=None) -> list[dict]:
         elif p.exists():
             files = [p]
         else:
-            raise FileNotFoundError(f"results path {p} does not exist")
+            raise FileNotFoundError(f"results path {p} does not exist (task=bench runs started in a folder append "
+                                    "to its results/results.jsonl; task.inputs=[PATH, ...] names JSONL files, "
+                                    "record.json files or run folders)")
         for f in files:
             if f.suffix == ".json":
                 try:
