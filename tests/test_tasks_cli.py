@@ -25,6 +25,9 @@ def test_bench_smoke_writes_one_record(tmp_path, capsys, caplog):
     assert m["vram_peak_gb"] is None and m["mbu"] is None and m["copy_bw_gbs"] is None
     assert m["weight_bytes_per_token"] > 0
     assert len(rec["details"]["cdf"]["itl_ms"]) == 101
+    reqs = rec["details"]["requests"]  # each timed request, in order
+    assert [r["output_tokens"] for r in reqs] == [16] * 3 and not any(r["ended"] for r in reqs)
+    assert all(r["prompt_tokens"] > 0 and r["ttft_ms"] > 0 for r in reqs)
     assert rec["choices"]["model"] == "gemma4_tiny" and rec["choices"]["quant"] == "bf16"
     assert rec["software"]["torch"] and "git_commit" in rec["software"]
     assert rec["hardware"]["device"] == "cpu"
@@ -95,6 +98,23 @@ def test_replay_tokens_off_their_trace_are_counted_and_warned(caplog):
     assert d == {"mismatch": 3, "reference_head": [[5, 6, 7, 8], []]}
     assert any("3 emitted tokens left the reference traces" in r.getMessage() for r in caplog.records)
     assert _replay_details(SimpleNamespace(), prompts, []) is None  # not spec=replay
+
+
+def test_requests_that_end_are_marked_and_counted(caplog):
+    from types import SimpleNamespace
+
+    from fastgemma.tasks.bench import _request_details
+
+    gens = [SimpleNamespace(prompt_len=5, tokens=[7, 8, 1], ttft_s=0.002),   # ended on id 1
+            SimpleNamespace(prompt_len=9, tokens=[7, 8, 9, 10], ttft_s=0.003),  # ran to its limit
+            SimpleNamespace(prompt_len=4, tokens=[106], ttft_s=0.001)]         # ended at once
+    with caplog.at_level("INFO", logger="fastgemma"):
+        rows = _request_details(gens, (1, 106), ignore_eos=False)
+    assert [r["ended"] for r in rows] == [True, False, True]
+    assert rows[1] == {"prompt_tokens": 9, "output_tokens": 4, "ttft_ms": 3.0, "ended": False}
+    assert "2 of 3 requests ended on an end-of-sequence id (8 output tokens in all)" in caplog.text
+    # ends ignored: an end id emitted along the way ends nothing
+    assert not any(r["ended"] for r in _request_details(gens, (1, 106), ignore_eos=True))
 
 
 def test_weight_bytes_per_token_counts_the_head_and_one_ple_row(tmp_path):

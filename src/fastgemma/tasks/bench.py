@@ -61,6 +61,19 @@ def _replay_details(gen, prompts, gens) -> dict | None:
     return {"mismatch": mismatch, "reference_head": heads}
 
 
+def _request_details(gens, eos_ids, ignore_eos: bool) -> list[dict]:
+    """Each timed request: its prompt and output lengths, its TTFT, and whether it ended on an end-of-sequence id
+    (only where ends count: workload.ignore_eos=false); how many ended is logged."""
+    eos = set(eos_ids)
+    rows = [{"prompt_tokens": g.prompt_len, "output_tokens": len(g.tokens), "ttft_ms": round(g.ttft_s * 1e3, 3),
+             "ended": not ignore_eos and bool(g.tokens) and g.tokens[-1] in eos} for g in gens]
+    ended = sum(r["ended"] for r in rows)
+    if ended:
+        log.info("%d of %d requests ended on an end-of-sequence id (%d output tokens in all)", ended, len(rows),
+                 sum(r["output_tokens"] for r in rows))
+    return rows
+
+
 def run(ctx):
     f, wl = ctx.factory, ctx.workload
     dev = f.device
@@ -115,6 +128,7 @@ def run(ctx):
     metrics.update(weight_bytes_per_token=int(per_token), copy_bw_gbs=copy, mbu=mbu(per_token, metrics["tps"], copy))
     details = {"workload": wl.describe(), "max_context": max_ctx, "kv_cache_bytes": engine.cache.nbytes(),
                "replay": _replay_details(gen, prompts, gens),
+               "requests": _request_details(gens, c.eos_ids, wl.ignore_eos),
                "weight_bytes_per_step": per_step, "cdf": cdf, "step": engine.step.__class__.__name__,
                "setup_s": setup, "setup_compiles": compiles,
                "prompt_graph_s": {str(n): s for n, s in gen.capture_s.items()},
