@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fgcli_helpers import run_job
 
-from fastgemma.tracking.compare import marginal_gains, merge, pareto_front, shared_choices
+from fastgemma.tracking.compare import marginal_gains, merge, pareto_front, shared_choices, unequal_outputs
 from fastgemma.tracking.jsonl import append_jsonl
 from fastgemma.tracking.record import new_record
 
@@ -128,3 +128,20 @@ def test_what_every_row_shares_joins_the_baseline(tmp_path, capsys):
             tmp_path)
     out = capsys.readouterr().out
     assert "| graphs=static | 100 |" in out and "Every row has quant.backend=torch" in out
+
+
+def test_rows_of_one_workload_with_other_output_counts_are_flagged(tmp_path, capsys):
+    """With ends counted, a choice that rounds otherwise can end requests elsewhere: the report says the rows made
+    different numbers of tokens (their tps compare different work); rows of other workloads are not compared."""
+    recs = [_rec("bench", {"tps": 600.0, "itl": 1.6, "output_tokens": 4096}),
+            _rec("bench", {"tps": 490.0, "itl": 2.0, "output_tokens": 3538}, fuse="layers"),
+            _rec("bench", {"tps": 500.0, "itl": 2.0, "output_tokens": 64}, workload="smoke")]
+    rows, _ = merge(recs)
+    assert unequal_outputs(rows, BASE) == ["baseline: 4096, fuse=layers: 3538"]
+    assert unequal_outputs(rows[:1] + rows[2:], BASE) == []
+    path = tmp_path / "results.jsonl"
+    for r in recs:
+        append_jsonl(path, r)
+    run_job(["task=report", f"task.inputs=[{path}]", f"task.out={tmp_path / 'rep'}"], tmp_path)
+    out = capsys.readouterr().out
+    assert "Output tokens differ between rows of one workload" in out and "(baseline: 4096, fuse=layers: 3538)" in out

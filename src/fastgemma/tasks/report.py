@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..tracking import plots
-from ..tracking.compare import failed_table, markdown_table, merge, shared_choices
+from ..tracking.compare import failed_table, markdown_table, merge, shared_choices, unequal_outputs
 from ..tracking.jsonl import read_records
 
 
@@ -32,6 +32,11 @@ def run(ctx):
           f"{len(rows)} configurations, {len(failed)} failed runs." + (f" Every row has {same}: the baseline "
                                                                       f"has it too." if same else "") + "\n",
           table]
+    unequal = unequal_outputs(rows, baseline)
+    if unequal:
+        md += ["\nOutput tokens differ between rows of one workload (requests ended on an end-of-sequence id): "
+               "their tps compare different work; compare step_ms and tokens_per_step. "
+               + "; ".join(f"({u})" for u in unequal)]
     if failed:
         md += ["\n## Failed runs\n", failed_table(failed)]
     pngs = {"tps_vs_ppl": plots.tps_vs_ppl(rows, baseline, out / "tps_vs_ppl.png"),

@@ -141,6 +141,21 @@ def markdown_table(rows: list[Row], baseline: dict) -> str:
     return "\n".join(lines)
 
 
+def unequal_outputs(rows: list[Row], baseline: dict) -> list[str]:
+    """Rows of one context (model, weights, workload, device) whose bench made different numbers of output tokens:
+    requests that ended on an end-of-sequence id (workload.ignore_eos=false), where a choice that rounds
+    otherwise can move the ends. Their tps compare different work; one line a context: each row's label and count."""
+    by: dict[tuple, list[Row]] = {}
+    for r in rows:
+        if r.metrics.get("output_tokens") is not None:
+            by.setdefault(r.context, []).append(r)
+    out = []
+    for rs in by.values():
+        if len({r.metrics["output_tokens"] for r in rs}) > 1:
+            out.append(", ".join(f"{r.label(baseline)}: {r.metrics['output_tokens']}" for r in rs))
+    return out
+
+
 def failed_table(failed: list[dict]) -> str:
     if not failed:
         return ""
