@@ -17,8 +17,6 @@ should agree: a check of the kernel itself, free of bf16 near-ties).
 tiles of table T (`fused_gemv.parse_fused_table`, e.g. '+draft_down=2x1024w4'), in the same process;
 its drafts compared with the first fused step's. The drafter's shapes that no table holds are
 autotuned on their first call, per process: the picks are printed.
-`--post-fold`: the fused step again with the drafter's post-projection folded into the next step's
-pre-projection (spec.post_fold: `Drafter.fold_post_projection`), traced anew; drafts compared likewise.
 Run: python -m fastgemma.bench.draft_loop [--depth 7] [--programs 132,66] [--splits 16,32]
 """
 from __future__ import annotations
@@ -69,12 +67,12 @@ def _fill_cache(cache, sources, context: int, gen):
 def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, checks: int = 16,
                      programs=(None,), splits=(None,), barriers: int = 0, fp32_checks: int = 4, compile: bool = True,
                      model: str = "gemma4_e4b", device: str = "cuda", dtype=torch.bfloat16,
-                     fused_tables=(), post_fold: bool = False) -> list[dict]:
+                     fused_tables=()) -> list[dict]:
     """Print the tables; return a dict per barrier program count (with `barriers`), the fp32 check's
     (with `fp32_checks`), then one per loop: us per loop and per draft token, the checks' agreement
     with the fused step (`positions_equal` of `positions`, `loops_equal` of `checks`), `max_h_diff`;
     the fused step once more per (text, table) of `fused_tables` (`fused_gemv.parse_fused_table`'s
-    tables; `table`: the text), and with `post_fold` once more with the post-projection folded."""
+    tables; `table`: the text)."""
     from triton.testing import do_bench_cudagraph
 
     from ..engine.cache import KVCache
@@ -131,30 +129,24 @@ def bench_draft_loop(depth: int = 7, context: int = 512, window: int = 188, chec
                      positions_equal=checks * depth, positions=checks * depth, loops_equal=checks, max_h_diff=0.0))
     print(f"{'fused step' + (' (compiled)' if compile else ''):>30} | {us:9.1f} | {us / depth:10.2f} | "
           f"{'(reference)':>15} |             |")
-    def again(label, **row):  # the fused loop traced anew, its drafts against the first one's, timed
-        torch._dynamo.reset()
-        fn = compile_step(fused_loop) if compile else fused_loop
-        eq = same = 0
-        for (t, h), (rt, _) in zip(inputs, refs):
-            agree = (fn(t, h)[0] == rt).long().cumprod(1).sum().item()
-            eq += agree
-            same += agree == depth
-        us = 1e3 * timer(lambda: fn(tok0, hid0))
-        rows.append(dict(loop="fused step", **row, programs=None, splits=None, us=us, us_per_token=us / depth,
-                         positions_equal=eq, positions=checks * depth, loops_equal=same, max_h_diff=None))
-        print(f"{label:>30} | {us:9.1f} | {us / depth:10.2f} | {eq:>7}/{checks * depth:<7} | {same:>5}/{checks:<5} |")
-
     shipped = dict(fused_gemv.FUSED_CONFIGS)
     try:
         for text, table in fused_tables:
-            fused_gemv.set_fused_table(table)  # the tiles are read when the step is traced
-            again("fused step, " + text, table=text)
+            fused_gemv.set_fused_table(table)
+            torch._dynamo.reset()  # traced again: the tiles are read when the step is traced
+            fn = compile_step(fused_loop) if compile else fused_loop
+            eq = same = 0
+            for (t, h), (rt, _) in zip(inputs, refs):
+                agree = (fn(t, h)[0] == rt).long().cumprod(1).sum().item()
+                eq += agree
+                same += agree == depth
+            us = 1e3 * timer(lambda: fn(tok0, hid0))
+            rows.append(dict(loop="fused step", table=text, programs=None, splits=None, us=us, us_per_token=us / depth,
+                             positions_equal=eq, positions=checks * depth, loops_equal=same, max_h_diff=None))
+            print(f"{'fused step, ' + text:>30} | {us:9.1f} | {us / depth:10.2f} | {eq:>7}/{checks * depth:<7} | "
+                  f"{same:>5}/{checks:<5} |")
     finally:
         fused_gemv.set_fused_table(shipped, forced=False)
-    if post_fold:
-        d.fold_post_projection()
-        again("fused step, post-proj. folded", post_fold=True)
-        d.pre_folded = None  # the persistent kernel's rows below compare with the unfolded loop
     line = fused_gemv.picks_line(fused_gemv.tuned_picks())
     if line:
         print(line)
@@ -237,15 +229,13 @@ def main(argv=None):
                     help="the fused step again with the fused GEMVs' tiles of this table (bench.stack --fused-table's "
                          "form: entries CASE=NxKwW joined by ',', 'none', or '+' then entries: the shipped table with "
                          "those changed; the drafter's cases are 'draft_...'); repeated: one row each, in one process")
-    ap.add_argument("--post-fold", action="store_true",
-                    help="the fused step again with the post-projection folded into the next step's pre-projection")
     ap.add_argument("--model", default="gemma4_e4b")
     a = ap.parse_args(argv)
     from .stack import fused_table_arg
 
     tables = [(t, fused_table_arg(t)) for t in a.fused_table]  # before any work
     bench_draft_loop(a.depth, a.context, a.window, a.checks, a.programs, a.splits, a.barriers, a.fp32_checks,
-                     compile=not a.no_compile, model=a.model, fused_tables=tables, post_fold=a.post_fold)
+                     compile=not a.no_compile, model=a.model, fused_tables=tables)
 
 
 if __name__ == "__main__":

@@ -195,9 +195,6 @@ def main(argv=None):
                          "argmax)")
     ap.add_argument("--mtp-depth", type=int, default=7, help="depth of the untrained-drafter cost row (0: skip)")
     ap.add_argument("--centroid-top-k", type=int, default=0, help="0: the drafter's own (32)")
-    ap.add_argument("--post-fold", choices=("on", "off"), default="on",
-                    help="the drafter's post-projection folded into the next step's pre-projection (spec.post_fold, "
-                         "the engine's default) or not")
     ap.add_argument("--compile", action="store_true", help="torch.compile the step bodies before capture (slow)")
     ap.add_argument("--no-agreement", dest="agreement", action="store_false",
                     help="skip the teacher-forced top-1 agreement of the verify pass with the AR step")
@@ -310,8 +307,6 @@ def main(argv=None):
             if name == "fused_torch_head":
                 extra["head"] = None
             d = model.fuse_drafter(d, **extra)
-        if a.post_fold == "on":
-            d.fold_post_projection()
         drafters[name] = d
     drafter = next(iter(drafters.values()))
     fixups = _on_off("--split-fixup", a.split_fixup)
@@ -426,7 +421,6 @@ def main(argv=None):
                 row = summarize(kind, wlabel, k, prof, outs, wall, ref)
                 row.update(split_ms(gen, ps[0], a.new), speedup=row["tps"] / base[plen]["tps"],
                            prepare_s=prep_s, prime_s=prime_s, verify_tiles=tiles, drafter_step=dname, split_fixup=fix,
-                           post_fold=a.post_fold == "on",
                            verify_epilogues=epi if fused_verify is not None else None, **sw, prefill=pname,
                            bookkeeping="kernels" if gen.fused_bookkeeping else "torch",
                            diverge_at=[common_prefix(o.tokens, r) for o, r in zip(outs, ref)])

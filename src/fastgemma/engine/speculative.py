@@ -134,14 +134,13 @@ class Replay:
 
 def draft_steps(d, emb, cache, attn, tok, hid, pos, k: int):
     """k drafter steps at the fixed position P: tok, pos [B, 1] (the last accepted token and P), hid
-    [B, 1, H] (the target's final-norm hidden state there) -> (drafts [B, k], the last h' [B, 1, H]; with the
-    drafter's post-projection folded, the last g [B, 1, hidden], the steps after the first on `pre_folded`)."""
+    [B, 1, H] (the target's final-norm hidden state there) -> (drafts [B, k], the last h' [B, 1, H])."""
     rope = d.rope(pos, hid.dtype)
     q_pos = pos - 1  # keys strictly before P: P's own K/V is not computed yet
     out = []
-    for i in range(k):
-        x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)  # [B, 1, 2 H] ([B, 1, H + hidden] when folded)
-        g, hid = d(x, rope, q_pos, cache, attn, folded=i > 0 and d.pre_folded is not None)
+    for _ in range(k):
+        x = torch.cat([d.embed_input(tok, emb), hid], dim=-1)  # [B, 1, 2 H]
+        g, hid = d(x, rope, q_pos, cache, attn)
         tok = d.next_token(g)  # [B, 1]
         out.append(tok)
     return torch.cat(out, 1), hid

@@ -343,7 +343,6 @@ FUSED_CONFIGS: dict[tuple[int, int, bool, str], GemvConfig] = {
     # these (run HT, bench.draft_loop --fused-table, one process; the same drafts)
     (256, 2048, False, "none"): GemvConfig(2, 1024, 4),
     (256, 5120, False, "none"): GemvConfig(2, 1024, 4),
-    (256, 2816, False, "none"): GemvConfig(2, 1024, 4),  # the folded pre-projection (spec.post_fold): the tiles above
     # the drafter's gate|up: the draft loop 498.6 -> 487.0 us against the autotuned 4x256w2 (run HY), 509.5 ->
     # 494.8 (run HZ, the same machine; 4x256w2 given as a table there: 519.8); the same drafts
     (4096, 256, True, "geglu"): GemvConfig(8, 256, 2),
@@ -357,8 +356,7 @@ FUSED_CASES = {
     "q full": (4096, 2560, True, "none"), "o": (2560, 2048, False, "none"), "o full": (2560, 4096, False, "none"),
     "gate|up": (20480, 2560, True, "geglu"), "down": (2560, 10240, False, "none"),
     "PLE gate": (256, 2560, True, "gelu_mul"), "PLE projection": (2560, 256, False, "none"),
-    "draft pre-projection": (256, 5120, False, "none"), "draft pre-projection folded": (256, 2816, False, "none"),
-    "draft q": (1024, 256, True, "none"),
+    "draft pre-projection": (256, 5120, False, "none"), "draft q": (1024, 256, True, "none"),
     "draft q full": (2048, 256, True, "none"), "draft o": (256, 1024, False, "none"),
     "draft gate|up": (4096, 256, True, "geglu"), "draft down": (256, 2048, False, "none"),
 }

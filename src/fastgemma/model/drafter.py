@@ -8,9 +8,6 @@ One draft step (batch B, one row):
   z = 4 decoder layers (RoPE at the fixed position p, keys at positions < p)
   g = final_norm(z); h' = W_post g                    [B, 1, 256] -> [B, 1, 2560]
   token = argmax over the candidates of the top-k centroids of W_c g (32 x 128 of 262,144 rows)
-h' feeds nothing but the next step's W_pre, so `fold_post_projection` can fold W_post into it: a loop's
-steps after the first take [E_target[tok] * sqrt(H_target) ; g] through W_pre's embedding half beside
-M = W_pre's hidden half @ W_post (256 x 256), and no step runs W_post.
 Names follow transformers' state dict (`model.layers.{i}...`, `pre_projection`, `masked_embedding.*`)
 so a checkpoint loads by name. The head's rows are the drafter's own tied embedding (262144 x 256);
 it is never used as an input embedding (inputs come from the target's table).
@@ -189,8 +186,7 @@ class Drafter(nn.Module):
         self.masked_embedding = MaskedEmbedder(cfg) if cfg.ordered_embeddings else None
         register_rope_buffers(self, cfg)
         self.top_k = cfg.centroid_top_k
-        self.fused_forward = None  # fn(drafter, x, rope, q_pos, cache, attn, folded) -> (g, h'): fuse=layers
-        self.pre_folded = None  # nn.Linear(H_target + hidden -> hidden) once fold_post_projection() made it
+        self.fused_forward = None  # fn(drafter, x, rope, q_pos, cache, attn) -> (g, h'): fuse=layers
         self.head_fn = None  # fn(g, centroids, token_ordering, rows, top_k) -> ids, e.g. kernels.draft_head
         self.init_buffers()
 
@@ -230,33 +226,13 @@ class Drafter(nn.Module):
             o = attn(q, cache.k[src], cache.v[src], q_pos, None, 0, 1.0)
         return o.flatten(2)
 
-    @torch.no_grad()
-    def fold_post_projection(self):
-        """Make `pre_folded` = [W_pre's embedding half | W_pre's hidden half @ W_post] (the product in fp32, then
-        the weights' dtype): a step given the step before's g instead of its h' = W_post g gets the same z up to
-        that rounding, and no step needs W_post (`forward(..., folded=True)`). Dense bias-free projections only."""
-        pre, post = self.pre_projection, self.post_projection
-        for name, mod in (("pre_projection", pre), ("post_projection", post)):
-            if type(mod) is not nn.Linear or mod.bias is not None:
-                raise DrafterError(f"folding the post-projection needs the drafter's bias-free nn.Linear projections; "
-                                   f"{name} is {type(mod).__name__}")
-        H, w = self.config.backbone_hidden_size, pre.weight
-        m = w[:, H:].float() @ post.weight.float()  # [hidden, hidden]
-        fold = nn.Linear(H + self.config.hidden_size, self.config.hidden_size, bias=False, device=w.device,
-                         dtype=w.dtype)
-        fold.weight.copy_(torch.cat([w[:, :H].float(), m], 1).to(w.dtype))
-        self.pre_folded = fold.requires_grad_(False)
-        return self
-
-    def forward(self, x, rope, q_pos, cache, attn, folded: bool = False):
+    def forward(self, x, rope, q_pos, cache, attn):
         """x [B, 1, 2 * H_target] (embedding ; hidden) -> g [B, 1, hidden] (final-norm), h' [B, 1, H_target].
         q_pos [B, 1]: the masking position, one before the RoPE position (keys strictly before it).
-        folded (after fold_post_projection): x is [embedding ; the step before's g] through `pre_folded`.
-        With `pre_folded` made, the second output is g itself (the next step's hidden half), W_post unused.
         One row (B = 1) takes `fused_forward` when fuse=layers set it (decided when traced)."""
         if self.fused_forward is not None and x.shape[0] == 1:
-            return self.fused_forward(self, x, rope, q_pos, cache, attn, folded)
-        z = (self.pre_folded if folded else self.pre_projection)(x)
+            return self.fused_forward(self, x, rope, q_pos, cache, attn)
+        z = self.pre_projection(x)
 
         def attend(layer, a):
             q, _, _ = layer.self_attn.project(a, *rope[layer.spec.sliding])
@@ -265,7 +241,7 @@ class Drafter(nn.Module):
         for layer in self.model.layers:
             z = layer(z, None, attend)
         g = self.model.norm(z)
-        return g, (g if self.pre_folded is not None else self.post_projection(g))
+        return g, self.post_projection(g)
 
     # ---- head ----------------------------------------------------------------------------------
     def candidates(self, g):
@@ -307,14 +283,10 @@ class Drafter(nn.Module):
         return out.scatter_(1, cand, scores).view(*shape, -1)
 
     def nbytes_per_step(self) -> int:
-        """Weight bytes one draft step reads: every matrix but the head table, plus the candidate rows; with
-        `pre_folded`, a step after a loop's first: `pre_folded` in place of both projections."""
-        skip = {"model.embed_tokens.weight"}
-        if self.pre_folded is not None:
-            skip |= {"pre_projection.weight", "post_projection.weight"}
+        """Weight bytes one draft step reads: every matrix but the head table, plus the candidate rows."""
         n = 0
         for name, p in self.named_parameters():
-            if name not in skip:
+            if name != "model.embed_tokens.weight":
                 n += p.numel() * p.element_size()
         w = self.model.embed_tokens.weight
         rows = self.top_k * self.config.tokens_per_centroid if self.masked_embedding is not None else w.shape[0]

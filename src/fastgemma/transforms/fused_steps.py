@@ -239,12 +239,11 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     return out.reshape(*lead, -1)
 
 
-def fused_draft(d, x, rope, q_pos, cache, attn, folded: bool = False, *, gemv, gemv4, pdl: bool = False,
-                attn_pdl: bool = False, qkv_kernel: bool = False, attn_merge: bool = False, attn_qkv: bool = False,
+def fused_draft(d, x, rope, q_pos, cache, attn, gemv, gemv4, pdl: bool = False, attn_pdl: bool = False,
+                qkv_kernel: bool = False, attn_merge: bool = False, attn_qkv: bool = False,
                 attn_tiles: dict | None = None, tail_norm: bool = False, triton_ops: bool = True):
     """The MTP drafter's one-row step (Drafter.forward at B = 1) through the fused GEMVs: x [1, 1, 2 H]
-    -> g [1, 1, hidden] (final-norm), h' [1, 1, H] (folded: x [1, 1, H + hidden] through `pre_folded`; with
-    `pre_folded` made, g again in place of h', no post-projection launch). Per layer (query-only, no PLE): q (prologue: the
+    -> g [1, 1, hidden] (final-norm), h' [1, 1, H]. Per layer (query-only, no PLE): q (prologue: the
     previous layer's residual update with its layer scalar, then input_layernorm), o, gate|up (+ the
     residual update, pre_feedforward_layernorm, GeGLU), down; q norm + RoPE (torch, or one launch of
     kernels/qkv_finish.py with `qkv_kernel`) and the attention over the target's K/V as in the unfused
@@ -256,7 +255,7 @@ def fused_draft(d, x, rope, q_pos, cache, attn, folded: bool = False, *, gemv, g
     if attn_pdl or attn_merge:
         attn = functools.partial(attn, pdl=attn_pdl, merge=attn_merge)
     call = _caller(gemv, gemv4, pdl, body.rms_eps, body.norm_offset)
-    h, _ = call(x.reshape(1, -1), d.pre_folded if folded else d.pre_projection)
+    h, _ = call(x.reshape(1, -1), d.pre_projection)
     pend = None
     for layer in d.model.layers:
         at, mlp = layer.self_attn, layer.mlp
@@ -277,8 +276,6 @@ def fused_draft(d, x, rope, q_pos, cache, attn, folded: bool = False, *, gemv, g
         dn, _ = call(act, mlp.down_proj)
         pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
     g = _final_norm(*pend, d.model.norm, body.rms_eps, body.norm_offset, tail_norm, triton_ops, pdl)
-    if d.pre_folded is not None:
-        return g.reshape(1, 1, -1), g.reshape(1, 1, -1)
     hp, _ = call(g, d.post_projection)
     return g.reshape(1, 1, -1), hp.reshape(1, 1, -1)
 

@@ -60,9 +60,7 @@ class MtpSpec:
     kind = "mtp"
 
     def __init__(self, depth: int = 7, centroid_top_k: int | None = None, drafter: str = "synthetic",
-                 drafter_seed: int = 0, post_fold: bool = True):
-        if not isinstance(post_fold, bool):
-            raise ValueError(f"spec.post_fold must be true or false, got {post_fold!r}")
+                 drafter_seed: int = 0):
         if not is_int(depth, 1, 15):
             raise ValueError(f"spec depth must be an integer in [1, 15], got {depth!r}")
         if centroid_top_k is not None and not is_int(centroid_top_k, 1):
@@ -72,7 +70,6 @@ class MtpSpec:
             raise FileNotFoundError(f"spec.drafter: drafter checkpoint directory {drafter} does not exist "
                                     "(use synthetic, or a local copy of google/gemma-4-E4B-it-assistant)")
         self.depth, self.centroid_top_k, self.drafter, self.drafter_seed = depth, centroid_top_k, drafter, drafter_seed
-        self.post_fold = post_fold
         self._drafter_info: dict = {}
 
     def build_drafter(self, model):
@@ -88,16 +85,12 @@ class MtpSpec:
         d.set_top_k(self.centroid_top_k)
         if model.fuse_drafter is not None:  # fuse=layers: the drafter's one-row step fused too
             d = model.fuse_drafter(d)
-        loop_kernel = getattr(d, "loop_kernel", None) is not None
-        if self.post_fold and not loop_kernel:  # (fuse.draft_loop's kernel runs both projections itself)
-            d.fold_post_projection()
         c = d.config
         self._drafter_info = {"drafter_name": c.name, "drafter_hidden": c.hidden_size,
-                              "drafter_params": sum(p.numel() for n, p in d.named_parameters()
-                                                    if not n.startswith("pre_folded.")),
+                              "drafter_params": sum(p.numel() for p in d.parameters()),
                               "centroid_top_k_effective": d.top_k, "drafter_bytes_per_step": d.nbytes_per_step(),
                               "drafter_fused": d.fused_forward is not None,
-                              "drafter_loop_kernel": loop_kernel, "drafter_post_folded": d.pre_folded is not None}
+                              "drafter_loop_kernel": getattr(d, "loop_kernel", None) is not None}
         return d
 
     def replay(self):
@@ -113,8 +106,7 @@ class MtpSpec:
 
     def describe(self) -> dict:
         return {"spec": self.kind, "depth": self.depth, "centroid_top_k": self.centroid_top_k,
-                "drafter": self.drafter, "drafter_seed": self.drafter_seed, "post_fold": self.post_fold,
-                **self._drafter_info}
+                "drafter": self.drafter, "drafter_seed": self.drafter_seed, **self._drafter_info}
 
 
 class ReplaySpec(MtpSpec):
@@ -123,8 +115,8 @@ class ReplaySpec(MtpSpec):
     kind = "replay"
 
     def __init__(self, depth: int = 7, centroid_top_k: int | None = None, drafter: str = "synthetic",
-                 drafter_seed: int = 0, profile="frontier", replay_seed: int = 0, post_fold: bool = True):
-        super().__init__(depth, centroid_top_k, drafter, drafter_seed, post_fold)
+                 drafter_seed: int = 0, profile="frontier", replay_seed: int = 0):
+        super().__init__(depth, centroid_top_k, drafter, drafter_seed)
         from ..engine.speculative import resolve_profile
 
         self.profile = resolve_profile(profile)
