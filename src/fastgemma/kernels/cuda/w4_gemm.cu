@@ -267,6 +267,7 @@ w4_gemm_kernel(const u32* x, const uint4* __restrict__ words, const uint2* __res
                u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
   using W = WarpTile<NW, S, KS, C>;
   extern __shared__ uint4 smem[];
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const W w(smem, words, sz, n_tiles);
   w.start();
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -275,9 +276,6 @@ w4_gemm_kernel(const u32* x, const uint4* __restrict__ words, const uint2* __res
   if (C == 1 && !w.live) return;  // with C > 1 every thread meets the cluster barriers
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   if (w.live) tile_sums(w, acc);
-  // the next kernel launched once the words are read, not at the start: its programs would take room on the
-  // multiprocessors and its early loads bandwidth while this kernel streams (the verify pass's lesson, run CD)
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if constexpr (C == 1) {
     store_unit<EPI>(out, acc[0], acc[2], w.t, w.g, w.tq * 2, M, stride_om);
     store_unit<EPI>(out, acc[1], acc[3], w.t, w.g, w.tq * 2 + 1, M, stride_om);
@@ -316,6 +314,7 @@ w4_fold_kernel(const u32* rows, const uint4* __restrict__ words, const uint2* __
   constexpr int NT = NW * 32;
   extern __shared__ uint4 smem[];
   __shared__ float4 red[NW + 1];  // the warps' partial sums, then the layer scalar
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const W w(smem, words, sz, n_tiles);
   w.start();
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -354,7 +353,6 @@ w4_fold_kernel(const u32* rows, const uint4* __restrict__ words, const uint2* __
   if (!w.live) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   tile_sums(w, acc);
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // as w4_gemm_kernel: after the words
   // the scalars made again from shared memory, not held through the main loop, and the output row count and stride
   // as arguments (m_out = 1): with constants and held scalars ptxas took 183-191 registers against the plain
   // kernel's 152, and the kernel ran 2.4-5 us slower (runs JR-JW; the plain kernel's body with these arguments in
