@@ -7,6 +7,7 @@
 // ring of S shared-memory stages with cp.async; a lane reads back only what it copied, so the ring needs no barrier.
 // x's slice (8 rows, a row past M a copy of row M - 1) and its sums per group are staged once a CTA after the PDL
 // wait; the first S groups of words are requested before it. The group loop is unrolled (constant stage indices).
+// The dependents' launch (PDL): at the start for several rows, after the main loop for one (runs LU, LV).
 // Arithmetic per 64-k block as mma_w4a16's TILE_ASM (4 LOP3 + 3 shifts and one mma per 8 weights a lane); per
 // group out += s P + (z - 128 s) sum x, the sums of x by plain fp32 adds (16 threads a group, in shuffle order).
 // K split (C > 1): the C CTAs of a thread-block cluster take one K slice each of the same NW tiles; their partial
