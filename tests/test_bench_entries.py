@@ -709,3 +709,41 @@ def test_bench_stack_model_and_step_variant_options(tmp_path):
     assert round((rows["base"]["gb_per_token"] - rows["base+ple"]["gb_per_token"]) * 1e9) == w_plm
     with pytest.raises(SystemExit, match="options joined by '.' from .*ple"):
         stack.parse_variant("mma+pl")
+
+
+
+@pytest.fixture
+def ar_calls(monkeypatch):
+    """(prompt length, new tokens) of every plain Generator.generate call (not the speculative generator's)."""
+    from fastgemma.engine.generator import Generator
+
+    calls = []
+    generate = Generator.generate
+
+    def record(self, prompt_ids, max_new_tokens, *args, **kw):
+        if type(self) is Generator:
+            calls.append((len(prompt_ids), max_new_tokens))
+        return generate(self, prompt_ids, max_new_tokens, *args, **kw)
+
+    monkeypatch.setattr(Generator, "generate", record)
+    return calls
+
+
+def test_benches_warm_up_at_each_timed_length(tmp_path, ar_calls):
+    """bench.spec's AR rows, bench.stack and bench.ladder warm up with a prompt of each timed length before timing
+    it (a 32-token warm-up left the eager prompt path's first compile of a longer shape inside the timed TTFT and
+    tok/s: run LU's AR row, TTFT 2,006.6 ms in a first process)."""
+    from fastgemma.bench import ladder, spec, stack
+
+    spec.main(["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "2", "--prompt-len", "12", "40", "--new", "6",
+               "--depths", "2", "--profiles", "frontier", "--windows", "16", "--mtp-depth", "0", "--no-agreement",
+               "--out", str(tmp_path / "spec.jsonl")])
+    assert ar_calls[:6] == [(12, 8), (12, 6), (12, 6), (40, 8), (40, 6), (40, 6)]
+    ar_calls.clear()
+    stack.main(["--model", "gemma4_tiny", "--device", "cpu", "--bodies", "bf16", "--heads", "full", "--prompts", "1",
+                "--prompt-len", "12", "40", "--new", "4", "--out", str(tmp_path / "stack.jsonl")])
+    assert ar_calls[:4] == [(12, 8), (40, 8), (12, 4), (40, 4)]
+    ar_calls.clear()
+    ladder.main(["--model", "gemma4_tiny", "--device", "cpu", "--variants", "eager", "--prompts", "1",
+                 "--prompt-len", "40", "--new", "4", "--hf-new", "0", "--hf-check", "0"])
+    assert ar_calls[:2] == [(40, 8), (40, 4)]

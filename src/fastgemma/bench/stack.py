@@ -390,7 +390,8 @@ def main(argv=None):
                 t = time.perf_counter()
                 step.prepare()
                 prep_s = time.perf_counter() - t
-                gen.generate(prompts[lengths[0]][0][:32], 8)  # warm-up
+                for L in lengths:  # warm-up at each timed length: an eager prompt path compiles per shape
+                    gen.generate(prompts[L][0], 8)
                 gen.warm_prefill(max(lengths))  # the prompts' graphs (graphs: padded lengths)
                 sync()
                 runs = {}
