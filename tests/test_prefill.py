@@ -284,3 +284,30 @@ def test_warm_on_side_stream_runs_on_a_side_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream)
     steps.warm_on_side_stream(lambda: log.append(f"fn on {inside[-1]}"), 2)
     assert log == ["side waits current", "fn on side", "fn on side", "current waits side"]
+
+
+def test_warm_prefill_runs_each_length_once_on_a_path_without_prompt_graphs(model, monkeypatch):
+    """Without captured prompt graphs, warm_prefill(max_len, lengths) runs one prefill of each new length (token id
+    0, not a prompt's) and forgets it after; no lengths: nothing runs and the cache is untouched; the tokens of a
+    request after it are those without it."""
+    cache = KVCache(TINY, 1, 64, window=12, dtype=torch.float32)
+    gen = Generator(model, cache, EagerStep(model, cache), prefill_chunk=16)
+    assert not gen.capture_prefill
+    want = Generator(model, cache, EagerStep(model, cache), prefill_chunk=16).generate(_prompt(20), 6).tokens
+    seen, prefill = [], gen.prefill
+
+    def record(ids):
+        seen.append((tuple(ids.shape), int(ids.abs().sum())))
+        return prefill(ids)
+
+    monkeypatch.setattr(gen, "prefill", record)
+    gen.generate(_prompt(20), 2)  # a request's state, which a warm-up with no lengths must leave alone
+    ring = cache.ring_pos.clone()
+    seen.clear()
+    assert gen.warm_prefill(40) == 0 and not seen and torch.equal(cache.ring_pos, ring)
+    gen.warm_prefill(40, [12, 40, 12])
+    assert seen == [((1, 12), 0), ((1, 40), 0)] and (cache.ring_pos == -1).all()
+    gen.warm_prefill(40, [30, 40, 12])
+    assert seen[2:] == [((1, 30), 0)]  # 12 and 40 already ran on this path
+    seen.clear()
+    assert gen.generate(_prompt(20), 6).tokens == want

@@ -119,6 +119,7 @@ class Generator:
                                "layers": self._regional_forward}[compile]
         self.capture_prefill = bucket > 0 and self.device.type == "cuda"
         self._prefill_graphs: dict[int, tuple] = {}  # padded length -> (graph, ids, pos, hidden)
+        self._warm_lengths: set[int] = set()  # prompt lengths run once untimed on this uncaptured path (warm_prefill)
         self.capture_s: dict[int, float] = {}  # padded length -> seconds its capture took (warm_prefill)
         # and a new pool for the next captures: torch releases a private pool with its last graph,
         # and capturing into the released pool's handle fails an allocator assert
@@ -241,11 +242,22 @@ class Generator:
         return self._prefill_graphs[padded]
 
     @torch.inference_mode()
-    def warm_prefill(self, max_len: int) -> int:
+    def warm_prefill(self, max_len: int, lengths=()) -> int:
         """Capture the prefill graph of every padded length up to max_len's (the warm-up: no prompt
         pays a capture later). Each capture's seconds go to capture_s, logged at debug level with the
-        graphs torch.compile compiled meanwhile. Returns the number of graphs held."""
-        if self.capture_prefill:
+        graphs torch.compile compiled meanwhile. A path without prompt graphs runs one untimed prefill of each of
+        `lengths` instead (token id 0, nothing kept: not the prompts themselves), so that kernels built per prompt
+        shape (Triton specializes a row count divisible by 16, the int4 tiles go by row buckets) are built before a
+        timed prompt of that shape; the bench task passes its timed prompts' lengths on a CUDA device. Returns the
+        number of graphs held."""
+        if not self.capture_prefill:
+            todo = sorted(set(lengths) - self._warm_lengths)
+            for n in todo:
+                self.prefill(torch.zeros(self.cache.batch, n, dtype=torch.long, device=self.device))
+                self._warm_lengths.add(n)
+            if todo:
+                self.cache.reset()
+        else:
             for n in sorted({self.padded_length(t) for t in range(1, max_len + 1)} - {None}):
                 if n not in self._prefill_graphs:
                     t0, graphs = time.perf_counter(), compiled_graphs()

@@ -93,10 +93,14 @@ def run(ctx):
             if replays:  # spec=replay: the warm-up prompt's reference trace first, as below
                 gen.prime(p.ids, wl.max_new_tokens)
             gen.generate(p.ids, wl.max_new_tokens, ignore_eos=wl.ignore_eos)
-    # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled)
+    # graph capture of every padded prompt length up to the longest (graphs=cuda_graph / compiled); an uncaptured
+    # prompt path on a GPU runs each timed length once untimed instead (its kernels built per shape)
     longest = max(len(p.ids) for p in prompts)
-    with phase(f"prompt graphs (up to {longest} tokens)", setup, dev, compiles):
-        gen.warm_prefill(longest)
+    shapes = sorted({len(p.ids) for p in prompts}) if dev.type == "cuda" else []
+    label = (f"prompt graphs (up to {longest} tokens)" if gen.capture_prefill or not shapes else
+             f"prompt shapes ({len(shapes)} length{'s' * (len(shapes) != 1)})")
+    with phase(label, setup, dev, compiles):
+        gen.warm_prefill(longest, shapes)
     if replays:
         # spec=replay drafts follow each prompt's reference greedy trace: record it untimed (the
         # engine's own outputs are not cached; the timed run still decodes every token)
