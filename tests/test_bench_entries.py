@@ -711,7 +711,6 @@ def test_bench_stack_model_and_step_variant_options(tmp_path):
         stack.parse_variant("mma+pl")
 
 
-
 @pytest.fixture
 def ar_calls(monkeypatch):
     """(prompt length, new tokens) of every plain Generator.generate call (not the speculative generator's)."""
