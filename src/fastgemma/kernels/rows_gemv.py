@@ -27,8 +27,12 @@ MAX_BYTES = 4 << 20  # dense weights up to this size take this kernel in the fus
 @triton.jit
 def _rows_gemv_kernel(x_ptr, w_ptr, aux_ptr, out_ptr, N, HALF, stride_wn, stride_xm, stride_am, stride_om,
                       K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI: tl.constexpr,
-                      PDL: tl.constexpr):
-    _pdl_trigger(PDL)
+                      PDL: tl.constexpr, EARLY: tl.constexpr):
+    # the dependents' launch: at once for one row (a one-row GEMV's habit), after the sums for several (triggered at
+    # once in the verify pass, the next kernel's programs took room while these still ran: verify 1.990 -> 2.119 ms
+    # against the skinny GEMM, run LX)
+    if EARLY:
+        _pdl_trigger(PDL)
     pid = tl.program_id(0)
     m = tl.program_id(1)
     rows, n_ok = _rows(pid, N, HALF, BLOCK_N, EPI)
@@ -42,13 +46,16 @@ def _rows_gemv_kernel(x_ptr, w_ptr, aux_ptr, out_ptr, N, HALF, stride_wn, stride
     for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):  # no prologue: x's blocks as stored
         acc = _fma_block(acc, ws[kb], x_row, x_row, ((), (), 1.0), kb, offs_k, 0.0, 0.0, 0.0, K, BLOCK_K, 0, False,
                          False, DT)
-    _finish(tl.sum(acc, axis=1), rows, n_ok, pid, aux, out_ptr + m * stride_om, HALF, BLOCK_N, EPI, DT)
+    y = tl.sum(acc, axis=1)
+    if not EARLY:
+        _pdl_trigger(PDL)
+    _finish(y, rows, n_ok, pid, aux, out_ptr + m * stride_om, HALF, BLOCK_N, EPI, DT)
 
 
-# (N, K, epilogue) -> tiles, the fastest alone at 1 and 8 rows on the H100 (run LX, rows_gemv.bench_rows); shapes
-# not here take DEFAULT_CONFIG
+# (N, K, epilogue) -> tiles where another than DEFAULT_CONFIG was faster (rows_gemv.bench_rows); none yet: of eight
+# tiles, DEFAULT_CONFIG's was the fastest for E4B's PLE gate at 8 rows alone on the H100 (run LX)
 CONFIGS: dict[tuple[int, int, str], GemvConfig] = {}
-DEFAULT_CONFIG = GemvConfig(2, 512, 2)
+DEFAULT_CONFIG = GemvConfig(2, 512, 2)  # the PLE gate: 1.58 / 2.81 us at 1 / 8 rows, the skinny GEMM 3.55 / 3.73
 
 
 def fits(M: int, N: int, K: int, nbytes: int) -> bool:
@@ -61,7 +68,8 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", aux: tor
               pdl: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (M <= MAX_M, one float dtype) -> [M, N] (geglu: [M, N / 2]) through `epilogue`
     (kernels/w4a16.apply_epilogue's: none, geglu, gelu_mul with aux [M, N]). No host sync. `pdl` (sm90+): the next
-    kernel may launch at once, this one waits for the previous one after its weight loads."""
+    kernel may launch (at once for one row, after the sums for several), this one waits for the previous one after
+    its weight loads."""
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("rows_gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use rows_gemv_ref")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -88,7 +96,7 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", aux: tor
     a = aux.reshape(M, N).contiguous() if aux is not None else out
     grid = (triton.cdiv(half, bn // 2) if epi == 1 else triton.cdiv(N, bn), M)
     _rows_gemv_kernel[grid](x, w, a, out, N, half, w.stride(0), x.stride(0), a.stride(0), out.stride(0), K=K,
-                            BLOCK_N=bn, BLOCK_K=cfg.block_k, EPI=epi, num_warps=cfg.num_warps,
+                            BLOCK_N=bn, BLOCK_K=cfg.block_k, EPI=epi, EARLY=M == 1, num_warps=cfg.num_warps,
                             **pdl_args(pdl, x.device))
     return out
 
