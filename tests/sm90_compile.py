@@ -155,15 +155,14 @@ def main():
         ptx, regs, spills = build(_dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
         mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
         print(f"skinny\t{name}\t{regs}\t{spills}\t{mma}\t{len(re.findall(r'atom.global.gpu.acq_rel.add', ptx))}")
-    # the rows GEMV (the PLE gate with gelu_mul on its default tiles, and one weight row of 1,024 columns a
-    # program, the latter as one row launches it): no spills, every weight load before the PDL wait ("rows" lines:
-    # name, registers, spills, global loads before the wait, waits, triggers, 1 where the trigger follows the wait)
-    rows_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "aux_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "HALF": "i32",
-                "stride_wn": "i32", "stride_xm": "i32", "stride_am": "i32", "stride_om": "i32"}
-    for name, bn, bk, warps in [("rows ple gate 2x512", 2, 512, 2), ("rows ple gate 1x1024", 1, 1024, 2)]:
-        ptx, regs, spills = build(_rows_gemv_kernel, rows_sig, dict(K=2560, BLOCK_N=bn, BLOCK_K=bk, EPI=2, PDL=True,
-                                                                      EARLY=bn == 1),
-                                  (0, 1, 2, 3, 6, 7, 8, 9), warps)
+    # the rows GEMV (the PLE gate with gelu_mul on its default tiles at 8 rows a program, and one weight row of 1,024
+    # columns at one row): no spills, every weight load before the PDL wait ("rows" lines: name, registers, spills,
+    # global loads before the wait, waits, triggers, 1 where the trigger follows the wait)
+    rows_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "aux_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+                "HALF": "i32", "stride_wn": "i32", "stride_xm": "i32", "stride_am": "i32", "stride_om": "i32"}
+    for name, bn, bk, warps, r in [("rows ple gate 2x512", 2, 512, 2, 8), ("rows ple gate 1x1024", 1, 1024, 2, 1)]:
+        ptx, regs, spills = build(_rows_gemv_kernel, rows_sig, dict(K=2560, BLOCK_N=bn, BLOCK_K=bk, ROWS=r, EPI=2,
+                                                                      PDL=True), (0, 1, 2, 3, 7, 8, 9, 10), warps)
         wait = ptx.find("griddepcontrol.wait")
         print(f"rows\t{name}\t{regs}\t{spills}\t{len(re.findall(r'ld[.]global', ptx[:wait]))}\t"
               f"{ptx.count('griddepcontrol.wait')}\t{ptx.count('griddepcontrol.launch_dependents')}\t"

@@ -40,13 +40,15 @@ def test_rows_gemv_matches_the_twin(M, N, K, config, epilogue, dtype, tol):
     assert _err(got, ref) < tol
 
 
-@pytest.mark.parametrize("epilogue", ["none", "gelu_mul"])
-def test_each_row_is_the_one_row_launch(epilogue):
-    """The verify pass's rows bit-equal to one-row launches of the same rows (fuse.batch_invariant), strided x."""
-    x, w, aux = _inputs(7, 48, 160, torch.bfloat16, epilogue, seed=3)
-    xs = torch.cat([x, torch.zeros(7, 32, dtype=x.dtype)], 1)[:, :160]  # rows 192 apart
+@pytest.mark.parametrize("M", [7, 11])
+@pytest.mark.parametrize("epilogue", ["none", "gelu_mul", "geglu"])
+def test_each_row_is_the_one_row_launch(epilogue, M):
+    """The verify pass's rows bit-equal to one-row launches of the same rows (fuse.batch_invariant), strided x; 11
+    rows: two programs a tile, the second's last five slots computing row 10 again."""
+    x, w, aux = _inputs(M, 48, 160, torch.bfloat16, epilogue, seed=3)
+    xs = torch.cat([x, torch.zeros(M, 32, dtype=x.dtype)], 1)[:, :160]  # rows 192 apart
     many = rows_gemv(xs, w, epilogue, aux)
-    for m in range(7):
+    for m in range(M):
         one = rows_gemv(x[m:m + 1], w, epilogue, aux[m:m + 1] if aux is not None else None)
         assert torch.equal(one, many[m:m + 1]), m
 

@@ -127,11 +127,11 @@ def test_gpu_only_variants_compile_for_sm90():
     # the skinny GEMM: no spills, tensor-core dots, one arrival atomic (its split-K fixup)
     assert len(skinny) == 2 and all(sp == 0 and mma > 0 and atoms == 1 for _, sp, mma, atoms in skinny.values()), skinny
     # the rows GEMV: no spills, one wait and one trigger, the weights' loads (5 blocks of 512 or 3 of 1,024, each
-    # one or two vector loads a thread) all before the wait; the trigger first for one row, after the wait else
+    # one or two vector loads a thread) all before the wait, the trigger first
     rows_k = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "rows"}
     assert len(rows_k) == 2 and all(sp == 0 and loads >= 3 and (w, t) == (1, 1)
                                     for _, sp, loads, w, t, _ in rows_k.values()), rows_k
-    assert rows_k["rows ple gate 2x512"][-1] == 1 and rows_k["rows ple gate 1x1024"][-1] == 0, rows_k
+    assert all(v[-1] == 0 for v in rows_k.values()), rows_k
     # the epilogues cost no occupancy: registers within 8 of the plain kernel on the same rows per
     # program (GeGLU takes 32 gate + 32 up rows; over one tile of both runs it took 102-114 instead of 80)
     reg = {n: v[0] for n, v in dots.items()}

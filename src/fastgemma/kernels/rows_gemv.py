@@ -1,13 +1,13 @@
 """A dense GEMV for a few rows of x and a small weight: the fused one-row GEMV's program (every weight
 block in registers before the PDL wait, kernels/fused_gemv.py's sums and epilogue stores) with the rows of x as a
-second grid axis.
+second grid axis (ROWS_PER_PROGRAM rows a program).
 
 The verify pass's one dense linear, E4B's PLE gate (256 x 2560 bf16, 1.3 MB), took the skinny GEMM: 16 weight rows
 a tl.dot tile, so 16 tiles, K split over 10 programs each and an arrival counter whose last program sums the
 partials and applies the epilogue: 4.15 / 4.32 us alone at 1 / 8 rows on the H100 (run LW), ~3x the time of its
-bytes. Here a program takes BLOCK_N weight rows over all of K for one row of x, no split, no counter: each row of
-the output is computed by the same code whatever the row count (bit for bit: `fuse.batch_invariant` holds), and
-rows past the first read the weights from the L2. `rows_gemv` launches, `rows_gemv_op` is the opaque op,
+bytes. Here a program takes BLOCK_N weight rows over all of K for up to ROWS_PER_PROGRAM rows of x, no split, no
+counter: each row of the output is computed by the same code whatever the row count (bit for bit:
+`fuse.batch_invariant` holds). `rows_gemv` launches, `rows_gemv_op` is the opaque op,
 `rows_gemv_ref` the twin (skinny_gemm's: F.linear in x's dtype, then the epilogue)."""
 from __future__ import annotations
 
@@ -22,34 +22,36 @@ from .w4a16 import check_epilogue
 
 MAX_M = 16  # rows of x (the grid's second axis; as the skinny GEMM's)
 MAX_BYTES = 4 << 20  # dense weights up to this size take this kernel in the fused steps (fits)
+# rows of x a program takes (its weights loaded once for them): with one a program (1,024 programs at 8 rows, the
+# weights read 8 times from the L2) the PLE gate was 0.9 us faster alone than the skinny GEMM at 8 rows on the H100,
+# but the verify pass 0.13-0.17 ms slower (runs LX, LY)
+ROWS_PER_PROGRAM = 8
 
 
 @triton.jit
-def _rows_gemv_kernel(x_ptr, w_ptr, aux_ptr, out_ptr, N, HALF, stride_wn, stride_xm, stride_am, stride_om,
-                      K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EPI: tl.constexpr,
-                      PDL: tl.constexpr, EARLY: tl.constexpr):
-    # the dependents' launch: at once for one row (a one-row GEMV's habit), after the sums for several (triggered at
-    # once in the verify pass, the next kernel's programs took room while these still ran: verify 1.990 -> 2.119 ms
-    # against the skinny GEMM, run LX)
-    if EARLY:
-        _pdl_trigger(PDL)
+def _rows_gemv_kernel(x_ptr, w_ptr, aux_ptr, out_ptr, M, N, HALF, stride_wn, stride_xm, stride_am, stride_om,
+                      K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                      EPI: tl.constexpr, PDL: tl.constexpr):
+    # the dependents launch at once, as from a one-row GEMV (after the sums, with a program a row of x, the verify
+    # pass was slower still: run LY)
+    _pdl_trigger(PDL)
     pid = tl.program_id(0)
-    m = tl.program_id(1)
     rows, n_ok = _rows(pid, N, HALF, BLOCK_N, EPI)
     offs_k = tl.arange(0, BLOCK_K)
     ws = _wload_all(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], n_ok, offs_k, K, BLOCK_K)
     _pdl_wait(PDL)  # x (and aux) are the previous kernels' outputs
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    x_row = x_ptr + m * stride_xm
-    aux = _aux_rows(aux_ptr + m * stride_am, rows, n_ok, EPI)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):  # no prologue: x's blocks as stored
-        acc = _fma_block(acc, ws[kb], x_row, x_row, ((), (), 1.0), kb, offs_k, 0.0, 0.0, 0.0, K, BLOCK_K, 0, False,
-                         False, DT)
-    y = tl.sum(acc, axis=1)
-    if not EARLY:
-        _pdl_trigger(PDL)
-    _finish(y, rows, n_ok, pid, aux, out_ptr + m * stride_om, HALF, BLOCK_N, EPI, DT)
+    for r in tl.static_range(ROWS):
+        # row m of x through the same code whatever ROWS is; a row past M computes row M - 1 again and stores the
+        # same bits there
+        m = tl.minimum(tl.program_id(1) * ROWS + r, M - 1)
+        x_row = x_ptr + m * stride_xm
+        aux = _aux_rows(aux_ptr + m * stride_am, rows, n_ok, EPI)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for kb in tl.static_range((K + BLOCK_K - 1) // BLOCK_K):  # no prologue: x's blocks as stored
+            acc = _fma_block(acc, ws[kb], x_row, x_row, ((), (), 1.0), kb, offs_k, 0.0, 0.0, 0.0, K, BLOCK_K, 0,
+                             False, False, DT)
+        _finish(tl.sum(acc, axis=1), rows, n_ok, pid, aux, out_ptr + m * stride_om, HALF, BLOCK_N, EPI, DT)
 
 
 # (N, K, epilogue) -> tiles where another than DEFAULT_CONFIG was faster (rows_gemv.bench_rows); none yet: of eight
@@ -68,8 +70,7 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", aux: tor
               pdl: bool = False, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T (M <= MAX_M, one float dtype) -> [M, N] (geglu: [M, N / 2]) through `epilogue`
     (kernels/w4a16.apply_epilogue's: none, geglu, gelu_mul with aux [M, N]). No host sync. `pdl` (sm90+): the next
-    kernel may launch (at once for one row, after the sums for several), this one waits for the previous one after
-    its weight loads."""
+    kernel may launch at once, this one waits for the previous one after its weight loads."""
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("rows_gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use rows_gemv_ref")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -94,9 +95,10 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", aux: tor
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     a = aux.reshape(M, N).contiguous() if aux is not None else out
-    grid = (triton.cdiv(half, bn // 2) if epi == 1 else triton.cdiv(N, bn), M)
-    _rows_gemv_kernel[grid](x, w, a, out, N, half, w.stride(0), x.stride(0), a.stride(0), out.stride(0), K=K,
-                            BLOCK_N=bn, BLOCK_K=cfg.block_k, EPI=epi, EARLY=M == 1, num_warps=cfg.num_warps,
+    rows = min(M, ROWS_PER_PROGRAM)
+    grid = (triton.cdiv(half, bn // 2) if epi == 1 else triton.cdiv(N, bn), triton.cdiv(M, rows))
+    _rows_gemv_kernel[grid](x, w, a, out, M, N, half, w.stride(0), x.stride(0), a.stride(0), out.stride(0), K=K,
+                            BLOCK_N=bn, BLOCK_K=cfg.block_k, ROWS=rows, EPI=epi, num_warps=cfg.num_warps,
                             **pdl_args(pdl, x.device))
     return out
 
@@ -145,6 +147,10 @@ def bench_rows(shapes: dict | None = None, ms=(1, 8), epilogue: str = "gelu_mul"
             x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)
             aux = torch.randn(M, N, device=dev, dtype=dtype, generator=gen) if epilogue == "gelu_mul" else None
             ref = rows_gemv_ref(x, w, epilogue, aux)
+            ones = torch.cat([rows_gemv(x[m:m + 1], w, epilogue, aux[m:m + 1] if aux is not None else None)
+                              for m in range(M)])
+            same = torch.equal(ones, rows_gemv(x, w, epilogue, aux))
+            print(f"{name:>10} {N:>6} {K:>6} {M:>3} | rows bit-equal to one-row launches: {same}")
             t_sk = timed_us(rotating(bufs, lambda w_: skinny_matmul(x, w_, None, epilogue, aux, pdl=True)))
             print(f"{name:>10} {N:>6} {K:>6} {M:>3} | skinny GEMM (its table)   | {t_sk:7.2f}")
             rows.append(dict(shape=name, N=N, K=K, M=M, kernel="skinny", us=t_sk))
