@@ -16,6 +16,8 @@
 #             (those configs instead of every candidate: TxW[dD][iI][sS][pR][f][nH][rG][g] or cudaWxS[cC][g]); MMA_HOT=1
 #             each kernel also on weights kept in the L2 (one copy, called again and again); writes the entries
 #             faster alone than the shipped table's to mma_faster.txt (`bench.stack --mma-table +$(cat ...)`)
+#   rows      the dense rows GEMV (kernels/rows_gemv.py: the PLE gate at 1..16 rows) per tile against the skinny GEMM,
+#             alone, outputs checked (ROWS_MS=1,8 the row counts); prints CONFIGS lines
 #   stream    the fused one-row bf16 GEMV streamed by a few programs a multiprocessor (kernels/stream_gemv.py)
 #             against the shipped one-program-per-tile launch, alone, outputs checked; STREAM_ARGS, e.g.
 #             "--cases gate|up --tiles 8x512w4p2d8"; its last line is a `bench.stack --fused-table` value
@@ -159,6 +161,8 @@ from fastgemma.kernels.mma_table import parse_config
 cs, try_ = '${FOLD_CASES:-}', '${FOLD_TRY-2x4d5p9fg}'
 bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_config(c) for c in try_.split(',') if c],
            plain='${FOLD_PLAIN:-0}' == '1')" ;;
+    rows) run rows python3 -c "from fastgemma.kernels.rows_gemv import bench_rows
+bench_rows(ms=tuple(int(m) for m in '${ROWS_MS:-1,8}'.split(',')))" ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     stream) run stream python3 -m fastgemma.kernels.stream_gemv ${STREAM_ARGS:-}
             grep '^fused table: ' "$out/stream.log" | tail -1 | sed 's/^fused table: //' > "$out/stream_table.txt" ;;
@@ -196,6 +200,7 @@ for p in "${parts[@]}"; do
           grep -A40 '^# CONFIGS' "$out/int4.log" ;;
     int4fused) grep -E "WRONG|skip" "$out/int4fused.log" | head; grep -A20 '^# TILES' "$out/int4fused.log" ;;
     mma) grep -E ' \| ' "$out/mma.log" | head -120 ;;
+    rows) grep -E ' \| |WRONG|^    \(' "$out/rows.log" | head -60 ;;
     fold) grep -E ' \| ' "$out/fold.log" | head -40 ;;
     stream) grep -E ' \| |skip|^fused table' "$out/stream.log" | tail -40 ;;
     draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;

@@ -24,6 +24,7 @@ from fastgemma.kernels.fused_w8a16 import _fused_w8a16_kernel
 from fastgemma.kernels.gemv import _prefetch_gemv_kernel
 from fastgemma.kernels.qkv_finish import _qkv_finish_kernel
 from fastgemma.kernels.residual_norm import _residual_norm_kernel
+from fastgemma.kernels.rows_gemv import _rows_gemv_kernel
 from fastgemma.kernels.skinny_gemm import _dense_mma_kernel
 from fastgemma.kernels.stream_gemv import _stream_gemv_kernel
 from fastgemma.kernels.w4a16 import _group_mma_kernel
@@ -154,6 +155,17 @@ def main():
         ptx, regs, spills = build(_dense_mma_kernel, sk_sig, ce, (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11), 2)
         mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async")
         print(f"skinny\t{name}\t{regs}\t{spills}\t{mma}\t{len(re.findall(r'atom.global.gpu.acq_rel.add', ptx))}")
+    # the rows GEMV (the PLE gate with gelu_mul on its default tiles, and one weight row of 1,024 columns a
+    # program): no spills, every weight load before the PDL wait ("rows" lines: name, registers, spills, global
+    # loads before the wait, waits, triggers)
+    rows_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "aux_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "HALF": "i32",
+                "stride_wn": "i32", "stride_xm": "i32", "stride_am": "i32", "stride_om": "i32"}
+    for name, bn, bk, warps in [("rows ple gate 2x512", 2, 512, 2), ("rows ple gate 1x1024", 1, 1024, 2)]:
+        ptx, regs, spills = build(_rows_gemv_kernel, rows_sig, dict(K=2560, BLOCK_N=bn, BLOCK_K=bk, EPI=2, PDL=True),
+                                  (0, 1, 2, 3, 6, 7, 8, 9), warps)
+        wait = ptx.find("griddepcontrol.wait")
+        print(f"rows\t{name}\t{regs}\t{spills}\t{len(re.findall(r'ld[.]global', ptx[:wait]))}\t"
+              f"{ptx.count('griddepcontrol.wait')}\t{ptx.count('griddepcontrol.launch_dependents')}")
     # the wider step's residual update + norm, a 2,560-wide row in registers (8 warps): no spills
     # ("norm" lines: name, registers, spills)
     rn_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr", "x_ptr")}

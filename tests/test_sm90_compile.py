@@ -18,7 +18,7 @@ def test_gpu_only_variants_compile_for_sm90():
     lines = [line.split("\t") for line in r.stdout.splitlines() if "\t" in line]
     rows = {f[0]: [int(x) for x in f[1:]] for f in lines
             if f[0] not in ("dot", "draft", "skinny", "packed", "norm", "pdl", "prefetch", "l2", "rope", "loop",
-                            "stream", "floor", "accept", "head4", "head8", "edge")}
+                            "stream", "floor", "accept", "head4", "head8", "edge", "rows")}
     pdl = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "pdl"}
     # the PDL kernels of the steps: one wait and one trigger each, nothing read before the wait (no
     # global load, no cp.async copy) but the norm kernels' parameters (the residual norm's post, pre
@@ -126,6 +126,11 @@ def test_gpu_only_variants_compile_for_sm90():
     skinny = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "skinny"}
     # the skinny GEMM: no spills, tensor-core dots, one arrival atomic (its split-K fixup)
     assert len(skinny) == 2 and all(sp == 0 and mma > 0 and atoms == 1 for _, sp, mma, atoms in skinny.values()), skinny
+    # the rows GEMV: no spills, one wait and one trigger, the weights' loads (5 blocks of 512 or 3 of 1,024, each
+    # one or two vector loads a thread) all before the wait
+    rows_k = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "rows"}
+    assert len(rows_k) == 2 and all(sp == 0 and loads >= 3 and (w, t) == (1, 1)
+                                    for _, sp, loads, w, t in rows_k.values()), rows_k
     # the epilogues cost no occupancy: registers within 8 of the plain kernel on the same rows per
     # program (GeGLU takes 32 gate + 32 up rows; over one tile of both runs it took 102-114 instead of 80)
     reg = {n: v[0] for n, v in dots.items()}

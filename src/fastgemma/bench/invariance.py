@@ -4,8 +4,8 @@ among `--rows` rows, and is every row of a verify pass the one-row step's (fuse.
     python -m fastgemma.bench.invariance --rows 8
 
 Kernels (random inputs, each row alone vs all rows in one launch): the tensor-core int4 kernel on
-every shape of its table at the one-row config (GeGLU on gate|up), the skinny GEMM with the PLE
-gate's gelu * input, kernels/residual_norm.py, the attention with its row tiles per group of positions (sliding
+every shape of its table at the one-row config (GeGLU on gate|up), the skinny GEMM and the rows GEMV
+(the fused steps' PLE gate) with the PLE gate's gelu * input, kernels/residual_norm.py, the attention with its row tiles per group of positions (sliding
 ring and full layers), the head's fused argmax at its row-invariant config; for contrast the same
 launches as the engine's default path runs them (the 8-row table entry, the default tiles). Then
 the whole step: the synthetic E4B int4 stack (pruned head, `--variant`), a prompt prefilled twice,
@@ -73,6 +73,7 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     from ..kernels.decode_attention import decode_attention
     from ..kernels.fused_w4a16 import E4B_CASES
     from ..kernels.residual_norm import residual_norm
+    from ..kernels.rows_gemv import rows_gemv
     from ..kernels.skinny_gemm import skinny_matmul
     from ..kernels.sparse_argmax import ROW_INVARIANT_CONFIG, default_config, head_argmax
     from ..transforms.fused_layer_ops import _mma_call
@@ -95,6 +96,8 @@ def kernel_checks(M: int, dev: str) -> list[dict]:
     w, x, aux = rnd(256, 2560, scale=0.02), rnd(M, 2560), rnd(M, 256)
     out.append(dict(check="skinny PLE gate + gelu*input", config="default",
                     **_rows_vs_one(lambda t, a: skinny_matmul(t, w, epilogue="gelu_mul", aux=a), x, aux)))
+    out.append(dict(check="rows GEMV PLE gate + gelu*input", config="default",
+                    **_rows_vs_one(lambda t, a: rows_gemv(t, w, "gelu_mul", a), x, aux)))
     a, y = rnd(M, 2560), rnd(M, 2560)
     post, pre = rnd(2560, scale=0.1) + 1, rnd(2560, scale=0.1) + 1
     scale = torch.tensor([0.7], device=dev, dtype=torch.bfloat16)

@@ -18,8 +18,8 @@ import torch
 # the modules that define fastgemma ops; the steps import most of them only while they are traced,
 # after torch.compile was called
 OP_MODULES = ("argmax", "decode_attention", "draft_head", "fused_gemv", "fused_w4a16", "fused_w8a16", "gather_rows",
-              "gemv", "mma_fold", "mma_w4a16", "qkv_finish", "residual_norm", "skinny_gemm", "sparse_argmax",
-              "step_start", "w4a16", "w8a16")
+              "gemv", "mma_fold", "mma_w4a16", "qkv_finish", "residual_norm", "rows_gemv", "skinny_gemm",
+              "sparse_argmax", "step_start", "w4a16", "w8a16")
 
 
 def fastgemma_ops() -> list:

@@ -18,8 +18,8 @@ eager torch does; `bench.spec --verify-qkv`, `bench.stack --variants`). Models w
 the MLP's residual into the next q|k|v instead.
 The step's rows decide it when the step is traced: one row (batch 1 decode) takes this path,
 wider steps (the verify pass, batches) `fused_verify`: the layer's GEMMs with GeGLU in the int4
-gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or the dense
-skinny GEMM of kernels/skinny_gemm.py), and each residual update with the next norm in one
+gate|up GEMM's store and gelu_tanh(PLE gate) * PLE input in the PLE gate's (int4, or dense: the
+rows GEMV of kernels/rows_gemv.py), and each residual update with the next norm in one
 kernel per row (kernels/residual_norm.py). The MTP drafter's one-row step takes the
 same GEMVs (`fused_draft`: pre-projection, then per layer q, o, gate|up + GeGLU, down, then the
 post-projection), set on the drafter by `model.fuse_drafter` when speculative decoding builds it.

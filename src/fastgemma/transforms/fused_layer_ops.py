@@ -97,11 +97,10 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
     prologue (residual update and / or norm) after that prologue as its own launch
     (kernels/residual_norm.py, the verify pass's kernel: the same rounding). invariant
     (fuse.batch_invariant): every linear as the wider steps run it, the prologue on its own, then
-    int4 on the tensor-core kernel (no other int4 path is taken) and dense on the skinny GEMM with
-    the epilogue in its store; triton_ops=False: their twins (the torch backend). An Int8Linear takes
+    int4 on the tensor-core kernel (no other int4 path is taken) and dense as `_dense_rows` runs it, the
+    epilogue in its store; triton_ops=False: their twins (the torch backend). An Int8Linear takes
     kernels/fused_w8a16.py's GEMV (no tensor-core or invariant form: FuseLayers refuses batch_invariant with it)."""
     from ..kernels.fused_w8a16 import fused_w8a16_op, fused_w8a16_ref
-    from ..kernels.skinny_gemm import skinny_matmul_op, skinny_matmul_ref
     from .quant import Int4Linear
     from .quant_int8 import Int8Linear
 
@@ -124,16 +123,29 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
                 h = h if y is not None else None
             if cfg is not None:
                 return _mma_call(mod, a2, epilogue, pdl, cfg), h
-            aux2 = aux.reshape(1, -1) if aux is not None else None
-            if triton_ops:
-                return skinny_matmul_op(a2, mod.weight, epilogue, aux2, pdl), h
-            return skinny_matmul_ref(a2, mod.weight, epilogue=epilogue, aux=aux2), h
+            return _dense_rows(a2, mod.weight, epilogue, aux.reshape(1, -1) if aux is not None else None, pdl,
+                               triton_ops), h
         if isinstance(mod, Int4Linear):
             return gemv4(a, mod.qweight, mod.scales, mod.zeros, mod.group_size, y, post, scale, pre, aux, eps, off,
                          epilogue, pdl)
         return gemv(a, mod.weight, y, post, scale, pre, aux, eps, off, epilogue, pdl)
 
     return call
+
+
+def _dense_rows(x2, w, epilogue: str, aux, pdl: bool, triton_ops: bool = True):
+    """x2 [M, K] (M <= 16) @ a dense w^T through `epilogue`, as the fused steps run a dense linear at every row
+    count: a small weight on the rows GEMV (kernels/rows_gemv.py: the PLE gate), a larger one on the skinny GEMM
+    (kernels/skinny_gemm.py), chosen by the weight's shape and size only, so that a row's result is the same at
+    one row and among k + 1 (fuse.batch_invariant); triton_ops=False: their twin."""
+    from ..kernels import rows_gemv
+    from ..kernels.skinny_gemm import skinny_matmul_op, skinny_matmul_ref
+
+    if not triton_ops:
+        return skinny_matmul_ref(x2, w, epilogue=epilogue, aux=aux)
+    if rows_gemv.fits(x2.shape[0], *w.shape, w.numel() * w.element_size()):
+        return rows_gemv.rows_gemv_op(x2, w, epilogue, aux, pdl)
+    return skinny_matmul_op(x2, w, epilogue, aux, pdl)
 
 
 class _Fold:
@@ -276,7 +288,7 @@ def _attend_qkv(at, s, qkv, cos, sin, cache, q_pos, slots, options: dict, scale:
 
 def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool = False, x0=None):
     """model.embed(ids); invariant (fuse.batch_invariant, Triton): the PLE context projection on the
-    tensor-core kernel's one-row config (int4) or the skinny GEMM (dense) and its RMSNorm in
+    tensor-core kernel's one-row config (int4) or as `_dense_rows` runs a dense one, and its RMSNorm in
     kernels/residual_norm.py, one program per row, so each row's PLE input does not depend on the
     rows beside it (a dense projection's cuBLAS GEMV and GEMM, inductor's reductions, may sum in
     other orders at 1 and k+1 rows). mma (fuse.int4_mma, Triton), not invariant: an int4 projection on the
@@ -296,13 +308,12 @@ def _embed(model, ids, invariant: bool, triton_ops: bool, pdl: bool, mma: bool =
 
         return embed(on_mma)
     from ..kernels.residual_norm import residual_norm_op
-    from ..kernels.skinny_gemm import skinny_matmul_op
     from .quant import Int4Linear
 
     def project(x0):
         x2 = x0.reshape(-1, x0.shape[-1])
         y = (_mma_call(proj, x2, "none", pdl, invariant=True) if isinstance(proj, Int4Linear)
-             else skinny_matmul_op(x2, proj.weight, "none", None, pdl))
+             else _dense_rows(x2, proj.weight, "none", None, pdl))
         if y is None:
             raise _no_invariant_config(proj, "none")
         return y.reshape(*x0.shape[:-1], -1)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .fuse import MergeProjections
-from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _embed, _final_norm, _finish_q, _Fold, _layer_linears,
-                              _mma_call, _mma_cfg, _no_invariant_config, _qkv_attend, _residual_norm)
+from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _dense_rows, _embed, _final_norm, _finish_q, _Fold,
+                              _layer_linears, _mma_call, _mma_cfg, _no_invariant_config, _qkv_attend, _residual_norm)
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
@@ -121,8 +121,8 @@ def _start(model, ids, pos, cache, layer0, int4_mma: bool):
             {True: (cs, ss), False: (cf, sf)}, slots)
 
 
-# dense weights up to this size take the skinny GEMM in wider steps (the PLE gate: 1.3 MB); larger
-# dense GEMMs (a bf16 body's gate|up) stay with cuBLAS and torch's epilogue
+# dense weights up to this size take `_dense_rows` in wider steps (the PLE gate: 1.3 MB, on the rows GEMV);
+# larger dense GEMMs (a bf16 body's gate|up) stay with cuBLAS and torch's epilogue
 SKINNY_MAX_BYTES = 4 << 20
 
 
@@ -141,15 +141,14 @@ def _int4_epilogue(mod, x2, epilogue: str, a2, triton: bool, pdl: bool):
 def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False,
                    int4_mma: bool = False, invariant: bool = False):
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
-    kernel can: the int4 per-group kernel (Int4Linear), the skinny GEMM (small dense weights, <= 16
-    rows); otherwise the GEMM (an Int8Linear's own), then torch's epilogue. No epilogue: a dense or int8
-    linear is mod(x) itself;
-    an Int4Linear's tile override (`config`) holds, as in its forward.
+    kernel can: the int4 per-group kernel (Int4Linear), `_dense_rows` (small dense weights, <= 16
+    rows: the rows GEMV or the skinny GEMM); otherwise the GEMM (an Int8Linear's own), then torch's
+    epilogue. No epilogue: a dense or int8 linear is mod(x) itself; an Int4Linear's tile override (`config`) holds, as in its forward.
     `pdl`: the Triton GEMMs launch with programmatic dependent launch. `int4_mma`: an Int4Linear goes
     to the tensor-core kernel where `_mma_call` takes it (<= 8 rows, a shape in its table). invariant
     (fuse.batch_invariant): the one-row step's kernels and configs at any row count (`_caller`): int4
-    on the tensor-core kernel's one-row entry only, dense on the skinny GEMM whatever its size."""
-    from ..kernels.skinny_gemm import fits, skinny_matmul_op, skinny_matmul_ref
+    on the tensor-core kernel's one-row entry only, dense on `_dense_rows` whatever its size."""
+    from ..kernels.skinny_gemm import fits
     from ..kernels.w4a16 import apply_epilogue
     from .quant import Int4Linear
     from .quant_int8 import Int8Linear
@@ -169,8 +168,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     elif isinstance(mod, Int8Linear):  # its own matmul (kernels/w8a16.py), then torch's epilogue
         y = apply_epilogue(mod(x2), epilogue, a2)
     elif fits(*x2.shape) and (invariant or mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES):
-        y = (skinny_matmul_op(x2, mod.weight, epilogue, a2, pdl) if triton_ops
-             else skinny_matmul_ref(x2, mod.weight, epilogue=epilogue, aux=a2))
+        y = _dense_rows(x2, mod.weight, epilogue, a2, pdl, triton_ops)
     else:
         y = apply_epilogue(torch.nn.functional.linear(x2, mod.weight), epilogue, a2)
     return y.reshape(*lead, -1)
@@ -196,7 +194,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     attn_qkv: q/k/v norms, RoPE and cache writes in the attention's split kernel (`--verify-attn-qkv`;
     its tiles per layer kind from `attn_tiles`).
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
-    tensor-core kernel's one-row configs, the skinny GEMM for dense linears, the attention's row
+    tensor-core kernel's one-row configs, `_dense_rows` for dense linears, the attention's row
     tiles per group of positions with the one-row split count, the embedding's PLE path in kernels): the
     verify pass's rows equal the AR steps' bit for bit. query_qkv: as `fused_decode`'s."""
     c = model.config
