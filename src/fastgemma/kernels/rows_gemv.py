@@ -7,7 +7,10 @@ a tl.dot tile, so 16 tiles, K split over 10 programs each and an arrival counter
 partials and applies the epilogue: 4.15 / 4.32 us alone at 1 / 8 rows on the H100 (run LW), ~3x the time of its
 bytes. Here a program takes BLOCK_N weight rows over all of K for one row of x, no split, no counter: each row of
 the output is computed by the same code whatever the row count (bit for bit: `fuse.batch_invariant` holds), and
-rows past the first read the weights from the L2. `rows_gemv` launches, `rows_gemv_op` is the opaque op,
+rows past the first read the weights from the L2. Alone 1.60 / 2.81-3.14 us; in the step (run MB, H100) the
+batch-invariant one-row step 2.045 -> 1.971 ms, the k=7 verify pass 1.998 -> 1.956. Tried and slower in the verify
+pass (runs LY, LZ): the dependents launched after the sums at several rows, and 8 rows of x a program (the weights
+loaded once for them: 6.6 us alone, the rows' L2 round trips in series). `rows_gemv` launches, `rows_gemv_op` is the opaque op,
 `rows_gemv_ref` the twin (skinny_gemm's: F.linear in x's dtype, then the epilogue)."""
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ def _rows_gemv_kernel(x_ptr, w_ptr, aux_ptr, out_ptr, N, HALF, stride_wn, stride
     _finish(tl.sum(acc, axis=1), rows, n_ok, pid, aux, out_ptr + m * stride_om, HALF, BLOCK_N, EPI, DT)
 
 
-# (N, K, epilogue) -> tiles, the fastest alone at 1 and 8 rows on the H100 (run LX, rows_gemv.bench_rows); shapes
-# not here take DEFAULT_CONFIG
+# (N, K, epilogue) -> tiles where another than DEFAULT_CONFIG was faster (rows_gemv.bench_rows); none: of eight tiles,
+# DEFAULT_CONFIG's was the fastest for E4B's PLE gate at 8 rows and within 0.02 us of it at one, alone on the H100
+# (run LX: 1.58 / 2.81 us against the skinny GEMM's 3.55 / 3.73)
 CONFIGS: dict[tuple[int, int, str], GemvConfig] = {}
 DEFAULT_CONFIG = GemvConfig(2, 512, 2)
 
