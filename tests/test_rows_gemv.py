@@ -69,7 +69,7 @@ def test_bad_inputs_are_refused_in_one_line():
     x, w, _ = _inputs(2, 16, 32, torch.bfloat16, "none")
     with pytest.raises(ValueError, match="at most 16 rows"):
         rows_gemv(torch.zeros(17, 32, dtype=torch.bfloat16), w)
-    with pytest.raises(ValueError, match="one float dtype"):
+    with pytest.raises(ValueError, match="share a float dtype"):
         rows_gemv(x.float(), w)
     with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
         rows_gemv(x, w[:, :16])

@@ -77,7 +77,7 @@ def test_epilogue_arguments_are_checked():
         skinny_matmul(x, torch.randn(63, K), epilogue="geglu")
     with pytest.raises(ValueError, match="at most 16 rows"):
         skinny_matmul(_x(17, torch.float32), w)
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="share a float dtype"):
         skinny_matmul(x, w.half())
     with pytest.raises(ValueError, match="divide K"):
         resolve_config(64, K, SkinnyConfig(16, 128, 2))  # 3 K blocks, split 2

@@ -5,9 +5,10 @@ among `--rows` rows, and is every row of a verify pass the one-row step's (fuse.
 
 Kernels (random inputs, each row alone vs all rows in one launch): the tensor-core int4 kernel on
 every shape of its table at the one-row config (GeGLU on gate|up), the skinny GEMM and the rows GEMV
-(the fused steps' PLE gate) with the PLE gate's gelu * input, kernels/residual_norm.py, the attention with its row tiles per group of positions (sliding
-ring and full layers), the head's fused argmax at its row-invariant config; for contrast the same
-launches as the engine's default path runs them (the 8-row table entry, the default tiles). Then
+(the fused steps' PLE gate) with the PLE gate's gelu * input, kernels/residual_norm.py, the attention
+with its row tiles per group of positions (sliding ring and full layers), the head's fused argmax at
+its row-invariant config; for contrast the same launches as the engine's default path runs them (the
+8-row table entry, the default tiles). Then
 the whole step: the synthetic E4B int4 stack (pruned head, `--variant`), a prompt prefilled twice,
 one k+1-row pass against k+1 one-row steps over the same tokens, eager and compiled. Prints one
 JSON line per check and a table last; `bit_equal` is what matters, `max_abs_diff` says by how much.

@@ -46,6 +46,20 @@ def copies_past_l2(nbytes: int, device) -> int:
     return max(2, math.ceil(2 * l2 / max(nbytes, 1)))
 
 
+def cuda_bench(device: str, who: str, rep_ms: int = 10):
+    """A kernel bench's (device, generator seeded 0, CUDA-graph timer); without a CUDA device a clear error naming
+    the bench."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{who} needs a CUDA device")
+    dev = torch.device(device)
+    return dev, torch.Generator(device=dev).manual_seed(0), timer(True, rep_ms)
+
+
+def rotated_copies(w: torch.Tensor) -> list[tuple[torch.Tensor]]:
+    """Copies of w, each a 1-tuple for `rotating`, enough (`copies_past_l2`) that a pass over them leaves the L2."""
+    return [(w.clone(),) for _ in range(copies_past_l2(w.numel() * w.element_size(), w.device))]
+
+
 def timed_candidate(call, bufs, timer, label: str):
     """A candidate's output on bufs[0] and its us per call rotating over bufs, or None (after a
     'skip' line naming it) when it cannot run (out of resources, more K blocks than it holds)."""

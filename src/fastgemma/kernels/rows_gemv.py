@@ -10,8 +10,8 @@ the output is computed by the same code whatever the row count (bit for bit: `fu
 rows past the first read the weights from the L2. Alone 1.60 / 2.81-3.14 us; in the step (run MB, H100) the
 batch-invariant one-row step 2.045 -> 1.971 ms, the k=7 verify pass 1.998 -> 1.956. Tried and slower in the verify
 pass (runs LY, LZ): the dependents launched after the sums at several rows, and 8 rows of x a program (the weights
-loaded once for them: 6.6 us alone, the rows' L2 round trips in series). `rows_gemv` launches, `rows_gemv_op` is the opaque op,
-`rows_gemv_ref` the twin (skinny_gemm's: F.linear in x's dtype, then the epilogue)."""
+loaded once for them: 6.6 us alone, the rows' L2 round trips in series). `rows_gemv` launches, `rows_gemv_op` is
+the opaque op, `rows_gemv_ref` the twin (skinny_gemm's: F.linear in x's dtype, then the epilogue)."""
 from __future__ import annotations
 
 import triton
@@ -19,11 +19,9 @@ import triton.language as tl
 import torch
 
 from .fused_gemv import EPILOGUES, _aux_rows, _finish, _fma_block, _rows
-from .gemv import _INTERPRET, MAX_KB, GemvConfig, _pdl_trigger, _pdl_wait, _wload_all, pdl_args
-from .skinny_gemm import skinny_matmul_ref
-from .w4a16 import check_epilogue
+from .gemv import MAX_KB, GemvConfig, _pdl_trigger, _pdl_wait, _wload_all, pdl_args
+from .skinny_gemm import MAX_M, check_rows_operands, skinny_matmul_ref
 
-MAX_M = 16  # rows of x (the grid's second axis; as the skinny GEMM's)
 MAX_BYTES = 4 << 20  # dense weights up to this size take this kernel in the fused steps (fits)
 
 
@@ -66,17 +64,7 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", aux: tor
     """x [M, K] @ w [N, K]^T (M <= MAX_M, one float dtype) -> [M, N] (geglu: [M, N / 2]) through `epilogue`
     (kernels/w4a16.apply_epilogue's: none, geglu, gelu_mul with aux [M, N]). No host sync. `pdl` (sm90+): the next
     kernel may launch at once, this one waits for the previous one after its weight loads."""
-    if not (x.is_cuda or _INTERPRET):
-        raise RuntimeError("rows_gemv runs on CUDA tensors (or with TRITON_INTERPRET=1); use rows_gemv_ref")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"rows_gemv needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"rows_gemv needs x and w in one float dtype, got {x.dtype} and {w.dtype}")
-    M, K = x.shape
-    N = w.shape[0]
-    if M > MAX_M:
-        raise ValueError(f"rows_gemv takes at most {MAX_M} rows of x, got {M}")
-    check_epilogue(epilogue, M, N, aux)
+    M, N, K = check_rows_operands("rows_gemv", x, w, epilogue, aux)
     epi = EPILOGUES[epilogue]
     cfg = config or CONFIGS.get((N, K, epilogue), DEFAULT_CONFIG)
     bn = max(cfg.block_n, 2) if epi == 1 else cfg.block_n
@@ -123,20 +111,16 @@ def bench_rows(shapes: dict | None = None, ms=(1, 8), epilogue: str = "gelu_mul"
     """Each tile of this kernel against the skinny GEMM (its table's config) at each row count in ms, inside CUDA
     graphs with PDL launches, weights rotated out of L2, every output checked against the twin first; prints a
     table and CONFIGS lines (the fastest tile at the largest row count)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer
+    from .bench_util import WRONG_REL_ERR, cuda_bench, max_rel_err, rotated_copies, rotating
     from .skinny_gemm import skinny_matmul
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("rows_gemv.bench_rows needs a CUDA device")
-    dev = torch.device(device)
+    dev, gen, timed_us = cuda_bench(device, "rows_gemv.bench_rows", rep_ms)
     shapes = shapes or {"ple_gate": (256, 2560)}
-    gen = torch.Generator(device=dev).manual_seed(0)
-    timed_us = timer(True, rep_ms)
     rows, lines = [], []
     print(f"{torch.cuda.get_device_name(dev)}  rows GEMV + {epilogue} vs the skinny GEMM (us; PDL; weights out of L2)")
     for name, (N, K) in shapes.items():
         w = torch.randn(N, K, device=dev, dtype=dtype, generator=gen) * 0.02
-        bufs = [(w.clone(),) for _ in range(copies_past_l2(w.numel() * w.element_size(), dev))]
+        bufs = rotated_copies(w)
         best = None
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)

@@ -108,22 +108,30 @@ def resolve_config(N: int, K: int, config: SkinnyConfig | None = None) -> Skinny
     return cfg
 
 
+def check_rows_operands(who: str, x, w, epilogue: str, aux) -> tuple[int, int, int]:
+    """The operands of a dense GEMM for a few rows (this one, kernels/rows_gemv.py) -> (M, N, K); a clear error
+    for what does not fit: x [M <= MAX_M, K] and w [N, K] in one float dtype, on CUDA (or the interpreter), the
+    epilogue and its aux (w4a16.check_epilogue)."""
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError(f"{who} runs on CUDA tensors (or with TRITON_INTERPRET=1); use {who}_ref")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{who} needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or not x.dtype.is_floating_point:
+        raise ValueError(f"{who}: x and w must share a float dtype, got {x.dtype} and {w.dtype}")
+    M, K = x.shape
+    N = w.shape[0]
+    if M > MAX_M:
+        raise ValueError(f"{who} takes at most {MAX_M} rows of x, got {M}")
+    check_epilogue(epilogue, M, N, aux)
+    return M, N, K
+
+
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, config: SkinnyConfig | None = None, epilogue: str = "none",
                   aux: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (M <= 16, one dtype) -> [M, N] (geglu: [M, N/2]) in x's dtype, through
     `epilogue` (w4a16.apply_epilogue). No host sync. `pdl` (sm90+): programmatic dependent launch
     (as w4a16_matmul's: the wait first, the next kernel's launch after the main loop)."""
-    if not (x.is_cuda or _INTERPRET):
-        raise RuntimeError("skinny_matmul runs on CUDA tensors (or with TRITON_INTERPRET=1); use skinny_matmul_ref")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"x [M, K] and w [N, K] needed, got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != w.dtype:
-        raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
-    M, K = x.shape
-    N = w.shape[0]
-    if M > MAX_M:
-        raise ValueError(f"skinny_matmul takes at most {MAX_M} rows of x, got {M}")
-    check_epilogue(epilogue, M, N, aux)
+    M, N, K = check_rows_operands("skinny_matmul", x, w, epilogue, aux)
     epi = EPILOGUES[epilogue]
     n_out = N // 2 if epi == 1 else N
     if M == 0:
@@ -174,19 +182,15 @@ def bench_shapes(shapes: dict | None = None, ms=(8,), sweep: bool = True, epilog
                  dtype=torch.bfloat16, device: str = "cuda", rep_ms: int = 10) -> list[dict]:
     """Time the kernel with `epilogue` against cuBLAS + torch's epilogue (both inside CUDA graphs,
     weights rotated out of L2), each output checked against the twin first; prints CONFIGS lines."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer
+    from .bench_util import WRONG_REL_ERR, cuda_bench, max_rel_err, rotated_copies, rotating
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("skinny_gemm.bench_shapes needs a CUDA device")
-    dev = torch.device(device)
+    dev, gen, timed_us = cuda_bench(device, "skinny_gemm.bench_shapes", rep_ms)
     shapes = shapes or {"ple_gate": (256, 2560)}
-    gen = torch.Generator(device=dev).manual_seed(0)
-    timed_us = timer(True, rep_ms)
     rows, lines = [], []
     print(f"{torch.cuda.get_device_name(dev)}  skinny GEMM + {epilogue} vs cuBLAS + torch (us)")
     for name, (N, K) in shapes.items():
         w = torch.randn(N, K, device=dev, dtype=dtype, generator=gen) * 0.02
-        bufs = [(w.clone(),) for _ in range(copies_past_l2(w.numel() * w.element_size(), dev))]
+        bufs = rotated_copies(w)
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)
             aux = torch.randn(M, N, device=dev, dtype=dtype, generator=gen) if epilogue == "gelu_mul" else None

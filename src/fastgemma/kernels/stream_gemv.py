@@ -101,7 +101,7 @@ def bench_stream(cases: dict | None = None, tiles: list[str] | None = None, dtyp
     the shipped table's tiles and on each of `tiles` ('NxKwW[pPdD]'), weights rotated out of L2, every
     output checked against the twin first. Prints a table and, last, a `--fused-table` value with each
     case's fastest tiles ('+CASE=..', the shipped table otherwise); returns one dict per (case, tiles)."""
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, timed_candidate, timer_or_graphs
+    from .bench_util import WRONG_REL_ERR, max_rel_err, rotated_copies, timed_candidate, timer_or_graphs
     from .fused_gemv import FUSED_CASES, FUSED_CONFIGS, fused_gemv, fused_gemv_ref, parse_tiles
     from .gemv import resolve_config
 
@@ -119,7 +119,7 @@ def bench_stream(cases: dict | None = None, tiles: list[str] | None = None, dtyp
         kw = dict(eps=1e-6, pdl=pdl, **_case_kwargs(prologue, epilogue, K, N, vec))
         a = vec(K)
         ref = fused_gemv_ref(a, w, **kw)[0]
-        bufs = [(w.clone(),) for _ in range(copies_past_l2(w.numel() * w.element_size(), dev))]
+        bufs = rotated_copies(w)
         shipped = FUSED_CONFIGS.get(key)
         for label, cfg in [("shipped", shipped)] + [(t, parse_tiles(t)) for t in tiles or []]:
             cfg = resolve_config(N, K, cfg)

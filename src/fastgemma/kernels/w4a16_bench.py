@@ -39,7 +39,7 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
     the per-group kernel reads `pack_scale_zero` words (the row keeps the table's config on separate
     scales / zeros as `separate_sz_us`). Returns one dict per (shape, M). Needs a CUDA device.
     """
-    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotating, timer
+    from .bench_util import WRONG_REL_ERR, copies_past_l2, max_rel_err, rotated_copies, rotating, timer
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_shapes needs a CUDA device")
@@ -61,7 +61,7 @@ def bench_shapes(ms=(1, 8, 16), group_size: int = 128, shapes: dict | None = Non
         qbufs = [(qw.clone(), s.clone(), z.clone(), pack_scale_zero(s, z) if packed else None)
                  for _ in range(copies_past_l2(q_bytes, dev))]
         sz = qbufs[0][3]
-        wbufs = [(w.clone(),) for _ in range(copies_past_l2(w.numel() * w.element_size(), dev))]
+        wbufs = rotated_copies(w)
         for M in ms:
             x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)
             ref = w4a16_torch(x, qw, s, z, group_size)

@@ -143,7 +143,8 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), `_dense_rows` (small dense weights, <= 16
     rows: the rows GEMV or the skinny GEMM); otherwise the GEMM (an Int8Linear's own), then torch's
-    epilogue. No epilogue: a dense or int8 linear is mod(x) itself; an Int4Linear's tile override (`config`) holds, as in its forward.
+    epilogue. No epilogue: a dense or int8 linear is mod(x) itself; an Int4Linear's tile override
+    (`config`) holds, as in its forward.
     `pdl`: the Triton GEMMs launch with programmatic dependent launch. `int4_mma`: an Int4Linear goes
     to the tensor-core kernel where `_mma_call` takes it (<= 8 rows, a shape in its table). invariant
     (fuse.batch_invariant): the one-row step's kernels and configs at any row count (`_caller`): int4
