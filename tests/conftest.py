@@ -40,10 +40,11 @@ TINY = GEMMA4_TINY
 
 @pytest.fixture
 def wide_tiles(monkeypatch):
-    """Wide default tiles for the GEMV / int4 / skinny kernels: the interpreter runs programs one
+    """Wide default tiles for the GEMV / int4 / skinny / rows kernels: the interpreter runs programs one
     after another (~50 ms each for a fused GEMV), and the GPU defaults (sized to fill 132 SMs) give
     one program per output row or two on the tiny shapes. Tables and explicit configs still win."""
     import fastgemma.kernels.gemv as gemv_mod
+    import fastgemma.kernels.rows_gemv as rows_mod
     import fastgemma.kernels.skinny_gemm as skinny_mod
     import fastgemma.kernels.w4a16_table as w4a16_table
 
@@ -51,6 +52,7 @@ def wide_tiles(monkeypatch):
     monkeypatch.setattr(w4a16_table, "default_config",
                         lambda M, N, K: w4a16_table.W4A16Config(64, 64, 1, 4) if M == 1 else w4a16_table._grp(64, 1, 4))
     monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, min(64, K), 1, 4))
+    monkeypatch.setattr(rows_mod, "DEFAULT_CONFIG", rows_mod.GemvConfig(64, 128, 4))
 
 
 def hf_text_config(cfg=TINY, **kw):

@@ -286,7 +286,7 @@ def test_fuse_layers_step_equals_ordinary_step(family, quant, monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fused_verify_step_equals_the_ordinary_step(quant, backend, monkeypatch):
     """fuse=layers' wider step (5 rows: a verify pass) with GeGLU and the PLE gate's gelu * input in
-    GEMM stores (the int4 per-group kernel, the dense skinny GEMM; int8: its own matmul, then the
+    GEMM stores (the int4 per-group kernel, the dense rows GEMV; int8: its own matmul, then the
     epilogue; twins, then the Triton kernels under the interpreter) gives the ordinary step's hidden
     states and cache writes, fp32."""
     from fastgemma.engine.cache import KVCache
@@ -296,12 +296,14 @@ def test_fused_verify_step_equals_the_ordinary_step(quant, backend, monkeypatch)
     from fastgemma.transforms.quant import Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 
+    import fastgemma.kernels.rows_gemv as rows_mod
     import fastgemma.kernels.skinny_gemm as skinny_mod
     import fastgemma.kernels.w4a16_table as w4a16_table
 
     # wide tiles: a handful of programs per launch keeps the interpreter fast
     monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table._grp(64, 1, 4))
     monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, 64, 1, 4))
+    monkeypatch.setattr(rows_mod, "DEFAULT_CONFIG", rows_mod.GemvConfig(64, 128, 4))
     model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=2)
     model.step_attention = decode_attention_ref
     t = FuseLayers(backend=backend)
@@ -465,12 +467,14 @@ def test_fused_verify_honours_an_int4_tile_override(monkeypatch):
     from fastgemma.transforms.quant import Int4Quant
     from fastgemma.weights.synthetic import synthetic_model
 
+    import fastgemma.kernels.rows_gemv as rows_mod
     import fastgemma.kernels.skinny_gemm as skinny_mod
     import fastgemma.kernels.w4a16 as w4a16_mod
     import fastgemma.kernels.w4a16_table as w4a16_table
 
     monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table._grp(64, 1, 4))
     monkeypatch.setattr(skinny_mod, "default_config", lambda N, K: skinny_mod.SkinnyConfig(64, 64, 1, 4))
+    monkeypatch.setattr(rows_mod, "DEFAULT_CONFIG", rows_mod.GemvConfig(64, 128, 4))
     model = synthetic_model(GEMMA4_TINY, "cpu", torch.float32, seed=2)
     model.step_attention = decode_attention_ref
     FuseLayers(backend="triton").apply(model)
