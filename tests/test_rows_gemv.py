@@ -88,6 +88,18 @@ def test_fits_goes_by_the_weight_not_the_rows():
     assert not any(fits(m, 10752, 2560, plm) for m in (1, 8))
 
 
+def test_fits_asks_the_tiles_to_hold_all_of_k(monkeypatch):
+    """A K longer than the tiles' MAX_KB blocks stays off the kernel (it would refuse the launch), unless a CONFIGS
+    entry for that shape and epilogue has wider blocks."""
+    import fastgemma.kernels.rows_gemv as rows_mod
+
+    K = 16 * rows_mod.DEFAULT_CONFIG.block_k
+    assert fits(8, 4, K, 4 * K * 2, "gelu_mul") and not fits(8, 4, K + 16, 4 * (K + 16) * 2, "gelu_mul")
+    wide = GemvConfig(2, 2 * rows_mod.DEFAULT_CONFIG.block_k, 2)
+    monkeypatch.setitem(rows_mod.CONFIGS, (4, K + 16, "gelu_mul"), wide)
+    assert fits(8, 4, K + 16, 4 * (K + 16) * 2, "gelu_mul") and not fits(8, 4, K + 16, 4 * (K + 16) * 2, "none")
+
+
 def test_the_fused_steps_run_small_dense_weights_on_it(monkeypatch):
     """`_dense_rows` (the fused steps' dense linear at any row count): the PLE gate's shape on the rows GEMV, a
     large weight on the skinny GEMM, the twin without Triton; each through the epilogue."""

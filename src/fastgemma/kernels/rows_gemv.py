@@ -14,6 +14,8 @@ loaded once for them: 6.6 us alone, the rows' L2 round trips in series). `rows_g
 the opaque op, `rows_gemv_ref` the twin (skinny_gemm's: F.linear in x's dtype, then the epilogue)."""
 from __future__ import annotations
 
+import dataclasses
+
 import triton
 import triton.language as tl
 import torch
@@ -53,10 +55,19 @@ CONFIGS: dict[tuple[int, int, str], GemvConfig] = {}
 DEFAULT_CONFIG = GemvConfig(2, 512, 2)
 
 
-def fits(M: int, N: int, K: int, nbytes: int) -> bool:
-    """Whether the fused steps give a dense [N, K] weight of nbytes at M rows to this kernel (by size only, so
-    that a shape takes the same kernel at every row count)."""
-    return 1 <= M <= MAX_M and nbytes <= MAX_BYTES and triton.cdiv(K, 512) <= MAX_KB and N >= 2
+def tiles(N: int, K: int, epilogue: str, config: GemvConfig | None = None) -> GemvConfig:
+    """The tiles a launch takes: `config`, else CONFIGS' entry, else DEFAULT_CONFIG; GeGLU programs at least one
+    gate row and its up row."""
+    cfg = config or CONFIGS.get((N, K, epilogue), DEFAULT_CONFIG)
+    return dataclasses.replace(cfg, block_n=max(cfg.block_n, 2)) if epilogue == "geglu" else cfg
+
+
+def fits(M: int, N: int, K: int, nbytes: int, epilogue: str = "none") -> bool:
+    """Whether the fused steps give a dense [N, K] weight of nbytes at M rows to this kernel (by the weight, its
+    epilogue and its tiles only, so that a shape takes the same kernel at every row count): its tiles hold all of K
+    in registers (at most MAX_KB blocks)."""
+    return (1 <= M <= MAX_M and nbytes <= MAX_BYTES and N >= 2
+            and triton.cdiv(K, tiles(N, K, epilogue).block_k) <= MAX_KB)
 
 
 def rows_gemv(x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", aux: torch.Tensor | None = None,
@@ -66,8 +77,8 @@ def rows_gemv(x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", aux: tor
     kernel may launch at once, this one waits for the previous one after its weight loads."""
     M, N, K = check_rows_operands("rows_gemv", x, w, epilogue, aux)
     epi = EPILOGUES[epilogue]
-    cfg = config or CONFIGS.get((N, K, epilogue), DEFAULT_CONFIG)
-    bn = max(cfg.block_n, 2) if epi == 1 else cfg.block_n
+    cfg = tiles(N, K, epilogue, config)
+    bn = cfg.block_n
     if triton.cdiv(K, cfg.block_k) > MAX_KB:
         raise ValueError(f"rows_gemv holds at most {MAX_KB} K blocks a program; K={K} needs BLOCK_K >= "
                          f"{triton.cdiv(K, MAX_KB)}, got {cfg.block_k}")

@@ -143,7 +143,7 @@ def _dense_rows(x2, w, epilogue: str, aux, pdl: bool, triton_ops: bool = True):
 
     if not triton_ops:
         return skinny_matmul_ref(x2, w, epilogue=epilogue, aux=aux)
-    if rows_gemv.fits(x2.shape[0], *w.shape, w.numel() * w.element_size()):
+    if rows_gemv.fits(x2.shape[0], *w.shape, w.numel() * w.element_size(), epilogue):
         return rows_gemv.rows_gemv_op(x2, w, epilogue, aux, pdl)
     return skinny_matmul_op(x2, w, epilogue, aux, pdl)
 

@@ -123,7 +123,7 @@ def _start(model, ids, pos, cache, layer0, int4_mma: bool):
 
 # dense weights up to this size take `_dense_rows` in wider steps (the PLE gate: 1.3 MB, on the rows GEMV);
 # larger dense GEMMs (a bf16 body's gate|up) stay with cuBLAS and torch's epilogue
-SKINNY_MAX_BYTES = 4 << 20
+DENSE_ROWS_MAX_BYTES = 4 << 20
 
 
 def _int4_epilogue(mod, x2, epilogue: str, a2, triton: bool, pdl: bool):
@@ -168,7 +168,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
         return mod(x)
     elif isinstance(mod, Int8Linear):  # its own matmul (kernels/w8a16.py), then torch's epilogue
         y = apply_epilogue(mod(x2), epilogue, a2)
-    elif fits(*x2.shape) and (invariant or mod.weight.numel() * mod.weight.element_size() <= SKINNY_MAX_BYTES):
+    elif fits(*x2.shape) and (invariant or mod.weight.numel() * mod.weight.element_size() <= DENSE_ROWS_MAX_BYTES):
         y = _dense_rows(x2, mod.weight, epilogue, a2, pdl, triton_ops)
     else:
         y = apply_epilogue(torch.nn.functional.linear(x2, mod.weight), epilogue, a2)
