@@ -18,8 +18,6 @@
 #             faster alone than the shipped table's to mma_faster.txt (`bench.stack --mma-table +$(cat ...)`)
 #   rows      the dense rows GEMV (kernels/rows_gemv.py: the PLE gate at 1..16 rows) per tile against the skinny GEMM,
 #             alone, outputs checked (ROWS_MS=1,8 the row counts); prints CONFIGS lines
-#   norm      the residual update + norm inside the CUDA gate|up (kernels/norm_gemm.py) against the norm kernel and the
-#             plain GEMM it replaces, alone, outputs and row invariance checked (NORM_MS="1 8" the row counts)
 #   stream    the fused one-row bf16 GEMV streamed by a few programs a multiprocessor (kernels/stream_gemv.py)
 #             against the shipped one-program-per-tile launch, alone, outputs checked; STREAM_ARGS, e.g.
 #             "--cases gate|up --tiles 8x512w4p2d8"; its last line is a `bench.stack --fused-table` value
@@ -165,7 +163,6 @@ bench_fold({k: C[k] for k in cs.split(',')} if cs else None, configs=[parse_conf
            plain='${FOLD_PLAIN:-0}' == '1')" ;;
     rows) run rows python3 -c "from fastgemma.kernels.rows_gemv import bench_rows
 bench_rows(ms=tuple(int(m) for m in '${ROWS_MS:-1,8}'.split(',')))" ;;
-    norm) run norm python3 -m fastgemma.kernels.norm_gemm --m ${NORM_MS:-1 8} ;;
     head) run head python3 -m fastgemma.bench.head --m 1 16 ;;
     stream) run stream python3 -m fastgemma.kernels.stream_gemv ${STREAM_ARGS:-}
             grep '^fused table: ' "$out/stream.log" | tail -1 | sed 's/^fused table: //' > "$out/stream_table.txt" ;;
@@ -189,7 +186,7 @@ bench_rows(ms=tuple(int(m) for m in '${ROWS_MS:-1,8}'.split(',')))" ;;
            task.table=true "hydra.run.dir=$out/$n" ;;
     ladder) run ladder python3 -m fastgemma.bench.ladder --prompts 2 --prompt-len 256 --new 512 ${LADDER_ARGS:-} \
               --variants "${LADDER_VARIANTS:-eager,graph_triton_merged,compiled_triton_merged}" --out "$out/ladder.jsonl" ;;
-    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, fold, norm, stream, stack, loo, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, gptq, agreement, cli, ladder)"; exit 2 ;;
+    *) echo "unknown part $p (profile, gemv, chain, verifychain, int4, int4fused, mma, fold, stream, stack, loo, attention, head, drafthead, draftloop, floor, floorstep, prefill, invariance, spec, counters, gptq, agreement, cli, ladder)"; exit 2 ;;
   esac
 done
 # the short tables: everything from each log's last blank-line-separated tables
@@ -205,7 +202,6 @@ for p in "${parts[@]}"; do
     mma) grep -E ' \| ' "$out/mma.log" | head -120 ;;
     rows) grep -E ' \| |WRONG|^    \(' "$out/rows.log" | head -60 ;;
     fold) grep -E ' \| ' "$out/fold.log" | head -40 ;;
-    norm) grep -E ' \| ' "$out/norm.log" | head -20 ;;
     stream) grep -E ' \| |skip|^fused table' "$out/stream.log" | tail -40 ;;
     draftloop) grep -E ' \| |barrier|programs:' "$out/draftloop.log" | tail -30 ;;
     loo) for l in loo loo_native loo_bodies; do grep -E '^\|' "$out/$l.log" | tail -16; done ;;

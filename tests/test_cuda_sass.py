@@ -23,26 +23,22 @@ VARIANTS = [(5, 8, 2560, 1, 1), (4, 10, 1280, 8, 0), (5, 16, 512, 5, 0), (4, 8, 
 FOLD_VARIANTS = [(5, 8, 2560, 1, 1, "fold"), (5, 16, 2560, 1, 0, "fold")]
 
 
-# the residual update + norm inside the GEMM (w4_norm_kernel, K whole in a CTA): gate|up's GeGLU
-NORM_VARIANTS = [(5, 8, 2560, 1, 1, "norm")]
-
-
 def kernel_sass(nw, s, ks, c, epi, kind="gemm"):
-    name = {"gemm": f"w4_gemm_kernel<{nw}, {s}, {ks}, {c}, {epi}>", "fold": f"w4_fold_kernel<{nw}, {s}, {ks}, {epi}>",
-            "norm": f"w4_norm_kernel<{nw}, {s}, {ks}, {epi}>"}[kind]
+    name = (f"w4_gemm_kernel<{nw}, {s}, {ks}, {c}, {epi}>" if kind == "gemm" else
+            f"w4_fold_kernel<{nw}, {s}, {ks}, {epi}>")
     return instructions(sass(SOURCE, name))
 
 
-@pytest.mark.parametrize("variant", VARIANTS + FOLD_VARIANTS + NORM_VARIANTS,
-                         ids=lambda v: cuda_gemm.variant(*v[:5]) + (f"_{v[5]}" if len(v) > 5 else ""))
+@pytest.mark.parametrize("variant", VARIANTS + FOLD_VARIANTS,
+                         ids=lambda v: cuda_gemm.variant(*v[:5]) + ("_fold" if len(v) > 5 else ""))
 def test_sass_keeps_the_pdl_order_and_no_local_memory(variant):
     nw, s, ks, c, epi = variant[:5]
     ins = kernel_sass(*variant)
     # opcodes, the never-executed ones (`@!PT`: ptxas' padding) left out
     ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in ins if not i.startswith("@!PT ")]
-    # griddepcontrol.wait / launch_dependents: the plain kernel and the norm GEMM trigger at their start for several
-    # rows and after the main loop for one (runs LU, LV), the fold's consumer at its start
-    fold = len(variant) > 5 and variant[5] == "fold"
+    # griddepcontrol.wait / launch_dependents: the plain kernel triggers at its start for several rows and after its
+    # main loop for one (runs LU, LV), the fold's consumer at its start
+    fold = len(variant) > 5
     assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == (1 if fold else 2)
     wait = ops.index("ACQBULK")
     trig = [i for i, o in enumerate(ops) if o == "PREEXIT"]
@@ -56,9 +52,7 @@ def test_sass_keeps_the_pdl_order_and_no_local_memory(variant):
     assert sum(o.startswith("LDGSTS") for o in before) == 3 * min(s, ks // 128)  # 2 word blocks + scales a group
     # x (and the fold's partials, a, y, post, scalar): coherent loads; the plain kernel's all 16-byte x loads
     assert all(".STRONG." in o for o in ops if o.startswith("LDG."))
-    assert fold or all(o.startswith("LDG.E.128.STRONG") for o in ops if o.startswith("LDG.")) or (
-        len(variant) > 5 and all(o.startswith(("LDG.E.128.STRONG", "LDG.E.U16.STRONG", "LDG.E.STRONG"))
-                                 for o in ops if o.startswith("LDG.")))  # the norm GEMM's layer scalar: 2 / 4 bytes
+    assert len(variant) > 5 or all(o.startswith("LDG.E.128.STRONG") for o in ops if o.startswith("LDG."))
     assert not [o for o in ops if o.startswith(("STL", "LDL"))], "local memory (spills)"
     # every shuffle a plain one: a loop of per-thread trip counts before them made ptxas emulate them as collectives
     # (WARPSYNC.COLLECTIVE; the fold consumer 2.4x slower, run JQ)

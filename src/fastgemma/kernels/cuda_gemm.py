@@ -122,8 +122,6 @@ def library(warps: int, stages: int, KS: int, splits: int, epi: int) -> ctypes.C
         p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         lib.fg_w4_fold.restype = i
         lib.fg_w4_fold.argtypes = [p, p, p, p, p, i, p, p, p, p, i, p, f, f, i, p, i]
-        lib.fg_w4_norm.restype = i  # the residual update + norm inside the GEMM (w4_norm_kernel)
-        lib.fg_w4_norm.argtypes = [p, p, p, p, i, p, p, p, p, p, f, f, i, i, i, i, i, p, i]
     lib.fg_error_string.restype = ctypes.c_char_p
     return lib
 
@@ -237,37 +235,4 @@ def cuda_fold(rows: torch.Tensor, parts: torch.Tensor, words: torch.Tensor, sz: 
                          N // 16, torch.cuda.current_stream(rows.device).cuda_stream, int(pdl))
     if err:
         raise RuntimeError(f"the CUDA fold failed to launch: {lib.fg_error_string(err).decode()}")
-    return out, h
-
-
-def cuda_norm(a: torch.Tensor, y: torch.Tensor, post: torch.Tensor, scale: torch.Tensor | None, pre: torch.Tensor,
-              words: torch.Tensor, sz: torch.Tensor, N: int, warps: int, stages: int, epilogue: str, eps: float,
-              offset: float, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual update + norm and the GEMM after it in one launch (w4_norm_kernel): from a, y [M, K] (M <= 8) and
-    the norms' weights post / pre [K], (epilogue(rmsnorm(h) (pre + off) W^T) [M, N] (geglu: [M, N/2]), h [M, K]) with
-    h = (a + rmsnorm(y) (post + off)) scale. The launch behind kernels/norm_gemm.py, which has checked the inputs and
-    the config against the shape; the device, the rows' layout and the scalar's dtype are refused here."""
-    M, K = a.shape
-    problem = device_problem(a.device)
-    if problem:
-        raise RuntimeError(problem)
-    for t, name in ((a, "a"), (y, "y")):
-        if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
-            raise ValueError(f"the CUDA norm GEMM loads {name} in 16-byte pieces: rows contiguous, 16-byte aligned")
-    for t, name in ((post, "post"), (pre, "pre")):
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            raise ValueError(f"the CUDA norm GEMM loads {name} in 16-byte pieces: contiguous, 16-byte aligned")
-    kind = SCALE_KINDS.get(None if scale is None else scale.dtype)
-    if kind is None:
-        raise ValueError(f"the CUDA norm GEMM takes a bf16 or fp32 layer scalar, got {scale.dtype}")
-    epi = EPILOGUES[epilogue]
-    out = torch.empty(M, N // 2 if epi else N, device=a.device, dtype=a.dtype)
-    h = torch.empty(M, K, device=a.device, dtype=a.dtype)
-    lib = library(warps, stages, K, 1, epi)
-    err = lib.fg_w4_norm(a.data_ptr(), y.data_ptr(), post.data_ptr(), scale.data_ptr() if scale is not None else None,
-                         kind, pre.data_ptr(), h.data_ptr(), words.data_ptr(), sz.data_ptr(), out.data_ptr(),
-                         float(eps), float(offset), M, a.stride(0), y.stride(0), out.stride(0), N // 16,
-                         torch.cuda.current_stream(a.device).cuda_stream, int(pdl))
-    if err:
-        raise RuntimeError(f"the CUDA norm GEMM failed to launch: {lib.fg_error_string(err).decode()}")
     return out, h

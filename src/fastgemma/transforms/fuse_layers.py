@@ -60,8 +60,7 @@ class FuseLayers:
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
-                 attn_fold: bool = False, tail_norm: bool = False, start_kernel: bool = False,
-                 norm_gemm: bool = False):
+                 attn_fold: bool = False, tail_norm: bool = False, start_kernel: bool = False):
         from ..kernels.attention_tiles import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -74,9 +73,6 @@ class FuseLayers:
         if norm_fold and not int4_mma:  # (like int4_mma, it does nothing on the torch backend)
             raise ValueError("fuse.norm_fold folds the norms into the tensor-core int4 GEMVs: it needs "
                              "fuse.int4_mma=true")
-        if norm_gemm and not int4_mma:
-            raise ValueError("fuse.norm_gemm puts the residual update + norm inside the tensor-core int4 GEMM after "
-                             "it: it needs fuse.int4_mma=true")
         if norm_fold and batch_invariant:
             # its rounding differs from the verify pass's norm kernel: the rows would no longer match, so the
             # exact-tokens switch wins (a recipe with the fold, e.g. experiment=frontier, + batch_invariant)
@@ -96,7 +92,6 @@ class FuseLayers:
         self.batch_invariant = bool(batch_invariant)
         self.tail_norm = bool(tail_norm)
         self.start_kernel = bool(start_kernel)
-        self.norm_gemm = bool(norm_gemm)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
         self.int4_mma = bool(int4_mma)
@@ -137,7 +132,6 @@ class FuseLayers:
         # layer's q/k/v mode sums a step's own rows in a split of their own, and which rows those are depends
         # on where the step began
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant,
-                    norm_gemm=self.norm_gemm,
                     attn_qkv=step["attn_qkv"] and not self.batch_invariant,
                     query_qkv=step["attn_qkv"] and self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
@@ -224,4 +218,4 @@ class FuseLayers:
                 "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
                 "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
                 "norm_fold": self.norm_fold, "attn_fold": self.attn_fold, "tail_norm": self.tail_norm,
-                "start_kernel": self.start_kernel, "norm_gemm": self.norm_gemm, "verify_epilogues": True}
+                "start_kernel": self.start_kernel, "verify_epilogues": True}

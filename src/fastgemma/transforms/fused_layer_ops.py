@@ -71,19 +71,6 @@ def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = Fals
                         pdl)
 
 
-def _norm_mma(mod, a, y, post, scale, pre, epilogue: str, pdl: bool, eps: float, off: float, cfg):
-    """(out, h): the residual update + norm and the int4 GEMM after it in one launch (kernels/norm_gemm.py,
-    fuse.norm_gemm) where `cfg` (the GEMM's table entry at these rows) takes it, else None (a Triton entry, no
-    update or no norm: the norm's own launch, then the GEMM)."""
-    from ..kernels.norm_gemm import norm_gemm_op, norm_gemm_problem
-
-    if cfg is None or y is None or pre is None or norm_gemm_problem(cfg, mod.out_features, mod.in_features,
-                                                                    mod.group_size, epilogue):
-        return None
-    return norm_gemm_op(a, y, post, scale, pre, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size,
-                        epilogue, cfg.warps, cfg.depth, cfg.pairs, eps, off, pdl)
-
-
 def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool):
     """kernels/residual_norm.py's rows (triton_ops) or its twin -> (h, x)."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
@@ -104,15 +91,14 @@ def _final_norm(res, y, norm, scale, final, eps: float, off: float, kernel: bool
 
 
 def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, invariant: bool = False,
-            triton_ops: bool = True, norm_gemm: bool = False):
+            triton_ops: bool = True):
     """call(a, linear, y, post, scale, pre, aux, epilogue) -> (out, h) through the dense or int4 op;
     mma: through kernels/mma_w4a16.py where `_mma_cfg` takes the linear at one row, a GEMV with a
     prologue (residual update and / or norm) after that prologue as its own launch
     (kernels/residual_norm.py, the verify pass's kernel: the same rounding). invariant
     (fuse.batch_invariant): every linear as the wider steps run it, the prologue on its own, then
     int4 on the tensor-core kernel (no other int4 path is taken) and dense as `_dense_rows` runs it, the
-    epilogue in its store; triton_ops=False: their twins (the torch backend); norm_gemm: a prologue and the
-    tensor-core GEMV after it in one launch where `_norm_mma` takes them (as the wider steps do). An Int8Linear takes
+    epilogue in its store; triton_ops=False: their twins (the torch backend). An Int8Linear takes
     kernels/fused_w8a16.py's GEMV (no tensor-core or invariant form: FuseLayers refuses batch_invariant with it)."""
     from ..kernels.fused_w8a16 import fused_w8a16_op, fused_w8a16_ref
     from .quant import Int4Linear
@@ -130,10 +116,6 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
             raise _no_invariant_config(mod, epilogue)
         if cfg is not None or dense:
             a2, h = a.reshape(1, -1), None
-            both = _norm_mma(mod, a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, epilogue, pdl,
-                             eps, off, cfg) if norm_gemm and cfg is not None and triton_ops else None
-            if both is not None:
-                return both
             if y is not None or pre is not None:
                 h, x = _residual_norm(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
                                       triton_ops, pdl)

@@ -11,15 +11,14 @@ from torch import nn
 
 from .fuse import MergeProjections
 from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _dense_rows, _embed, _final_norm, _finish_q, _Fold,
-                              _layer_linears, _mma_call, _mma_cfg, _no_invariant_config, _norm_mma, _qkv_attend,
-                              _residual_norm)
+                              _layer_linears, _mma_call, _mma_cfg, _no_invariant_config, _qkv_attend, _residual_norm)
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
                  norm_fold: bool = False, attn_fold: bool = False, query_qkv: bool = False, tail_norm: bool = False,
-                 start_kernel: bool = False, norm_gemm: bool = False):
+                 start_kernel: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -42,9 +41,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     pass's kernel, its rounding; batch_invariant takes it anyway) instead of the compiled torch ops;
     start_kernel (Triton, not batch_invariant): the token's embedding, the first q|k|v's input norm where the
     tensor-core kernel takes it (its prologue's own launch otherwise), ple=table's row, the RoPE cos / sin and the
-    ring slot in one launch (kernels/step_start.py); norm_gemm (with int4_mma): a GEMV's prologue (the residual
-    update + norm) and the GEMV in one launch where the tensor-core kernel's entry is a CUDA one (kernels/norm_gemm.py:
-    gate|up where the norm fold does not take it), as `fused_verify` runs it."""
+    ring slot in one launch (kernels/step_start.py)."""
     c = model.config
     layers = list(model.layers)
     xn0 = None  # the first q|k|v's normed input, where the start kernel made it
@@ -55,7 +52,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     else:
         x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
         store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
-    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops, norm_gemm)
+    call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
     fold = _Fold(c.rms_eps, c.norm_offset, pdl) if norm_fold and int4_mma and triton_ops and not batch_invariant \
         else None
     h = x.reshape(1, -1)
@@ -181,7 +178,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
                  qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
                  attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None,
-                 query_qkv: bool = False, norm_gemm: bool = False):
+                 query_qkv: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -200,9 +197,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
     tensor-core kernel's one-row configs, `_dense_rows` for dense linears, the attention's row
     tiles per group of positions with the one-row split count, the embedding's PLE path in kernels): the
-    verify pass's rows equal the AR steps' bit for bit. query_qkv: as `fused_decode`'s. norm_gemm (with
-    int4_mma): the update + norm before gate|up inside its GEMM where its entry is a CUDA one (kernels/norm_gemm.py,
-    one launch fewer a layer; `fused_decode` takes it alike, so the rows stay equal under batch_invariant)."""
+    verify pass's rows equal the AR steps' bit for bit. query_qkv: as `fused_decode`'s."""
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
 
@@ -230,15 +225,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
                            attn_tiles, query_qkv=triton_ops and query_qkv)
         o = gemm(lin["o"], attn).reshape(h.shape)
-        post_a, pre_f = layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight
-        both = _norm_mma(lin["gate_up"], h, o, post_a, None, pre_f, "geglu", pdl, eps, off,
-                         _mma_cfg(lin["gate_up"], h.shape[0], "geglu", h.dtype, batch_invariant)) \
-            if norm_gemm and int4_mma and triton_ops else None
-        if both is not None:
-            act, h = both
-        else:
-            h, xff = rn(h, o, post_a, None, pre_f)
-            act = gemm(lin["gate_up"], xff, "geglu")
+        h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
+        act = gemm(lin["gate_up"], xff, "geglu")
         dn = gemm(lin["down"], act)
         if layer.ple:
             h, _ = rn(h, dn, layer.post_feedforward_layernorm.weight)

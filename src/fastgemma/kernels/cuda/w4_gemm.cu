@@ -87,13 +87,27 @@ __device__ __forceinline__ void issue_group(uint4* wr, uint2* sr, int s, const u
   cp8(sr + s * 32 + lane, st + gi * 8);
 }
 
-// a thread's uint4 pieces of 8 rows of x (v[r][j]: row r, 16-byte column threadIdx.x + j NT) into xs [8][K / 2 + 4]
-// u32 and its sums per group of 128 and row into xsum [K / 128][8], the sums from the same registers (16 threads a
-// group, in shuffle order; a group's threads are all in the row or all past it, and every lane meets the shuffles).
-// The caller syncs before reading them.
-template <int NW, int K, int J>
-__device__ __forceinline__ void put_x(const uint4 (&v)[8][J], u32* xs, float* xsum, int lane) {
-  constexpr int XW = K / 2 + 4, NT = NW * 32, CPR = K / 8;
+// x [M, K] (row stride stride_xm elements) into xs [8][K / 2 + 4] u32 (a row past M a copy of row M - 1, read once)
+// and its sums per group of 128 and row into xsum [K / 128][8]: every load of a thread before its first store, the
+// sums from the same registers (16 threads a group, in shuffle order; a group's threads are all in the row or all
+// past it, and every lane meets the shuffles). The caller syncs before reading them. x is the PDL predecessor's
+// output: coherent loads (ld.global.cg), never the non-coherent path, which ptxas may move above griddepcontrol.wait
+// (it did: x read before the producer finished, wrong tokens in the CUDA-graph step).
+template <int NW, int K>
+__device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int M, int stride_xm, int lane) {
+  constexpr int XW = K / 2 + 4, NT = NW * 32, CPR = K / 8, J = (CPR + NT - 1) / NT;  // uint4 of x a row; a thread's
+  static_assert(K % 128 == 0 && NT % 16 == 0, "x in whole 16-thread groups of columns");
+  uint4 v[8][J];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {  // a row past M: row M - 1's registers, not another read of it
+      const int c = threadIdx.x + j * NT;
+      v[r][j] = r > 0 && r >= M                    ? v[r > 0 ? r - 1 : 0][j]
+                : CPR % NT == 0 || c < CPR ? __ldcg((const uint4*)(x + (u64)r * (stride_xm / 2) + c * 4))
+                                           : make_uint4(0, 0, 0, 0);
+    }
+  }
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
 #pragma unroll
@@ -110,136 +124,6 @@ __device__ __forceinline__ void put_x(const uint4 (&v)[8][J], u32* xs, float* xs
       if (in && (lane & 15) == 0) xsum[(c >> 4) * 8 + r] = a;
     }
   }
-}
-
-// rows [M, K] (row stride `stride` elements) into a thread's uint4 pieces v[8][J] (a row past M: row M - 1's
-// registers, not another read of it). The rows are the PDL predecessor's output: coherent loads (ld.global.cg),
-// never the non-coherent path, which ptxas may move above griddepcontrol.wait (it did: x read before the producer
-// finished, wrong tokens in the CUDA-graph step).
-template <int NW, int K, int J>
-__device__ __forceinline__ void load_rows(const u16* rows, uint4 (&v)[8][J], int M, int stride) {
-  constexpr int NT = NW * 32, CPR = K / 8;
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const int c = threadIdx.x + j * NT;
-      v[r][j] = r > 0 && r >= M                    ? v[r > 0 ? r - 1 : 0][j]
-                : CPR % NT == 0 || c < CPR ? __ldcg((const uint4*)(rows + (u64)r * stride + c * 8))
-                                           : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-template <int NW, int K>
-__host__ __device__ constexpr int pieces() { return (K / 8 + NW * 32 - 1) / (NW * 32); }  // a thread's uint4 of a row
-
-// x [M, K] (row stride stride_xm elements, 16-byte aligned) into shared memory (`put_x`): every load of a thread
-// before its first store
-template <int NW, int K>
-__device__ __forceinline__ void stage_x(const u32* x, u32* xs, float* xsum, int M, int stride_xm, int lane) {
-  static_assert(K % 128 == 0 && (NW * 32) % 16 == 0, "x in whole 16-thread groups of columns");
-  uint4 v[8][pieces<NW, K>()];
-  load_rows<NW, K>((const u16*)x, v, M, stride_xm);
-  put_x<NW, K>(v, xs, xsum, lane);
-}
-
-// element e (0..7) of a uint4 of bf16, as fp32
-__device__ __forceinline__ float bf_at(const uint4& v, int e) {
-  const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
-  return e & 1 ? bf_hi(w) : bf_lo(w);
-}
-__device__ __forceinline__ u32 bf_pair(float lo, float hi) { return (u32)to_bf(lo) | ((u32)to_bf(hi) << 16); }
-
-// the 8 rows' sums t[r] over the CTA, added in warp order after each warp's shuffle sum (red: [NW][8] floats of
-// shared memory of this call's own; every thread of the CTA calls it) -> rsqrt-style scale 1 / sqrt(mean + eps)
-template <int NW, int K>
-__device__ __forceinline__ void row_scales(float (&t)[8], float* red, float eps, int lane) {
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t[r] += __shfl_xor_sync(0xffffffffu, t[r], o);
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < 8; ++r) red[(threadIdx.x >> 5) * 8 + r] = t[r];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    float s = red[r];
-#pragma unroll
-    for (int w = 1; w < NW; ++w) s += red[w * 8 + r];
-    t[r] = 1.f / sqrtf(s / K + eps);
-  }
-}
-
-// The residual update + norm before the GEMM, made by every CTA from the rows it needs (kernels/residual_norm.py's
-// arithmetic and rounding points; its fp32 sums in this kernel's order, the same for a row at every M):
-//   h = (a + rnd(y r1 (post + off))) rounded, then (h s) rounded with a layer scalar;  x = rnd(h r2 (pre + off))
-// r1 = 1 / sqrt(mean y^2 + eps), r2 = 1 / sqrt(mean h^2 + eps). x goes to shared memory as `stage_x` puts it; h
-// to global memory from CTA 0 (rows < M). scale_kind: 0 none, 1 bf16, 2 fp32. a, y: earlier kernels' outputs,
-// post / pre / scale parameters, all loaded after the PDL wait in one batch (coherent: ld.global.cg).
-template <int NW, int K>
-__device__ __forceinline__ void stage_norm(const u16* a, const u16* y, const u16* post, const void* scale,
-                                           int scale_kind, const u16* pre, u16* h, int M, int stride_a,
-                                           int stride_y, float eps, float off, u32* xs, float* xsum, float* red,
-                                           int lane) {
-  constexpr int NT = NW * 32, CPR = K / 8, J = pieces<NW, K>();
-  static_assert(K % 128 == 0 && NT % 16 == 0, "x in whole 16-thread groups of columns");
-  uint4 yv[8][J], av[8][J], pw[J], qw[J];
-  load_rows<NW, K>(y, yv, M, stride_y);
-  load_rows<NW, K>(a, av, M, stride_a);
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int c = threadIdx.x + j * NT;
-    const bool in = CPR % NT == 0 || c < CPR;
-    pw[j] = in ? __ldcg((const uint4*)(post + c * 8)) : make_uint4(0, 0, 0, 0);
-    qw[j] = in ? __ldcg((const uint4*)(pre + c * 8)) : make_uint4(0, 0, 0, 0);
-  }
-  const float s = scale_kind == 1 ? bf_lo(__ldcg((const u16*)scale)) : scale_kind == 2 ? __ldcg((const float*)scale)
-                                                                                       : 1.f;
-  float t[8];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    t[r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) t[r] += bf_at(yv[r][j], e) * bf_at(yv[r][j], e);
-    }
-  }
-  row_scales<NW, K>(t, red, eps, lane);  // t: r1 a row
-  float u[8];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    u[r] = 0.f;
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      float hv[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        hv[e] = rnd(bf_at(av[r][j], e) + rnd(bf_at(yv[r][j], e) * t[r] * (bf_at(pw[j], e) + off)));
-        if (scale_kind) hv[e] = rnd(hv[e] * s);
-        u[r] += hv[e] * hv[e];
-      }
-      av[r][j] = make_uint4(bf_pair(hv[0], hv[1]), bf_pair(hv[2], hv[3]), bf_pair(hv[4], hv[5]), bf_pair(hv[6], hv[7]));
-    }
-  }
-  row_scales<NW, K>(u, red + NW * 8, eps, lane);  // u: r2 a row
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      float xv[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xv[e] = rnd(bf_at(av[r][j], e) * u[r] * (bf_at(qw[j], e) + off));
-      yv[r][j] = make_uint4(bf_pair(xv[0], xv[1]), bf_pair(xv[2], xv[3]), bf_pair(xv[4], xv[5]), bf_pair(xv[6], xv[7]));
-      const int c = threadIdx.x + j * NT;
-      if (blockIdx.x == 0 && r < M && (CPR % NT == 0 || c < CPR)) *(uint4*)(h + (u64)r * K + c * 8) = av[r][j];
-    }
-  }
-  put_x<NW, K>(yv, xs, xsum, lane);
 }
 
 // acc += s P + (z - 128 s) sum x for one group: p its mma sums, zv the scale / zero words of rows g and g + 8, xsv
@@ -484,35 +368,6 @@ w4_fold_kernel(const u32* rows, const uint4* __restrict__ words, const uint2* __
                   stride_om);
 }
 
-// The wider steps' residual update + norm and the GEMM after it in one launch (kernels/norm_gemm.py; C = 1): every
-// CTA makes the 8 normed rows of x from a (the residual), y (the GEMM output before the update) and the norms'
-// weights (`stage_norm`), CTA 0 writes h; then the plain kernel's tile loop and store. A row's result does not
-// depend on the rows beside it (its sums run in one order at every M), so fuse.batch_invariant's one-row step and
-// verify pass agree through it. The dependents' launch as in w4_gemm_kernel.
-template <int NW, int S, int K, int EPI>
-__global__ void __launch_bounds__(NW * 32, 1)
-w4_norm_kernel(const u16* a, const u16* y, const u16* post, const void* scale, int scale_kind, const u16* pre,
-               u16* __restrict__ h, const uint4* __restrict__ words, const uint2* __restrict__ sz,
-               u16* __restrict__ out, float eps, float off, int M, int stride_a, int stride_y, int stride_om,
-               int n_tiles) {
-  using W = WarpTile<NW, S, K, 1>;
-  extern __shared__ uint4 smem[];
-  __shared__ float red[2 * NW * 8];  // the warps' row sums: y^2, then h^2
-  if (M > 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const W w(smem, words, sz, n_tiles);
-  w.start();
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  stage_norm<NW, K>(a, y, post, scale, scale_kind, pre, h, M, stride_a, stride_y, eps, off, w.xs, w.xsum, red,
-                    w.lane);
-  __syncthreads();
-  if (!w.live) return;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile_sums(w, acc);
-  if (M == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  store_unit<EPI>(out, acc[0], acc[2], w.t, w.g, w.tq * 2, M, stride_om);
-  store_unit<EPI>(out, acc[1], acc[3], w.t, w.g, w.tq * 2 + 1, M, stride_om);
-}
-
 template <int NW, int S, int KS>
 __host__ __device__ constexpr int w4_gemm_smem() {
   return NW * S * 2 * 32 * 16 + NW * S * 32 * 8 + 8 * (KS / 2 + 4) * 4 + (KS / 128) * 8 * 4;
@@ -567,16 +422,6 @@ extern "C" int fg_w4_fold(const void* rows, const void* words, const void* sz, v
       (n_tiles + FG_NW - 1) / FG_NW, 1, stream, pdl, (const u32*)rows, (const uint4*)words, (const uint2*)sz,
       (u16*)out, (const float*)parts, npart, (const u16*)res, (const u16*)y, (const u16*)post, scale, scale_kind,
       (u16*)h, eps, off, n_tiles, 1, 0);
-}
-
-// the residual update + norm and the GEMM (w4_norm_kernel) on this library's warps, stages and epilogue; K = FG_KS
-extern "C" int fg_w4_norm(const void* a, const void* y, const void* post, const void* scale, int scale_kind,
-                          const void* pre, void* h, const void* words, const void* sz, void* out, float eps, float off,
-                          int M, int stride_a, int stride_y, int stride_om, int n_tiles, void* stream, int pdl) {
-  return fg_launch<w4_norm_kernel<FG_NW, FG_S, FG_KS, FG_EPI>>(
-      (n_tiles + FG_NW - 1) / FG_NW, 1, stream, pdl, (const u16*)a, (const u16*)y, (const u16*)post, scale,
-      scale_kind, (const u16*)pre, (u16*)h, (const uint4*)words, (const uint2*)sz, (u16*)out, eps, off, M, stride_a,
-      stride_y, stride_om, n_tiles);
 }
 #endif
 
