@@ -70,8 +70,8 @@ def _split_kernel(
     q_pos[b, 0] // POS_Q + pid_m of positions (rows at consecutive positions), so each of its rows
     splits as its one-row launch does."""
     if QKV == 0:
-        _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
         _pdl_wait(PDL)  # q and the cache rows come from the kernels before
+        _pdl_trigger(PDL)  # the combine (or the next GEMV) may launch: a few programs that wait
     if POS_TILE:  # row tiles the fastest axis: a split's tiles run in one wave, its K / V read once from DRAM
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -167,8 +167,8 @@ def _split_kernel(
             sn = (sin_ptr + qrow)[:, None]
             tables = (tl.load(cs + jh, mask=mk, other=0.0), tl.load(sn + jh, mask=mk, other=0.0),
                       tl.load(cs + D // 2 + jh, mask=mk, other=0.0), tl.load(sn + D // 2 + jh, mask=mk, other=0.0))
-        _pdl_trigger(PDL)
         _pdl_wait(PDL)  # the merged projection's rows
+        _pdl_trigger(PDL)
         qa, qb = _norm_rope(q_ptr + b64 * sq_b + t * sq_t + (kvh * G + g) * D, row_ok, qw, cos_ptr + qrow,
                             sin_ptr + qrow, eps, norm_off, D, DT, tables, EARLY == 2)
     if QKV == 2:
@@ -268,8 +268,8 @@ def _combine_kernel(
     so_b, so_t, so_h, so_d,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, PDL: tl.constexpr,
 ):
-    _pdl_trigger(PDL)  # the next GEMV launches and loads its weights while the splits run and this merges
     _pdl_wait(PDL)
+    _pdl_trigger(PDL)  # the next GEMV launches and loads its weights while this merges
     pid_row = tl.program_id(0)  # over B * Hkv * R
     pid_d = tl.program_id(1)
     bh = pid_row // R

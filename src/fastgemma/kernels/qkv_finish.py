@@ -43,8 +43,8 @@ def _qkv_finish_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, idx_ptr, q_ptr
     has_w = (j >= 0) & (hd < H + HKV)
     w1 = tl.load(w_ptr + j, mask=has_w, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + HALF + j, mask=has_w, other=0.0).to(tl.float32)
-    _pdl_trigger(PDL)
     _pdl_wait(PDL)
+    _pdl_trigger(PDL)
     src = qkv_ptr + r.to(tl.int64) * stride_qkv + hd * D  # q, k and v heads sit D apart
     x1 = tl.load(src + j).to(tl.float32)
     x2 = tl.load(src + HALF + j).to(tl.float32)

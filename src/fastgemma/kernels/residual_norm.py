@@ -41,10 +41,8 @@ def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_p
         post = tl.load(post_ptr + k, mask=ok, other=0.0).to(tl.float32)
     if HAS_PRE:
         pre = tl.load(pre_ptr + k, mask=ok, other=0.0).to(tl.float32)
-    # the next kernel (a GEMM) launches at once, while the one before this still runs, so its weights' loads ahead
-    # of its own wait overlap that GEMM's tail; its wait still waits for this kernel's end
-    _pdl_trigger(PDL)
     _pdl_wait(PDL)  # a and y are the previous kernels' outputs
+    _pdl_trigger(PDL)
     h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
     if HAS_Y:  # the one-row prologue's residual update (fused_gemv._h_values), the row as one block
         y = tl.load(y_ptr + row * stride_y + k, mask=ok, other=0.0).to(tl.float32)
