@@ -71,12 +71,20 @@ def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = Fals
                         pdl)
 
 
-def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool):
-    """kernels/residual_norm.py's rows (triton_ops) or its twin -> (h, x)."""
+def _early_norm(cfg) -> bool:
+    """Whether the residual norm before a GEMM on `cfg` lets it launch at once: the CUDA kernel's, whose ring of
+    weight copies fills before its PDL wait (the verify pass's gate|up: 607 -> 518 us on its critical path, run ME;
+    every norm so: the GEMMs before them slower by as much, no gain)."""
+    return cfg is not None and cfg.cuda
+
+
+def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool, early: bool = False):
+    """kernels/residual_norm.py's rows (triton_ops) or its twin -> (h, x); early: the kernel lets the next one launch
+    before its own wait (`_early_norm`)."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     if triton_ops:
-        return residual_norm_op(a, y, post, scale, pre, eps, off, pdl)
+        return residual_norm_op(a, y, post, scale, pre, eps, off, pdl, early)
     return residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
 
 
@@ -118,7 +126,7 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
             a2, h = a.reshape(1, -1), None
             if y is not None or pre is not None:
                 h, x = _residual_norm(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
-                                      triton_ops, pdl)
+                                      triton_ops, pdl, _early_norm(cfg))
                 a2 = x if pre is not None else h
                 h = h if y is not None else None
             if cfg is not None:

@@ -11,7 +11,8 @@ from torch import nn
 
 from .fuse import MergeProjections
 from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _dense_rows, _embed, _final_norm, _finish_q, _Fold,
-                              _layer_linears, _mma_call, _mma_cfg, _no_invariant_config, _qkv_attend, _residual_norm)
+                              _early_norm, _layer_linears, _mma_call, _mma_cfg, _no_invariant_config, _qkv_attend,
+                              _residual_norm)
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
@@ -201,8 +202,10 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
 
-    def rn(a, y=None, post=None, scale=None, pre=None):
-        h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl)
+    def rn(a, y=None, post=None, scale=None, pre=None, then=None):  # then: the GEMM after it (`_early_norm`)
+        early = then is not None and int4_mma and _early_norm(_mma_cfg(then, a.shape[0], "geglu", a.dtype,
+                                                                        batch_invariant))
+        h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl, early)
         return (h if y is not None else a), (x if pre is not None else None)
 
     def gemm(mod, x, epilogue="none", aux=None):
@@ -225,7 +228,8 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
                            attn_tiles, query_qkv=triton_ops and query_qkv)
         o = gemm(lin["o"], attn).reshape(h.shape)
-        h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight)
+        h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight,
+                    lin["gate_up"])
         act = gemm(lin["gate_up"], xff, "geglu")
         dn = gemm(lin["down"], act)
         if layer.ple:
