@@ -239,3 +239,69 @@ def test_the_cuda_fold_refuses_what_it_cannot_take():
                                 1e-6, 1.0, True)
     src = cuda_gemm.SOURCE.read_text()
     assert 'extern "C" int fg_w4_fold' in src and "scale_kind == 1 ? bf_lo" in src
+
+
+def test_the_norm_before_a_cuda_gemm_lets_it_launch_first(monkeypatch, wide_tiles):
+    """bf16, int4 g128 body, gate|up on a CUDA entry of the table (its launch faked by the Triton entry on the same
+    paired words): in the one-row step and the 5-row verify pass the residual norm before gate|up launches with
+    `early` (the GEMM after it launches first, runs MG-MH), every other norm without it; the tokens' hidden states
+    are those of the Triton entry itself."""
+    import dataclasses
+
+    import fastgemma.kernels.w4a16 as w4a16_mod
+    import fastgemma.kernels.w4a16_table as w4a16_table
+    import fastgemma.transforms.fused_layer_ops as ops
+    from fastgemma.engine.cache import KVCache
+    from fastgemma.kernels import mma_table
+    from fastgemma.kernels.decode_attention import decode_attention_ref
+    from fastgemma.model.config import FULL, GEMMA4_TINY, SLIDING
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.fused_layer_ops import _layer_linears
+    from fastgemma.transforms.quant import Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    cfg = dataclasses.replace(GEMMA4_TINY, hidden_size=128, intermediate_size=256, num_layers=4,
+                              num_kv_shared_layers=2, layer_types=(SLIDING, FULL) * 2)
+    monkeypatch.setattr(w4a16_table, "default_config", lambda M, N, K: w4a16_table._grp(64, 1, 4))
+    monkeypatch.setattr(w4a16_mod, "w4a16_epilogue_op", lambda x, qw, s, z, g, epi, aux, sz, pdl: w4a16_mod.w4a16_torch(
+        x, qw, s, z, g, epilogue=epi, aux=aux))
+    triton_entry = MmaConfig(1, 1, pairs=True)
+    monkeypatch.setattr(cuda_gemm, "cuda_gemm", lambda x, words, sz, N, *rest: run_mma(
+        x, MmaWeight(words, sz, N, x.shape[1], 128, True), rest[-2], triton_entry))
+    monkeypatch.setattr(cuda_gemm, "device_problem", lambda device: None)  # the table's CUDA entries kept
+    monkeypatch.setattr(cuda_gemm, "prebuild", lambda variants: {})
+    model = synthetic_model(cfg, "cpu", torch.bfloat16, seed=3)
+    model.step_attention = decode_attention_ref
+    FuseLayers(backend="triton").apply(model)
+    Int4Quant(group_size=128, skip=("per_layer_projection", "per_layer_input_gate"), backend="triton").apply(model)
+    gu = _layer_linears(0, model.layers[0])["gate_up"]
+    norms, real = [], ops._residual_norm
+
+    def seen(a, y, post, scale, pre, eps, off, triton_ops, pdl, early=False):
+        norms.append((a.shape[0], pre is not None and y is not None and post is not None and scale is None, early))
+        return real(a, y, post, scale, pre, eps, off, triton_ops, pdl, early)
+
+    monkeypatch.setattr(ops, "_residual_norm", seen)
+    import fastgemma.transforms.fused_steps as steps
+    monkeypatch.setattr(steps, "_residual_norm", seen)
+    outs = {}
+    for entry in (triton_entry, parse_config("cuda2x4g")):
+        for multi in (False, True):
+            monkeypatch.setitem(mma_table.MMA_CONFIGS, (gu.out_features, gu.in_features, multi), entry)
+        t = FuseLayers(backend="triton", int4_mma=True)
+        t.apply(model)
+        for ids, pos in ((torch.tensor([[7]]), torch.tensor([[0]])),
+                         (torch.tensor([[3, 4, 5, 6, 7]]), torch.arange(5)[None])):
+            cache = KVCache(cfg, 1, 64, window=4, device="cpu", dtype=torch.bfloat16)
+            del norms[:]
+            outs[entry.cuda, ids.shape[1]] = model.step(ids, pos, cache)
+            early = [n for n in norms if n[2]]
+            if entry.cuda:  # the update after o + the norm before gate|up, once a layer, at the step's row count
+                assert early == [(ids.shape[1], True, True)] * cfg.num_layers
+                # the verify pass's other norms (before q|k|v, the PLE gate, the last) as before; at one row the
+                # other prologues run in the fused GEMVs
+                assert len(norms) > len(early) or ids.shape[1] == 1
+            else:
+                assert norms and not early
+    for M in (1, 5):
+        assert torch.equal(outs[True, M], outs[False, M])
