@@ -202,9 +202,7 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
 
-    def rn(a, y=None, post=None, scale=None, pre=None, then=None):  # then: the GEMM after it (`_early_norm`)
-        early = then is not None and int4_mma and _early_norm(_mma_cfg(then, a.shape[0], "geglu", a.dtype,
-                                                                        batch_invariant))
+    def rn(a, y=None, post=None, scale=None, pre=None, early=False):  # early: `_early_norm` of the GEMM after it
         h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl, early)
         return (h if y is not None else a), (x if pre is not None else None)
 
@@ -228,8 +226,9 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
         attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
                            attn_tiles, query_qkv=triton_ops and query_qkv)
         o = gemm(lin["o"], attn).reshape(h.shape)
+        gate_up = _mma_cfg(lin["gate_up"], h.shape[0], "geglu", h.dtype, batch_invariant) if int4_mma else None
         h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight,
-                    lin["gate_up"])
+                    _early_norm(gate_up))
         act = gemm(lin["gate_up"], xff, "geglu")
         dn = gemm(lin["down"], act)
         if layer.ple:
