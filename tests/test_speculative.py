@@ -279,21 +279,26 @@ def fused_pair():
     return m, m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "triton+qkv", "triton+attn_qkv", "torch+tail", "triton+tail"])
-def test_fused_drafter_step_matches_the_drafter(model, drafter, backend, wide_tiles):
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton+qkv", "triton+attn_qkv", "triton+attn_qkv+dmerge",
+                                     "torch+tail", "triton+tail"])
+def test_fused_drafter_step_matches_the_drafter(model, drafter, backend, wide_tiles, monkeypatch):
     """fuse=layers' drafter step (the twins, and the Triton kernels in the interpreter, also with the
-    q kernel and the attention's PDL option, or the q norm + RoPE inside the attention's split kernel, or the
-    last update + final norm in kernels/residual_norm.py: fuse.tail_norm) gives the unfused drafter's final-norm state and projected hidden state on one row, over a
-    window shorter than the context; its merged gate|up also serves the unfused path (batches)
-    unchanged."""
+    q kernel and the attention's PDL option, or the q norm + RoPE inside the attention's split kernel (its
+    splits merged there too with fuse.draft_merge, the target's step keeping its combine), or the last update +
+    final norm in kernels/residual_norm.py: fuse.tail_norm) gives the unfused drafter's final-norm state and
+    projected hidden state on one row, over a window shorter than the context; its merged gate|up also serves
+    the unfused path (batches) unchanged."""
     from fastgemma.transforms.fuse_layers import FuseLayers
 
     m = synthetic_model(TINY, dtype=torch.float32, seed=3)
     m.step_attention = decode_attention_ref
-    qkv, attn_qkv, tail = backend == "triton+qkv", backend == "triton+attn_qkv", backend.endswith("+tail")
+    qkv, attn_qkv, tail = backend == "triton+qkv", "+attn_qkv" in backend, backend.endswith("+tail")
+    dmerge = backend.endswith("+dmerge")
     FuseLayers(backend=backend.split("+")[0], attn_pdl=qkv, qkv_kernel=qkv, attn_merge=qkv, attn_qkv=attn_qkv,
-               tail_norm=tail).apply(m)
+               tail_norm=tail, draft_merge=dmerge).apply(m)
     fused = m.fuse_drafter(synthetic_drafter(TINY, dtype=torch.float32, seed=0))
+    assert fused.fused_forward.keywords["attn_merge"] == (qkv or dmerge)
+    assert m.fused_decode.keywords["attn_merge"] == qkv  # the target's step: fuse.attn_merge's alone
     assert fused.fused_forward is not None and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
     assert fused.fused_forward.keywords["qkv_kernel"] == qkv and fused.fused_forward.keywords["attn_pdl"] == qkv
     assert fused.fused_forward.keywords["attn_qkv"] == attn_qkv and fused.fused_forward.keywords["tail_norm"] == tail
@@ -304,10 +309,23 @@ def test_fused_drafter_step_matches_the_drafter(model, drafter, backend, wide_ti
     pos = torch.tensor([[ids.shape[1]]])
     rope = drafter.rope(pos, h.dtype)
     tok = torch.tensor([[42]])
+    import fastgemma.kernels.decode_attention as da
+
+    combines, kernel = [], da._combine_kernel
+
+    class Launches:  # the attention's combine launches in the fused step: none where its splits merge
+        def __getitem__(self, grid):
+            combines.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(da, "_combine_kernel", Launches())
     for _ in range(3):  # draft steps, each state fed to the next
         x = torch.cat([drafter.embed_input(tok, model.embed_tokens.weight), h], -1)
         g_ref, h_ref = drafter(x, rope, pos - 1, cache, decode_attention_ref)
+        combines.clear()
         g, hf = fused(x, rope, pos - 1, cache, decode_attention_ref)
+        if attn_qkv:
+            assert (len(combines) == 0) == dmerge, combines
         assert (g - g_ref).abs().max().item() < 1e-4 and (hf - h_ref).abs().max().item() < 1e-4
         fused_forward, fused.fused_forward = fused.fused_forward, None
         g2, h2 = fused(x, rope, pos - 1, cache, decode_attention_ref)  # merged gate|up, unfused step

@@ -32,7 +32,8 @@ Linears may be dense 16-bit (`fused_gemv`), Int4Linear (quant=int4: `fused_w4a16
 steps the GEMMs, norm kernels and the q/k/v kernel; `attn_pdl=True` the attention's split and
 combine kernels as well (without it they launch plainly, and so does the kernel after them);
 `attn_merge=True` drops the combine launch where a tile's partials are few (the split tile's last
-program merges them; decode_attention.MERGE_MAX_ELEMS);
+program merges them; decode_attention.MERGE_MAX_ELEMS), `draft_merge=True` in the MTP drafter's step
+alone (the target's steps keep the combine, and with it their rounding);
 `attn_qkv=True` does the q/k/v norms, RoPE and cache writes inside the attention's split kernel
 (kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step;
 `attn_tiles` (e.g. "full_store:32x16s2") sets that mode's tiles per layer kind instead of the
@@ -60,7 +61,8 @@ class FuseLayers:
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
-                 attn_fold: bool = False, tail_norm: bool = False, start_kernel: bool = False):
+                 attn_fold: bool = False, tail_norm: bool = False, start_kernel: bool = False,
+                 draft_merge: bool = False):
         from ..kernels.attention_tiles import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -94,6 +96,7 @@ class FuseLayers:
         self.start_kernel = bool(start_kernel)
         self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
         self.attn_merge = bool(attn_merge)
+        self.draft_merge = bool(draft_merge) or self.attn_merge
         self.int4_mma = bool(int4_mma)
         self.attn_qkv = bool(attn_qkv)
         self.draft_loop = bool(draft_loop)
@@ -146,7 +149,8 @@ class FuseLayers:
         # spec=mtp|replay builds its drafter after the model's transforms: it fuses it through this
         model.fuse_drafter = functools.partial(fuse_drafter, gemv=gemv, gemv4=gemv4, head=head,
                                                draft_loop=self.draft_loop, tail_norm=self.tail_norm,
-                                               triton_ops=self.backend == "triton", **step)
+                                               triton_ops=self.backend == "triton",
+                                               **dict(step, attn_merge=self.draft_merge))
         self._enable_mma(model)
         model.draft_head = head  # kernels/draft_head.py (or its twin): the fused drafter's head
         model.batch_invariant = self.batch_invariant  # the greedy pick reads it (transforms/sampler.py)
@@ -215,7 +219,7 @@ class FuseLayers:
 
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
-                "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv, "batch_invariant": self.batch_invariant,
-                "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
+                "draft_merge": self.draft_merge, "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv,
+                "batch_invariant": self.batch_invariant, "draft_loop": self.draft_loop, "attn_tiles": qkv_tiles_text(self.attn_tiles),
                 "norm_fold": self.norm_fold, "attn_fold": self.attn_fold, "tail_norm": self.tail_norm,
                 "start_kernel": self.start_kernel, "verify_epilogues": True}
