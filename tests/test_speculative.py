@@ -17,6 +17,7 @@ from fastgemma.engine.speculative import (
     FRONTIER, PROFILES, Replay, SpecGeneration, SpecGenerator, expected_tokens_per_step,
 )
 from fastgemma.engine.steps import EagerStep
+from fastgemma.kernels import decode_attention as da
 from fastgemma.kernels.decode_attention import decode_attention_ref
 from fastgemma.metrics.acceptance import acceptance_summary
 from fastgemma.model.drafter import synthetic_drafter
@@ -309,8 +310,6 @@ def test_fused_drafter_step_matches_the_drafter(model, drafter, backend, wide_ti
     pos = torch.tensor([[ids.shape[1]]])
     rope = drafter.rope(pos, h.dtype)
     tok = torch.tensor([[42]])
-    import fastgemma.kernels.decode_attention as da
-
     combines, kernel = [], da._combine_kernel
 
     class Launches:  # the attention's combine launches in the fused step: none where its splits merge
