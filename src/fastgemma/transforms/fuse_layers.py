@@ -221,5 +221,5 @@ class FuseLayers:
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "draft_merge": self.draft_merge, "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv,
                 "batch_invariant": self.batch_invariant, "draft_loop": self.draft_loop,
-                "attn_tiles": qkv_tiles_text(self.attn_tiles), "norm_fold": self.norm_fold, "attn_fold": self.attn_fold, "tail_norm": self.tail_norm,
-                "start_kernel": self.start_kernel, "verify_epilogues": True}
+                "attn_tiles": qkv_tiles_text(self.attn_tiles), "norm_fold": self.norm_fold, "attn_fold": self.attn_fold,
+                "tail_norm": self.tail_norm, "start_kernel": self.start_kernel, "verify_epilogues": True}
