@@ -112,35 +112,47 @@ def test_every_e4b_int4_shape_has_a_one_row_config():
     assert mma_config(10752, 2560, 1) is None  # the default path keeps W_plm off the tensor-core kernel
 
 
-def _invariant_model(seed=4, attn_qkv=False):
+def _invariant_model(seed=4, attn_qkv=False, attn_merge=False):
     from fastgemma.transforms.fuse_layers import FuseLayers
     from fastgemma.weights.synthetic import synthetic_model
 
     model = synthetic_model(SMALL, "cpu", torch.float32, seed=seed)
     model.step_attention = da.decode_attention_op
-    t = FuseLayers(backend="triton", qkv_kernel=True, batch_invariant=True, attn_qkv=attn_qkv)
+    t = FuseLayers(backend="triton", qkv_kernel=True, batch_invariant=True, attn_qkv=attn_qkv, attn_merge=attn_merge)
     t.apply(model)
     t.validate(model)
     return model, t
 
 
-@pytest.mark.parametrize("attn_qkv", [False, True])
-def test_verify_rows_equal_the_one_row_steps(wide_tiles, attn_qkv):
+@pytest.mark.parametrize("attn_qkv,attn_merge", [(False, False), (True, False), (True, True)])
+def test_verify_rows_equal_the_one_row_steps(wide_tiles, attn_qkv, attn_merge, monkeypatch):
     """fp32, dense body, the Triton kernels in the interpreter: the hidden state of every row of a
     5-row step equals, bit for bit, the one-row step's at that position after the same tokens
     (context past the window: the ring wraps), and the head's logits of those rows too; the step
     still computes the ordinary step's function. attn_qkv: the KV-shared layers' q norm + RoPE in the
-    attention's split kernel (per-position tiles) in both steps."""
+    attention's split kernel (per-position tiles) in both steps; attn_merge: the sliding layers' splits
+    merged in the split kernel (no combine launch there; the full layers' partials are too many) in both."""
     from fastgemma.transforms.sampler import FusedArgmax
 
-    model, t = _invariant_model(attn_qkv=attn_qkv)
+    model, t = _invariant_model(attn_qkv=attn_qkv, attn_merge=attn_merge)
     assert t.describe()["batch_invariant"] and model.batch_invariant
+    combines, kernel = [], da._combine_kernel
+
+    class Launches:  # the combine's launches: their grids' row tiles ([B * Hkv, tiles, D blocks])
+        def __getitem__(self, grid):
+            combines.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(da, "_combine_kernel", Launches())
     prompt, toks = torch.tensor([list(range(5, 27))]), torch.tensor([[40, 41, 42, 43, 44]])
     caches = [KVCache(SMALL, 1, 64, dtype=torch.float32) for _ in range(3)]
     for c in caches:
         Generator(model, c, prefill_chunk=32).prefill(prompt)
     P = prompt.shape[1]
+    combines.clear()
     wide = model.step(toks, torch.arange(P, P + 5)[None], caches[0])  # [1, 5, H]
+    if attn_qkv:  # the tiny model's one split layer: its combine, or none where the splits merge
+        assert (len(combines) == 0) == attn_merge, combines
     one = torch.cat([model.step(toks[:, i:i + 1], torch.tensor([[P + i]]), caches[1]) for i in range(5)], 1)
     assert torch.equal(wide, one)
     sampler = FusedArgmax("triton")
