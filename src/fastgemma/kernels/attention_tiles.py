@@ -177,7 +177,9 @@ def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, til
     block_m = min(64, max(16, triton.next_power_of_2(G if per_position else G * T)))
     pos_q = 1 if moving_lo else max(1, block_m // G)
     row_tiles = triton.cdiv(T - 1, pos_q) + 1 if per_position else triton.cdiv(G * T, block_m)
-    tiles = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv else _tiles(D, block_m))
+    # per_position with q as given (the batch-invariant store layers) takes the q/k/v mode's tiles too: the
+    # sliding layers' 32 keys at 8 warps, so as many splits as their KV-shared layers (not `_tiles`' 64 keys)
+    tiles = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv or per_position else _tiles(D, block_m))
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, tiles[0], sm_count(device))
     # QKV 2: one split more, for the step's own rows
