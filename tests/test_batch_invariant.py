@@ -57,6 +57,24 @@ def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, T, firs
                       {"QKV": 2}, True)
 
 
+def test_store_layers_per_position_split_like_the_query_layers(monkeypatch):
+    """At E4B's shapes (132 multiprocessors, the window-188 ring of 204 slots) the batch-invariant store
+    layers' per-position tiles (q as given) are the q/k/v mode's: a sliding layer's 32 keys at 8 warps in 7
+    splits, as its KV-shared layers take (`_tiles`' 64 keys in 4 splits: the invariant AR step 26-28 us slower, runs
+    MS, MT); a
+    full layer's as before; the ordinary launches keep `_tiles`."""
+    import fastgemma.kernels.attention_tiles as at
+
+    monkeypatch.setattr(at, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    for D, S in ((256, 204), (512, 512)):
+        store = at._plan((1, 8, 8, D), S, 2, 0, None, True, None, cpu)
+        query = at._plan((1, 8, 8, D), S, 2, 1, None, True, None, cpu)
+        assert store[1:4] == query[1:4], (D, store, query)
+    assert at._plan((1, 8, 8, 256), 204, 2, 0, None, True, None, cpu)[2:4] == ((32, 8, 2), 7)
+    assert at._plan((1, 8, 8, 256), 204, 2, 0, None, False, None, cpu)[2] == at._tiles(256, 32)
+
+
 @pytest.mark.parametrize("ring,S,window,splits,first", [(True, 40, 24, None, 63), (False, 256, 0, 3, 187),
                                                      (False, 256, 0, None, 193)])
 def test_query_only_qkv_mode_per_position(ring, S, window, splits, first):
