@@ -60,9 +60,8 @@ def test_per_position_tiles_equal_one_row_calls(ring, S, window, splits, T, firs
 def test_store_layers_per_position_split_like_the_query_layers(monkeypatch):
     """At E4B's shapes (132 multiprocessors, the window-188 ring of 204 slots) the batch-invariant store
     layers' per-position tiles (q as given) are the q/k/v mode's: a sliding layer's 32 keys at 8 warps in 7
-    splits, as its KV-shared layers take (`_tiles`' 64 keys in 4 splits: the invariant AR step 26-28 us slower, runs
-    MS, MT); a
-    full layer's as before; the ordinary launches keep `_tiles`."""
+    splits, as its KV-shared layers take (`_tiles`' 64 keys in 4 splits: the invariant AR step 26-28 us slower,
+    runs MS, MT); a full layer's as before; the ordinary launches keep `_tiles`."""
     import fastgemma.kernels.attention_tiles as at
 
     monkeypatch.setattr(at, "sm_count", lambda device: 132)
