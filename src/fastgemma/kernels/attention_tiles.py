@@ -178,7 +178,8 @@ def _plan(shape, S: int, Hkv: int, qkv: int, num_splits, per_position: bool, til
     pos_q = 1 if moving_lo else max(1, block_m // G)
     row_tiles = triton.cdiv(T - 1, pos_q) + 1 if per_position else triton.cdiv(G * T, block_m)
     # per_position with q as given (the batch-invariant store layers) takes the q/k/v mode's tiles too: the
-    # sliding layers' 32 keys at 8 warps, so as many splits as their KV-shared layers (not `_tiles`' 64 keys)
+    # sliding layers' 32 keys at 8 warps, so as many splits as their KV-shared layers (not `_tiles`' 64 keys in 4
+    # splits: the invariant AR step -26 to -28 us, the k=7 step -14 to -21 us on an H100, runs MS, MT)
     tiles = tiles or (_qkv_tiles(D, block_m, S, qkv == 2) if qkv or per_position else _tiles(D, block_m))
     if num_splits is None:
         num_splits = pick_num_splits(B, Hkv, 1 if per_position else row_tiles, S, tiles[0], sm_count(device))
