@@ -147,15 +147,15 @@ def test_verify_rows_equal_the_one_row_steps(wide_tiles, attn_qkv, attn_merge, m
     5-row step equals, bit for bit, the one-row step's at that position after the same tokens
     (context past the window: the ring wraps), and the head's logits of those rows too; the step
     still computes the ordinary step's function. attn_qkv: the KV-shared layers' q norm + RoPE in the
-    attention's split kernel (per-position tiles) in both steps; attn_merge: the sliding layers' splits
-    merged in the split kernel (no combine launch there; the full layers' partials are too many) in both."""
+    attention's split kernel (per-position tiles) in both steps; attn_merge: the splits merged in the
+    split kernel where a tile's partials are few (no combine launch left in this model) in both."""
     from fastgemma.transforms.sampler import FusedArgmax
 
     model, t = _invariant_model(attn_qkv=attn_qkv, attn_merge=attn_merge)
     assert t.describe()["batch_invariant"] and model.batch_invariant
     combines, kernel = [], da._combine_kernel
 
-    class Launches:  # the combine's launches: their grids' row tiles ([B * Hkv, tiles, D blocks])
+    class Launches:  # the attention combine's launches (their grids)
         def __getitem__(self, grid):
             combines.append(grid)
             return kernel[grid]
