@@ -38,6 +38,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 TINY = GEMMA4_TINY
 
 
+class Launches:
+    """Stands in for a Triton kernel (`kernel[grid](...)`), counting its launches in `n`."""
+
+    def __init__(self, kernel):
+        self.kernel, self.n = kernel, 0
+
+    def __getitem__(self, grid):
+        self.n += 1
+        return self.kernel[grid]
+
+
 @pytest.fixture
 def wide_tiles(monkeypatch):
     """Wide default tiles for the GEMV / int4 / skinny / rows kernels: the interpreter runs programs one

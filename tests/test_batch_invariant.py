@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastgemma.kernels.decode_attention as da  # conftest.py set TRITON_INTERPRET=1 before this import
-from conftest import TINY
+from conftest import TINY, Launches
 from fastgemma.engine.cache import KVCache
 from fastgemma.engine.generator import Generator
 from fastgemma.model.config import FULL, SLIDING
@@ -153,23 +153,17 @@ def test_verify_rows_equal_the_one_row_steps(wide_tiles, attn_qkv, attn_merge, m
 
     model, t = _invariant_model(attn_qkv=attn_qkv, attn_merge=attn_merge)
     assert t.describe()["batch_invariant"] and model.batch_invariant
-    combines, kernel = [], da._combine_kernel
-
-    class Launches:  # the attention combine's launches (their grids)
-        def __getitem__(self, grid):
-            combines.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(da, "_combine_kernel", Launches())
+    combines = Launches(da._combine_kernel)  # the attention combine's launches
+    monkeypatch.setattr(da, "_combine_kernel", combines)
     prompt, toks = torch.tensor([list(range(5, 27))]), torch.tensor([[40, 41, 42, 43, 44]])
     caches = [KVCache(SMALL, 1, 64, dtype=torch.float32) for _ in range(3)]
     for c in caches:
         Generator(model, c, prefill_chunk=32).prefill(prompt)
     P = prompt.shape[1]
-    combines.clear()
+    combines.n = 0
     wide = model.step(toks, torch.arange(P, P + 5)[None], caches[0])  # [1, 5, H]
     if attn_qkv:  # the tiny model's one split layer: its combine, or none where the splits merge
-        assert (len(combines) == 0) == attn_merge, combines
+        assert (combines.n == 0) == attn_merge, combines.n
     one = torch.cat([model.step(toks[:, i:i + 1], torch.tensor([[P + i]]), caches[1]) for i in range(5)], 1)
     assert torch.equal(wide, one)
     sampler = FusedArgmax("triton")

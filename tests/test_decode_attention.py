@@ -11,6 +11,7 @@ import torch
 import fastgemma.kernels.attention_tiles as at
 
 import fastgemma.kernels.decode_attention as da  # conftest.py set TRITON_INTERPRET=1 before this import
+from conftest import Launches
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}  # (atol, rtol)
 
@@ -198,17 +199,6 @@ def test_merge_in_split_matches_combine(case):
     assert int(arrival_counters(q.device, 1).count_nonzero()) == 0
 
 
-class _Launches:
-    """Stands in for a kernel (`kernel[grid](...)`), counting its launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.n = kernel, 0
-
-    def __getitem__(self, grid):
-        self.n += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("splits,D,merged", [(7, 256, True), (8, 256, True), (9, 256, False), (4, 512, True),
                                              (5, 512, False)])
 def test_merge_only_where_the_partials_are_few(monkeypatch, splits, D, merged):
@@ -223,7 +213,7 @@ def test_merge_only_where_the_partials_are_few(monkeypatch, splits, D, merged):
     v = torch.randn(B, S, Hkv, D, generator=gen)
     q_pos = torch.tensor([[90]])
     combined = da.decode_attention(q, k, v, q_pos, None, 0, num_splits=splits)
-    launches = _Launches(da._combine_kernel)
+    launches = Launches(da._combine_kernel)
     monkeypatch.setattr(da, "_combine_kernel", launches)
     got = da.decode_attention(q, k, v, q_pos, None, 0, num_splits=splits, merge=True)
     assert launches.n == (0 if merged else 1)

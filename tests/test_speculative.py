@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, Launches
 from fastgemma.engine.cache import KVCache
 from fastgemma.engine.generator import Generator, GenerationError
 from fastgemma.engine.speculative import (
@@ -310,21 +310,15 @@ def test_fused_drafter_step_matches_the_drafter(model, drafter, backend, wide_ti
     pos = torch.tensor([[ids.shape[1]]])
     rope = drafter.rope(pos, h.dtype)
     tok = torch.tensor([[42]])
-    combines, kernel = [], da._combine_kernel
-
-    class Launches:  # the attention's combine launches in the fused step: none where its splits merge
-        def __getitem__(self, grid):
-            combines.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(da, "_combine_kernel", Launches())
+    combines = Launches(da._combine_kernel)  # the attention's combine launches: none where its splits merge
+    monkeypatch.setattr(da, "_combine_kernel", combines)
     for _ in range(3):  # draft steps, each state fed to the next
         x = torch.cat([drafter.embed_input(tok, model.embed_tokens.weight), h], -1)
         g_ref, h_ref = drafter(x, rope, pos - 1, cache, decode_attention_ref)
-        combines.clear()
+        combines.n = 0
         g, hf = fused(x, rope, pos - 1, cache, decode_attention_ref)
         if attn_qkv:
-            assert (len(combines) == 0) == dmerge, combines
+            assert (combines.n == 0) == dmerge, combines.n
         assert (g - g_ref).abs().max().item() < 1e-4 and (hf - h_ref).abs().max().item() < 1e-4
         fused_forward, fused.fused_forward = fused.fused_forward, None
         g2, h2 = fused(x, rope, pos - 1, cache, decode_attention_ref)  # merged gate|up, unfused step
