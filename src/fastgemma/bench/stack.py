@@ -83,8 +83,7 @@ def int4_group_size(cfg) -> int:
 
 VARIANT_OPTS = {"attn_pdl": "attn_pdl", "qkv": "qkv_kernel", "attn_merge": "attn_merge", "mma": "int4_mma",
                 "attn_qkv": "attn_qkv", "inv": "batch_invariant", "dloop": "draft_loop", "fold": "norm_fold",
-                "afold": "attn_fold", "tail": "tail_norm", "start": "start_kernel", "dmerge": "draft_merge",
-                "flag": "flag_wait"}
+                "afold": "attn_fold", "tail": "tail_norm", "start": "start_kernel", "dmerge": "draft_merge"}
 MODEL_OPTS = ("ple",)  # variant options that change the model, not the fused step: 'ple' = ple=table
 STEP_OPTS = ("adv", "combo")  # variant options of the captured step: 'adv' = graphs.advance=kernel; 'combo' = the
 # body compiled with inductor's combo_kernels (independent small kernels horizontally fused into one launch)
@@ -105,8 +104,7 @@ def parse_variant(v: str) -> dict:
     o and gate|up and before the next q|k|v folded into those GEMVs; 'afold': attn_fold, with 'fold' and
     'attn_qkv' the sliding layers' attention combine folded into o; 'tail': tail_norm, the last update and final
     norm in kernels/residual_norm.py; 'start': start_kernel, the step's inputs in one launch; 'dmerge':
-    draft_merge, no combine launch in the MTP drafter's attention (bench.spec); 'flag': flag_wait, the norms after
-    the Triton tensor-core GEMMs wait on their arrival flags (verify pass, batch-invariant step); 'ple': not a step
+    draft_merge, no combine launch in the MTP drafter's attention (bench.spec); 'ple': not a step
     option, the model's PLE inputs from a table, transforms/ple.py, applied before quant; 'adv': the captured
     step's bookkeeping in one launch, kernels/step_advance.py; 'combo': the body compiled with inductor's
     combo_kernels) -> FuseLayers options."""

@@ -95,12 +95,12 @@ def mma_rows(x: torch.Tensor, weight: MmaWeight, res: torch.Tensor, post: torch.
         part = dict(NS=x.shape[1], PG=x.shape[2], PD=x.shape[3]) if lse is not None else {}
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, 1, N, N // 2, x.stride(0), out.stride(0), n_tiles,
                                  niter, res, res, post, pre, res, rows, parts, res, 0.0, float(offset),
-                                 lse if lse is not None else x, x, DEPTH=min(cfg.depth, K // cfg.warps // G),
+                                 lse if lse is not None else x, DEPTH=min(cfg.depth, K // cfg.warps // G),
                                  FRESH=cfg.fresh, ONE=niter == 1, **part, **common)
     else:
         grid = (triton.cdiv(n_tiles, cfg.iters),)
         _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, out, out, 1, N, N // 2, x.stride(0), out.stride(0),
-                                n_tiles, res, post, pre, rows, parts, float(offset), out, DEPTH=cfg.depth,
+                                n_tiles, res, post, pre, rows, parts, float(offset), DEPTH=cfg.depth,
                                 ITERS=cfg.iters, S=1, **common)
     return out, rows, parts
 
@@ -141,7 +141,7 @@ def mma_fold(rows: torch.Tensor, parts: torch.Tensor, weight: MmaWeight, res: to
     niter = triton.cdiv(n_tiles, grid[0])
     _mma_stream_kernel[grid](rows, weight.words, weight.sz, out, 2, N, N // 2, K, out.stride(0), n_tiles,
                              niter, res, y, post, res, scale if scale is not None else res,
-                             rows, parts, h, float(eps), float(offset), rows, rows,
+                             rows, parts, h, float(eps), float(offset), rows,
                              K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                              DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
                              FOLD=2, NPART=parts.shape[0], NP2=parts_block(parts.shape[0]),

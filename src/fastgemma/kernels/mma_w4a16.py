@@ -36,8 +36,7 @@ import triton
 import triton.language as tl
 
 from .attn_fold import _col_sum, _part_group_ptrs, _part_weights, _part_x_ptrs
-from .counters import arrival_counters, arrival_flag
-from .flag_wait import _raise_flag
+from .counters import arrival_counters
 from .fused_gemv import _gelu_tanh, _layer_scale, _rnd
 from .gemv import _INTERPRET, _pdl_trigger, _pdl_wait, pdl_args
 from .int4_pack import dequantize_int4, pack_scale_zero
@@ -336,7 +335,7 @@ def _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T: tl.conste
     """K split sp's sums y of program tile `it` -> ws [tiles, S, T*32, 4] fp32; the tile's last program
     to arrive (its counter, acq_rel at GPU scope, after a barrier so every thread's part is written)
     adds the S partials in split order, so the sum does not depend on which program came last,
-    stores it through the epilogue and zeroes the counter for the next launch -> whether this program stored."""
+    stores it through the epilogue and zeroes the counter for the next launch."""
     rt = tl.arange(0, T * 32)[:, None]
     c2 = tl.arange(0, 4)[None, :]
     ws_ptrs = ws_ptr + it * (S * T * 128) + rt * 4 + c2
@@ -349,20 +348,18 @@ def _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T: tl.conste
             tot += tl.load(ws_ptrs + s * (T * 128), cache_modifier=".cg")
         _tile_store(tot, it, True, out_ptr, M, stride_om, T, EPI)
         tl.store(cnt_ptr + it, 0)
-    return arrived == S - 1
 
 
 @triton.jit
 def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF, stride_xm, stride_om, NPT,
-                      f_res, f_post, f_pre, f_rows, f_parts, off, flag_ptr,
+                      f_res, f_post, f_pre, f_rows, f_parts, off,
                       K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                       DEPTH: tl.constexpr, ITERS: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr,
-                      EMU: tl.constexpr, FOLD: tl.constexpr = 0, FLAG: tl.constexpr = False):
+                      EMU: tl.constexpr, FOLD: tl.constexpr = 0):
     """Program p takes program tiles p, p + P, ... (ITERS of them, P programs; NPT tiles in all), the
     next one's words loaded before the current one is summed (ITERS > 1 loads whole tiles). S > 1
     (ITERS 1): programs p*S .. p*S + S - 1 each take 1/S of tile p's K, `_split_fixup` adds them.
-    FOLD 1 (S 1, one row): the producer's store of kernels/norm_fold.py (the f_ arguments). FLAG: each program
-    that stored arrives at flag_ptr's flag (kernels/flag_wait.py; with S > 1 a tile's last split)."""
+    FOLD 1 (S 1, one row): the producer's store of kernels/norm_fold.py (the f_ arguments)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -393,26 +390,21 @@ def _mma_w4a16_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, HALF
         if FOLD == 1:
             _fold_store(y, it, it < NPT, out_ptr, fa, fpw, fp, f_rows, f_parts, N, off, T)
         elif S > 1:
-            stored = _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T, S, EPI)
-            if FLAG:
-                if stored:
-                    _raise_flag(flag_ptr, NPT)
+            _split_fixup(y, it, sp, ws_ptr, cnt_ptr, out_ptr, M, stride_om, T, S, EPI)
         else:
             _tile_store(y, it, it < NPT, out_ptr, M, stride_om, T, EPI)
         if j + 1 < ITERS:
             words, w_ptrs, sz_ptrs = nxt, nw_ptrs, nsz_ptrs
-    if FLAG and S == 1:
-        _raise_flag(flag_ptr, nprog)
 
 
 @triton.jit
 def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, stride_om, NPT, NITER,
-                       f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, flag_ptr,
+                       f_res, f_y, f_post, f_pre, f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr,
                        K: tl.constexpr, GROUP: tl.constexpr, T: tl.constexpr, W: tl.constexpr, EPI: tl.constexpr,
                        DEPTH: tl.constexpr, FRESH: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
                        FOLD: tl.constexpr = 0, NPART: tl.constexpr = 1, NP2: tl.constexpr = 1,
                        HAS_SCALE: tl.constexpr = False, HB: tl.constexpr = 128, ONE: tl.constexpr = False,
-                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1, FLAG: tl.constexpr = False):
+                       NS: tl.constexpr = 0, PG: tl.constexpr = 1, PD: tl.constexpr = 1):
     """Persistent: program p sums program tiles p, p + P, ... (P programs, a few per SM; NITER each, the
     ones past the last tile masked) as one stream of weight groups per warp, DEPTH groups in flight
     at every step, across tile boundaries: the source loads the next tile's first groups while the
@@ -424,8 +416,7 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
     order, the store combines the two columns, programs < K / HB write h. ONE
     (NITER 1: one tile per program): no loads of a next tile (fewer registers held into the store).
     NS > 0 (one output row): x is an attention's NS split partials [Hkv, NS, PG, PD] (bf16) with their
-    lse at lse_ptr, the combine folded in (kernels/attn_fold.py). FLAG: each program arrives at flag_ptr's flag
-    after its stores (kernels/flag_wait.py)."""
+    lse at lse_ptr, the combine folded in (kernels/attn_fold.py)."""
     _pdl_trigger(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -465,8 +456,6 @@ def _mma_stream_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, HALF, stride_xm, str
                                                 out_ptr, M, N, HALF, stride_om, NPT, f_res, f_y, f_post, f_pre,
                                                 f_scale, f_rows, f_parts, f_h, eps, off, lse_ptr, r, oj, K, GROUP, T,
                                                 W, EPI, DEPTH, FRESH, EMU, FOLD, HAS_SCALE, HB, ONE, NS, PG, PD)
-    if FLAG:
-        _raise_flag(flag_ptr, nprog)
 
 
 @triton.jit
@@ -555,11 +544,9 @@ def _check_x(x: torch.Tensor, K: int) -> None:
 
 
 def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config: MmaConfig | None = None,
-              pdl: bool = False, flag: bool = False) -> torch.Tensor:
+              pdl: bool = False) -> torch.Tensor:
     """x [M, K] bf16 (M <= 8) @ W^T -> [M, N] (geglu: [M, N/2]) bf16; with cfg.pairs the weight's words
-    are in the paired layout (`MmaWeight.from_codes(..., pairs=True)`), the output in the natural order.
-    flag (fuse.flag_wait, the Triton kernels): the last program to store raises the device's arrival flag
-    (kernels/flag_wait.py), which the kernel after it must take down (`residual_norm(flag=True)`)."""
+    are in the paired layout (`MmaWeight.from_codes(..., pairs=True)`), the output in the natural order."""
     N, K, G = weight.N, weight.K, weight.group_size
     _check_x(x, K)
     if epilogue not in EPILOGUES:
@@ -567,8 +554,6 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("mma_w4a16 runs on CUDA tensors (or with TRITON_INTERPRET=1); use mma_w4a16_ref")
     cfg = config or mma_config(N, K, x.shape[0], epilogue) or default_mma_config(N, K, G, epilogue)
-    if cfg.cuda and flag:
-        raise ValueError("mma_w4a16: flag (fuse.flag_wait) is the Triton kernels'; the CUDA entry has none")
     problem = config_problem(cfg, N, K, G, epilogue) or layout_problem(weight, cfg)
     if problem:
         raise ValueError(f"mma_w4a16: {problem}")
@@ -585,21 +570,19 @@ def mma_w4a16(x: torch.Tensor, weight: MmaWeight, epilogue: str = "none", config
         cnt = arrival_counters(x.device, n_tiles, "mma_w4a16 split-K")
     else:
         ws = cnt = out
-    flag_ptr = arrival_flag(x.device, "mma_w4a16") if flag else out
     if cfg.persist:
         grid = (persistent_programs(n_tiles, cfg.persist, x.device),)
         niter = triton.cdiv(n_tiles, grid[0])
         _mma_stream_kernel[grid](x, weight.words, weight.sz, out, M, N, N // 2, x.stride(0), out.stride(0), n_tiles,
-                                 niter, *([x] * 8), 0.0, 0.0, x, flag_ptr,
+                                 niter, *([x] * 8), 0.0, 0.0, x,
                                  K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
                                  DEPTH=min(cfg.depth, K // cfg.warps // G), FRESH=cfg.fresh, EMU=_INTERPRET,
-                                 ONE=niter == 1, FLAG=flag, **cfg.launch, **pdl_args(pdl, x.device))
+                                 ONE=niter == 1, **cfg.launch, **pdl_args(pdl, x.device))
         return out
     grid = (triton.cdiv(n_tiles, cfg.iters) * S,)
     _mma_w4a16_kernel[grid](x, weight.words, weight.sz, out, ws, cnt, M, N, N // 2, x.stride(0), out.stride(0),
-                            n_tiles, *([x] * 5), 0.0, flag_ptr, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi,
-                            DEPTH=cfg.depth, ITERS=cfg.iters, S=S, EMU=_INTERPRET, FLAG=flag, **cfg.launch,
-                            **pdl_args(pdl, x.device))
+                            n_tiles, *([x] * 5), 0.0, K=K, GROUP=G, T=cfg.tiles, W=cfg.warps, EPI=epi, DEPTH=cfg.depth,
+                            ITERS=cfg.iters, S=S, EMU=_INTERPRET, **cfg.launch, **pdl_args(pdl, x.device))
     return out
 
 
@@ -627,10 +610,10 @@ def mma_w4a16_ref(x, qweight, scales, zeros, group_size: int, epilogue: str = "n
 @torch.library.custom_op("fastgemma::mma_w4a16", mutates_args=())
 def mma_w4a16_op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, N: int, group_size: int, epilogue: str,
                  tiles: int, warps: int, depth: int, iters: int, splits: int, persist: int, fresh: bool, hw: int,
-                 regs: int, pairs: bool, cuda: bool, pdl: bool, flag: bool = False) -> torch.Tensor:
+                 regs: int, pairs: bool, cuda: bool, pdl: bool) -> torch.Tensor:
     weight = MmaWeight(words, sz, N, x.shape[1], group_size, pairs)
     return mma_w4a16(x, weight, epilogue,
-                     MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs, cuda), pdl, flag)
+                     MmaConfig(tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs, cuda), pdl)
 
 
 def config_args(cfg: MmaConfig) -> tuple:
@@ -641,6 +624,6 @@ def config_args(cfg: MmaConfig) -> tuple:
 
 @mma_w4a16_op.register_fake
 def _(x, words, sz, N, group_size, epilogue, tiles, warps, depth, iters, splits, persist, fresh, hw, regs, pairs,
-      cuda, pdl, flag=False):
+      cuda, pdl):
     return x.new_empty((x.shape[0], N // 2 if epilogue == "geglu" else N))
 

@@ -18,19 +18,16 @@ import triton
 import triton.language as tl
 
 from .fused_gemv import _h_values, _layer_scale, _rnd
-from .counters import arrival_flag
-from .flag_wait import _leave_flag, _wait_flag
 from .gemv import _pdl_trigger, _pdl_wait, pdl_args
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_ptr, flag_ptr,
+def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_ptr,
                           stride_a, stride_y, stride_h, stride_x, eps, off,
                           K: tl.constexpr, BLOCK: tl.constexpr, HAS_Y: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          HAS_PRE: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
-                          FLAG: tl.constexpr = False):
+                          HAS_PRE: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
     DT: tl.constexpr = a_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
@@ -46,25 +43,18 @@ def _residual_norm_kernel(a_ptr, y_ptr, post_ptr, scale_ptr, pre_ptr, h_ptr, x_p
         pre = tl.load(pre_ptr + k, mask=ok, other=0.0).to(tl.float32)
     if EARLY:  # the next GEMM launches now, its weights' loads ahead of its own wait under the GEMM before this
         _pdl_trigger(PDL)
-    if FLAG:  # the GEMM before raises its flag (kernels/flag_wait.py): reads from the L2
-        _wait_flag(flag_ptr)
-        CM: tl.constexpr = ".cg"
-    else:
-        _pdl_wait(PDL)  # a and y are the previous kernels' outputs
-        CM: tl.constexpr = ""
+    _pdl_wait(PDL)  # a and y are the previous kernels' outputs
     if not EARLY:
         _pdl_trigger(PDL)
-    h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0, cache_modifier=CM).to(tl.float32)
+    h = tl.load(a_ptr + row * stride_a + k, mask=ok, other=0.0).to(tl.float32)
     if HAS_Y:  # the one-row prologue's residual update (fused_gemv._h_values), the row as one block
-        y = tl.load(y_ptr + row * stride_y + k, mask=ok, other=0.0, cache_modifier=CM).to(tl.float32)
+        y = tl.load(y_ptr + row * stride_y + k, mask=ok, other=0.0).to(tl.float32)
         inv_y = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / K + eps)
         h = _h_values(h, y, post, inv_y, scale, off, HAS_SCALE, DT)
         tl.store(h_ptr + row * stride_h + k, h.to(DT), mask=ok)
     if HAS_PRE:
         inv_x = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
         tl.store(x_ptr + row * stride_x + k, _rnd(h * inv_x * (pre + off), DT).to(DT), mask=ok)
-    if FLAG:
-        _leave_flag(flag_ptr, tl.num_programs(0))
 
 
 def _check(a, y, post, scale, pre):
@@ -83,16 +73,12 @@ def _check(a, y, post, scale, pre):
 
 
 def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, offset: float = 0.0,
-                  pdl: bool = False, early: bool = False, flag: bool = False):
+                  pdl: bool = False, early: bool = False):
     """a, y [M, K] (rows contiguous), post / pre [K], scale [1] -> (h [M, K] or None without y,
     x [M, K] or None without pre); see the module docstring. `pdl` (sm90+): programmatic dependent
     launch (this one waits for the previous kernel before it reads, then lets the next launch; `early`: lets
-    it launch first, so the next kernel's loads before its own wait overlap the kernel before this one).
-    flag (fuse.flag_wait): the kernel before is a GEMM that raises the device's arrival flag (kernels/flag_wait.py,
-    `mma_w4a16(flag=True)`) and this one waits on the flag instead of that GEMM's grid end."""
+    it launch first, so the next kernel's loads before its own wait overlap the kernel before this one)."""
     _check(a, y, post, scale, pre)
-    if flag and y is None:
-        raise ValueError("residual_norm: flag waits for the GEMM that made y; without y there is none")
     if not (a.is_cuda or _INTERPRET):
         raise RuntimeError("residual_norm runs on CUDA tensors (or with TRITON_INTERPRET=1); use residual_norm_ref")
     a = a if a.stride(1) == 1 else a.contiguous()
@@ -104,11 +90,10 @@ def residual_norm(a, y=None, post=None, scale=None, pre=None, *, eps: float, off
     _residual_norm_kernel[(M,)](
         a, y if y is not None else a, post if post is not None else a, scale if scale is not None else a,
         pre if pre is not None else a, h if h is not None else a, x if x is not None else a,
-        arrival_flag(a.device, "residual_norm") if flag else a,
         a.stride(0), y.stride(0) if y is not None else 0, h.stride(0) if h is not None else 0,
         x.stride(0) if x is not None else 0, float(eps), float(offset),
         K=K, BLOCK=block, HAS_Y=y is not None, HAS_SCALE=scale is not None, HAS_PRE=pre is not None,
-        EARLY=early, FLAG=flag, num_warps=max(1, min(8, block // 512)), **pdl_args(pdl, a.device),
+        EARLY=early, num_warps=max(1, min(8, block // 512)), **pdl_args(pdl, a.device),
     )
     return h, x
 
@@ -137,12 +122,12 @@ def residual_norm_ref(a, y=None, post=None, scale=None, pre=None, *, eps: float,
 @torch.library.custom_op("fastgemma::residual_norm", mutates_args=())
 def residual_norm_op(a: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None, scale: torch.Tensor | None,
                      pre: torch.Tensor | None, eps: float, offset: float,
-                     pdl: bool = False, early: bool = False, flag: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    h, x = residual_norm(a, y, post, scale, pre, eps=eps, offset=offset, pdl=pdl, early=early, flag=flag)
+                     pdl: bool = False, early: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    h, x = residual_norm(a, y, post, scale, pre, eps=eps, offset=offset, pdl=pdl, early=early)
     return (h if h is not None else a.new_empty(0)), (x if x is not None else a.new_empty(0))
 
 
 @residual_norm_op.register_fake
-def _(a, y, post, scale, pre, eps, offset, pdl=False, early=False, flag=False):
+def _(a, y, post, scale, pre, eps, offset, pdl=False, early=False):
     return (torch.empty_like(a) if y is not None else a.new_empty(0),
             torch.empty_like(a) if pre is not None else a.new_empty(0))

@@ -37,10 +37,7 @@ alone (the target's steps keep the combine, and with it their rounding);
 `attn_qkv=True` does the q/k/v norms, RoPE and cache writes inside the attention's split kernel
 (kernels/decode_attention.py's q/k/v mode) in the one-row step and the drafter's step;
 `attn_tiles` (e.g. "full_store:32x16s2") sets that mode's tiles per layer kind instead of the
-kernel's own choice (`attention_tiles.parse_qkv_tiles`), so tile choices compare in one process;
-`flag_wait=True` (with int4_mma) has each residual norm after a GEMM on the Triton tensor-core kernel wait on
-that GEMM's arrival flag instead of its grid's end (kernels/flag_wait.py) in the verify pass and the
-batch-invariant one-row step.
+kernel's own choice (`attention_tiles.parse_qkv_tiles`), so tile choices compare in one process.
 """
 from __future__ import annotations
 
@@ -65,7 +62,7 @@ class FuseLayers:
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
                  attn_fold: bool = False, tail_norm: bool = False, start_kernel: bool = False,
-                 draft_merge: bool = False, flag_wait: bool = False):
+                 draft_merge: bool = False):
         from ..kernels.attention_tiles import parse_qkv_tiles
 
         if backend not in ("triton", "torch"):
@@ -92,10 +89,6 @@ class FuseLayers:
         if attn_fold and not batch_invariant and not (norm_fold and attn_qkv):  # (batch_invariant: off with the fold)
             raise ValueError("fuse.attn_fold folds the attention's combine into o as the norm fold's producer: it "
                              "needs fuse.norm_fold=true and fuse.attn_qkv=true")
-        if flag_wait and not int4_mma:
-            raise ValueError("fuse.flag_wait has the tensor-core int4 GEMMs raise the flag the norm after them waits "
-                             "on: it needs fuse.int4_mma=true")
-        self.flag_wait = bool(flag_wait)
         self.norm_fold = bool(norm_fold)
         self.attn_fold = bool(attn_fold) and self.norm_fold
         self.batch_invariant = bool(batch_invariant)
@@ -142,7 +135,6 @@ class FuseLayers:
         # layer's q/k/v mode sums a step's own rows in a split of their own, and which rows those are depends
         # on where the step began
         body = dict(step, int4_mma=self.int4_mma and self.backend == "triton", batch_invariant=self.batch_invariant,
-                    flag_wait=self.flag_wait,
                     attn_qkv=step["attn_qkv"] and not self.batch_invariant,
                     query_qkv=step["attn_qkv"] and self.batch_invariant)
         model.fused_decode = functools.partial(fused_decode, gemv=gemv, gemv4=gemv4,
@@ -230,5 +222,4 @@ class FuseLayers:
                 "draft_merge": self.draft_merge, "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv,
                 "batch_invariant": self.batch_invariant, "draft_loop": self.draft_loop,
                 "attn_tiles": qkv_tiles_text(self.attn_tiles), "norm_fold": self.norm_fold, "attn_fold": self.attn_fold,
-                "tail_norm": self.tail_norm, "start_kernel": self.start_kernel, "flag_wait": self.flag_wait,
-                "verify_epilogues": True}
+                "tail_norm": self.tail_norm, "start_kernel": self.start_kernel, "verify_epilogues": True}

@@ -60,26 +60,15 @@ def _no_invariant_config(mod, epilogue: str) -> ValueError:
                       "kernels/mma_table.MMA_CONFIGS or INVARIANT_CONFIGS)")
 
 
-def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = False, flag: bool = False):
-    """x [M, K] through kernels/mma_w4a16.py with `cfg` (None: `_mma_cfg`'s); None where it has none. flag: its
-    last program raises the arrival flag (`_raises_flag` said it runs on the Triton kernel)."""
+def _mma_call(mod, x, epilogue: str, pdl: bool, cfg=None, invariant: bool = False):
+    """x [M, K] through kernels/mma_w4a16.py with `cfg` (None: `_mma_cfg`'s); None where it has none."""
     from ..kernels.mma_w4a16 import config_args, mma_w4a16_op
 
     cfg = cfg or _mma_cfg(mod, x.shape[0], epilogue, x.dtype, invariant)
     if cfg is None:
         return None
     return mma_w4a16_op(x, mod.mma_words, mod.mma_sz, mod.out_features, mod.group_size, epilogue, *config_args(cfg),
-                        pdl, flag)
-
-
-def _raises_flag(mod, M: int, epilogue: str, dtype, invariant: bool) -> bool:
-    """fuse.flag_wait: whether `mod` at M rows runs on the Triton tensor-core kernel (not the CUDA entry, not
-    another kernel), which can raise the arrival flag that the residual norm after it waits on
-    (kernels/flag_wait.py); the steps pass the answer to both launches, so every raised flag is taken down."""
-    from .quant import Int4Linear
-
-    cfg = _mma_cfg(mod, M, epilogue, dtype, invariant)
-    return cfg is not None and not cfg.cuda and isinstance(mod, Int4Linear) and mod.backend == "triton"
+                        pdl)
 
 
 def _early_norm(cfg) -> bool:
@@ -89,27 +78,23 @@ def _early_norm(cfg) -> bool:
     return cfg is not None and cfg.cuda
 
 
-def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool, early: bool = False,
-                   flag: bool = False):
+def _residual_norm(a, y, post, scale, pre, eps: float, off: float, triton_ops: bool, pdl: bool, early: bool = False):
     """kernels/residual_norm.py's rows (triton_ops) or its twin -> (h, x); early: the kernel lets the next one launch
-    before its own wait (`_early_norm`); flag: it waits on the arrival flag of the GEMM that made y."""
+    before its own wait (`_early_norm`)."""
     from ..kernels.residual_norm import residual_norm_op, residual_norm_ref
 
     if triton_ops:
-        return residual_norm_op(a, y, post, scale, pre, eps, off, pdl, early, flag)
+        return residual_norm_op(a, y, post, scale, pre, eps, off, pdl, early)
     return residual_norm_ref(a, y, post, scale, pre, eps=eps, offset=off)
 
 
-def _final_norm(res, y, norm, scale, final, eps: float, off: float, kernel: bool, triton_ops: bool, pdl: bool,
-                flag: bool = False):
+def _final_norm(res, y, norm, scale, final, eps: float, off: float, kernel: bool, triton_ops: bool, pdl: bool):
     """The last layer's residual update and the model's final norm: final((res + norm(y)) * scale), in
     kernels/residual_norm.py's kernel (its twin without triton_ops) where `kernel`, else through the modules (a
-    compiled step: inductor's ops) -> the normed row. flag: the kernel waits on y's GEMM's arrival flag."""
+    compiled step: inductor's ops) -> the normed row."""
     if kernel:
         return _residual_norm(res.reshape(1, -1), y.reshape(1, -1), norm.weight, scale, final.weight, eps, off,
-                              triton_ops, pdl, flag=flag)[1]
-    if flag:
-        raise RuntimeError("a raised arrival flag needs the final norm's kernel to take it down")
+                              triton_ops, pdl)[1]
     return final((res + norm(y)) * scale)
 
 
@@ -127,8 +112,7 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
     from .quant import Int4Linear
     from .quant_int8 import Int8Linear
 
-    def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none", flag_out=False, flag_in=False):
-        # flag_out: the GEMV raises the arrival flag; flag_in: the norm before it waits on it (`_raises_flag`)
+    def call(a, mod, y=None, post=None, scale=None, pre=None, aux=None, epilogue="none"):
         if isinstance(mod, Int8Linear):
             if triton_ops:
                 return fused_w8a16_op(a, mod.qweight, mod.scales, y, post, scale, pre, aux, eps, off, epilogue, pdl)
@@ -138,19 +122,15 @@ def _caller(gemv, gemv4, pdl: bool, eps: float, off: float, mma: bool = False, i
         dense = invariant and not isinstance(mod, Int4Linear)
         if invariant and isinstance(mod, Int4Linear) and cfg is None and triton_ops:
             raise _no_invariant_config(mod, epilogue)
-        if flag_in and not ((cfg is not None or dense) and y is not None):
-            raise RuntimeError("a raised arrival flag needs the residual norm's own launch to take it down")
-        if flag_out and cfg is None:
-            raise RuntimeError("the arrival flag is raised by the tensor-core kernel only")
         if cfg is not None or dense:
             a2, h = a.reshape(1, -1), None
             if y is not None or pre is not None:
                 h, x = _residual_norm(a2, y.reshape(1, -1) if y is not None else None, post, scale, pre, eps, off,
-                                      triton_ops, pdl, _early_norm(cfg), flag_in)
+                                      triton_ops, pdl, _early_norm(cfg))
                 a2 = x if pre is not None else h
                 h = h if y is not None else None
             if cfg is not None:
-                return _mma_call(mod, a2, epilogue, pdl, cfg, flag=flag_out), h
+                return _mma_call(mod, a2, epilogue, pdl, cfg), h
             return _dense_rows(a2, mod.weight, epilogue, aux.reshape(1, -1) if aux is not None else None, pdl,
                                triton_ops), h
         if isinstance(mod, Int4Linear):

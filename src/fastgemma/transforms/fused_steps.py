@@ -12,14 +12,14 @@ from torch import nn
 from .fuse import MergeProjections
 from .fused_layer_ops import (_attend_qkv, _attn_splits, _caller, _dense_rows, _embed, _final_norm, _finish_q, _Fold,
                               _early_norm, _layer_linears, _mma_call, _mma_cfg, _no_invariant_config, _qkv_attend,
-                              _raises_flag, _residual_norm)
+                              _residual_norm)
 
 
 def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_kernel: bool = False,
                  attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
                  batch_invariant: bool = False, triton_ops: bool = True, attn_tiles: dict | None = None,
                  norm_fold: bool = False, attn_fold: bool = False, query_qkv: bool = False, tail_norm: bool = False,
-                 start_kernel: bool = False, flag_wait: bool = False):
+                 start_kernel: bool = False):
     """One-row static step -> final-norm hidden [1, 1, hidden]. gemv / gemv4: the dense / int4
     fused ops (fused_gemv_op, fused_w4a16_op) or their twins. attn_pdl: the attention kernels launch
     with programmatic dependent launch too; attn_merge: the split kernel merges its partials, no
@@ -42,9 +42,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
     pass's kernel, its rounding; batch_invariant takes it anyway) instead of the compiled torch ops;
     start_kernel (Triton, not batch_invariant): the token's embedding, the first q|k|v's input norm where the
     tensor-core kernel takes it (its prologue's own launch otherwise), ple=table's row, the RoPE cos / sin and the
-    ring slot in one launch (kernels/step_start.py); flag_wait (batch_invariant, int4_mma, Triton): each residual
-    norm after a GEMV on the Triton tensor-core kernel waits on its arrival flag (kernels/flag_wait.py), not its
-    grid's end."""
+    ring slot in one launch (kernels/step_start.py)."""
     c = model.config
     layers = list(model.layers)
     xn0 = None  # the first q|k|v's normed input, where the start kernel made it
@@ -56,16 +54,11 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
         x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
         store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     call = _caller(gemv, gemv4, pdl, c.rms_eps, c.norm_offset, int4_mma, batch_invariant, triton_ops)
-    flags, dt = flag_wait and batch_invariant and int4_mma and triton_ops, x.dtype
-
-    def raises(mod):  # the GEMV raises the arrival flag for the norm after it
-        return flags and _raises_flag(mod, 1, "none", dt, True)
-
     fold = _Fold(c.rms_eps, c.norm_offset, pdl) if norm_fold and int4_mma and triton_ops and not batch_invariant \
         else None
     h = x.reshape(1, -1)
-    # a residual update not yet applied: (res, y, norm, scale, rows, parts, flag): h = (res + norm(y)) * scale;
-    # rows / parts: the fold's, when the GEMV that made y was its producer (else None); flag: y's GEMV raised it
+    # a residual update not yet applied: (res, y, norm, scale, rows, parts): h = (res + norm(y)) * scale;
+    # rows / parts: the fold's, when the GEMV that made y was its producer (else None)
     pend = None
     for i, layer in enumerate(layers):
         lin = _layer_linears(i, layer)
@@ -75,7 +68,7 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
         elif pend[4] is not None:
             qkv, h = fold.consume(lin["in"], pend[4], pend[5], pend[0], pend[1], pend[2].weight, pend[3])
         else:
-            qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre, flag_in=pend[6])
+            qkv, h = call(pend[0], lin["in"], pend[1], pend[2].weight, pend[3], pre)
         folds_o = fold is not None and fold.pair(lin["o"], lin["gate_up"], "geglu")
         at = layer.self_attn
         attn_parts = (folds_o and attn_fold and attn_qkv and fold.takes_parts(
@@ -87,32 +80,29 @@ def fused_decode(model, ids, pos, cache, gemv, gemv4, pdl: bool = False, qkv_ker
             o, rows, parts = fold.produce(attn, lin["o"], h, post_a, pre_f)
             act, h = fold.consume(lin["gate_up"], rows, parts, h, o, post_a, None, "geglu")
         else:
-            fo = raises(lin["o"])
-            o, _ = call(attn.reshape(1, -1), lin["o"], flag_out=fo)
-            act, h = call(h, lin["gate_up"], o, post_a, None, pre_f, epilogue="geglu", flag_in=fo)
+            o, _ = call(attn.reshape(1, -1), lin["o"])
+            act, h = call(h, lin["gate_up"], o, post_a, None, pre_f, epilogue="geglu")
         # the next layer's q|k|v (or q) and its norm: a consumer of the GEMV that ends this layer?
         nxt = (_layer_linears(i + 1, layers[i + 1])["in"], layers[i + 1].input_layernorm.weight) \
             if fold is not None and i + 1 < len(layers) else None
         last = lin["ple_proj"] if layer.ple else lin["down"]
         folds = nxt is not None and fold.pair(last, nxt[0], "none")
         if layer.ple:
-            fd = raises(lin["down"])
-            dn, _ = call(act, lin["down"], flag_out=fd)
+            dn, _ = call(act, lin["down"])
             g, h = call(h, lin["ple_gate"], dn, layer.post_feedforward_layernorm.weight, aux=ple[0, 0, i],
-                        epilogue="gelu_mul", flag_in=fd)
+                        epilogue="gelu_mul")
             norm, x_last = layer.post_per_layer_input_norm, g
         else:
             norm, x_last = layer.post_feedforward_layernorm, act
         if folds:
             y, rows, parts = fold.produce(x_last, last, h, norm.weight, nxt[1])
-            pend = (h, y, norm, layer.layer_scalar, rows, parts, False)
+            pend = (h, y, norm, layer.layer_scalar, rows, parts)
         else:
-            fl = raises(last)
-            y, _ = call(x_last, last, flag_out=fl)
-            pend = (h, y, norm, layer.layer_scalar, None, None, fl)
+            y, _ = call(x_last, last)
+            pend = (h, y, norm, layer.layer_scalar, None, None)
     # the last layer's update (no GEMV follows it); batch_invariant: in the verify pass's kernel
     return _final_norm(*pend[:4], model.norm, c.rms_eps, c.norm_offset, batch_invariant or tail_norm, triton_ops,
-                       pdl, pend[6]).reshape(1, 1, -1)
+                       pdl).reshape(1, 1, -1)
 
 
 def _start(model, ids, pos, cache, layer0, int4_mma: bool):
@@ -149,7 +139,7 @@ def _int4_epilogue(mod, x2, epilogue: str, a2, triton: bool, pdl: bool):
     return w4a16_epilogue_op(x2, *w, epilogue, a2, mod.sz, pdl)
 
 
-def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False, flag: bool = False,
+def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl: bool = False,
                    int4_mma: bool = False, invariant: bool = False):
     """mod(x) [B, T, N] through `epilogue` (kernels.w4a16.apply_epilogue), in the GEMM's store where a
     kernel can: the int4 per-group kernel (Int4Linear), `_dense_rows` (small dense weights, <= 16
@@ -170,11 +160,9 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
     a2 = None if aux is None else aux.reshape(x2.shape[0], -1)
     if isinstance(mod, Int4Linear):
         triton = triton_ops and mod.backend == "triton"
-        y = _mma_call(mod, x2, epilogue, pdl, invariant=invariant, flag=flag) if int4_mma and triton else None
+        y = _mma_call(mod, x2, epilogue, pdl, invariant=invariant) if int4_mma and triton else None
         if y is None and invariant and triton:
             raise _no_invariant_config(mod, epilogue)
-        if y is None and flag:
-            raise RuntimeError("the arrival flag is raised by the tensor-core kernel only")
         if y is None:
             y = _int4_epilogue(mod, x2, epilogue, a2, triton, pdl)
     elif epilogue == "none" and not invariant:
@@ -191,7 +179,7 @@ def _epilogue_call(mod, x, epilogue: str, aux=None, triton_ops: bool = True, pdl
 def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: bool = True, pdl: bool = False,
                  qkv_kernel: bool = False, attn_pdl: bool = False, attn_merge: bool = False, int4_mma: bool = False,
                  attn_qkv: bool = False, batch_invariant: bool = False, attn_tiles: dict | None = None,
-                 query_qkv: bool = False, flag_wait: bool = False):
+                 query_qkv: bool = False):
     """Wider static steps (the verify pass, batches) under fuse=layers: the layer's GEMMs with two
     epilogues in their stores: GeGLU in gate|up and gelu_tanh(PLE gate) * PLE input in the PLE gate
     (`_epilogue_call`); between them, each residual update and the next norm in one kernel per row
@@ -210,55 +198,46 @@ def fused_verify(model, ids, pos, cache, triton_ops: bool = True, norm_kernels: 
     batch_invariant: each row computed as `fused_decode` computes it with the same switch (the
     tensor-core kernel's one-row configs, `_dense_rows` for dense linears, the attention's row
     tiles per group of positions with the one-row split count, the embedding's PLE path in kernels): the
-    verify pass's rows equal the AR steps' bit for bit. query_qkv: as `fused_decode`'s. flag_wait (int4_mma,
-    Triton, the norm kernels): each residual norm after a GEMM on the Triton tensor-core kernel waits on its
-    arrival flag (kernels/flag_wait.py), not its grid's end."""
+    verify pass's rows equal the AR steps' bit for bit. query_qkv: as `fused_decode`'s."""
     c = model.config
     eps, off = c.rms_eps, c.norm_offset
-    flags = flag_wait and int4_mma and triton_ops and norm_kernels
 
-    def rn(a, y=None, post=None, scale=None, pre=None, early=False, flag=False):  # early: `_early_norm` of the GEMM
-        h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl, early, flag)
+    def rn(a, y=None, post=None, scale=None, pre=None, early=False):  # early: `_early_norm` of the GEMM after it
+        h, x = _residual_norm(a, y, post, scale, pre, eps, off, triton_ops and norm_kernels, pdl, early)
         return (h if y is not None else a), (x if pre is not None else None)
 
-    def gemm(mod, x, epilogue="none", aux=None, flag=False):
+    def gemm(mod, x, epilogue="none", aux=None):
         return _epilogue_call(mod, x, epilogue, aux, triton_ops=triton_ops, pdl=pdl, int4_mma=int4_mma,
-                              invariant=batch_invariant, flag=flag)
-
-    def raises(mod, x):  # the GEMM raises the arrival flag for the norm after it
-        return flags and _raises_flag(mod, x.reshape(-1, x.shape[-1]).shape[0], "none", x.dtype, batch_invariant)
+                              invariant=batch_invariant)
 
     x, ple = _embed(model, ids, batch_invariant, triton_ops, pdl, int4_mma)
     lead = x.shape[:-1]
     store_attend = model.step_store_attend(ids, pos, cache, attn_pdl, attn_merge, batch_invariant)
     h = x.reshape(-1, x.shape[-1])
-    pend = None  # a residual update not yet applied: (res, y, norm, scale, flag: y's GEMM raised it)
+    pend = None  # a residual update not yet applied: (res, y, norm, scale)
     for i, layer in enumerate(model.layers):
         lin = _layer_linears(i, layer)
         pre = layer.input_layernorm.weight
         if pend is None:
             h, xin = rn(h, pre=pre)
         else:
-            h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre, flag=pend[4])
+            h, xin = rn(pend[0], pend[1], pend[2].weight, pend[3], pre)
         qkv = gemm(lin["in"], xin.reshape(*lead, -1))
         attn = _qkv_attend(layer, qkv, store_attend, cache, triton_ops and qkv_kernel, pdl, triton_ops and attn_qkv,
                            attn_tiles, query_qkv=triton_ops and query_qkv)
-        fo = raises(lin["o"], attn)
-        o = gemm(lin["o"], attn, flag=fo).reshape(h.shape)
+        o = gemm(lin["o"], attn).reshape(h.shape)
         gate_up = _mma_cfg(lin["gate_up"], h.shape[0], "geglu", h.dtype, batch_invariant) if int4_mma else None
         h, xff = rn(h, o, layer.post_attention_layernorm.weight, None, layer.pre_feedforward_layernorm.weight,
-                    _early_norm(gate_up), fo)
+                    _early_norm(gate_up))
         act = gemm(lin["gate_up"], xff, "geglu")
-        fd = raises(lin["down"], act)
-        dn = gemm(lin["down"], act, flag=fd)
+        dn = gemm(lin["down"], act)
         if layer.ple:
-            h, _ = rn(h, dn, layer.post_feedforward_layernorm.weight, flag=fd)
+            h, _ = rn(h, dn, layer.post_feedforward_layernorm.weight)
             g = gemm(lin["ple_gate"], h, "gelu_mul", ple[:, :, i].reshape(h.shape[0], -1))
-            fp = raises(lin["ple_proj"], g)
-            pend = (h, gemm(lin["ple_proj"], g, flag=fp), layer.post_per_layer_input_norm, layer.layer_scalar, fp)
+            pend = (h, gemm(lin["ple_proj"], g), layer.post_per_layer_input_norm, layer.layer_scalar)
         else:
-            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar, fd)
-    _, out = rn(pend[0], pend[1], pend[2].weight, pend[3], model.norm.weight, flag=pend[4])
+            pend = (h, dn, layer.post_feedforward_layernorm, layer.layer_scalar)
+    _, out = rn(pend[0], pend[1], pend[2].weight, pend[3], model.norm.weight)
     return out.reshape(*lead, -1)
 
 
