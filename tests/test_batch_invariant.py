@@ -251,3 +251,38 @@ def test_builder_runs_it_and_needs_the_fused_argmax():
     assert out.tokens == Generator(m, cache, EagerStep(m, cache)).generate(prompt, 6).tokens
     with pytest.raises(BuildError, match="batch_invariant needs sampler=fused_argmax"):
         ctx_for("sampler=argmax").factory.model
+
+
+def test_verify_rows_limit_refuses_a_deeper_speculation(monkeypatch):
+    """Under fuse.batch_invariant the int4 linears run one tensor-core config at every row count, at most the
+    kernel's 8 rows: FuseLayers records that limit once a linear holds the kernel's copy, and the speculative
+    generator refuses depth 8 (9 verify rows) in one line before any drafter is built or graph captured,
+    instead of failing while tracing the verify pass. Without int4 linears on the kernel there is no limit."""
+    from fastgemma.engine.generator import GenerationError
+    from fastgemma.engine.speculative import SpecGenerator
+    from fastgemma.kernels.mma_table import MAX_ROWS, MMA_CONFIGS, MmaConfig, set_table
+    from fastgemma.transforms import fuse_layers
+    from fastgemma.transforms.quant import Int4Linear
+
+    target, _ = _invariant_model()  # dense body: no int4 linear, no limit
+    assert target.max_verify_rows is None
+    lin = Int4Linear.from_linear(torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16), 64, backend="torch")
+    layer = torch.nn.Linear(2, 2)
+    model = torch.nn.Linear(2, 2)  # a CPU module holding one int4 linear in one layer, no PLE projection
+    model.layers, model.ple_projected = [layer], False
+    monkeypatch.setattr(fuse_layers, "_layer_linears", lambda i, layer: {"in": lin})
+    saved = dict(MMA_CONFIGS)
+    try:
+        set_table({**saved, (64, 128, False): MmaConfig(1, 1), (64, 128): MmaConfig(1, 1)})  # entries for the small shape
+        fuse_layers.FuseLayers(backend="triton", int4_mma=True)._enable_mma(model)
+        assert lin.mma and model.max_verify_rows is None  # the default path: each row count its own config
+        fuse_layers.FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True,
+                               batch_invariant=True)._enable_mma(model)
+        assert model.max_verify_rows == MAX_ROWS == 8
+    finally:
+        set_table(saved)
+    target.max_verify_rows = MAX_ROWS  # as on the GPU, where the int4 body's linears hold the kernel's copy
+    cache = KVCache(SMALL, 1, 64, dtype=torch.float32)
+    with pytest.raises(GenerationError, match=r"depth 8: .*at most 8 rows, so depth <= 7"):
+        SpecGenerator(target, cache, drafter=None, depth=8)
+    assert SpecGenerator(target, cache, drafter=None, depth=7).k == 7

@@ -393,6 +393,26 @@ def test_spec_bench_compares_verify_tiles_on_the_cpu(tmp_path):
     assert all(c.per_group for k, c in w4a16_table.CONFIGS.items() if k in w4a16_table.MMA_M16)
 
 
+def test_spec_bench_refuses_depths_past_the_verify_rows_limit(monkeypatch):
+    """A stack whose verify pass takes at most N rows (fuse.batch_invariant on the tensor-core kernel: 8) refuses
+    --depths past N - 1 (the untrained-drafter row's --mtp-depth too) before any row is run."""
+    from fastgemma.bench import spec
+
+    built = spec.build_stack
+
+    def limited(*args, **kw):
+        model, sampler, stack = built(*args, **kw)
+        model.max_verify_rows = 4
+        return model, sampler, stack
+
+    monkeypatch.setattr(spec, "build_stack", limited)
+    argv = ["--model", "gemma4_tiny", "--device", "cpu", "--prompts", "1", "--prompt-len", "12", "--new", "4",
+            "--profiles", "frontier", "--windows", "native"]
+    for extra in (["--depths", "1,4", "--mtp-depth", "0"], ["--depths", "2", "--mtp-depth", "7"]):
+        with pytest.raises(SystemExit, match="take at most 4 rows, so depths <= 3"):
+            spec.main(argv + extra)
+
+
 def test_spec_bench_compares_the_bookkeeping_kernels_with_the_torch_ops(tmp_path):
     """--bookkeeping on,off: a replay row with kernels/spec_accept.py (the interpreter here) and one with
     the torch ops; the same tokens, acceptance and draws."""

@@ -165,6 +165,11 @@ class SpecGenerator(Generator):
         if not is_int(depth, 1, cache.step_rows - 1):
             raise GenerationError(f"speculative depth must be an integer in [1, {cache.step_rows - 1}] (verify "
                                   f"runs depth + 1 rows, the cache's step_rows is {cache.step_rows}); got {depth!r}")
+        rows = getattr(model, "max_verify_rows", None)
+        if rows is not None and depth + 1 > rows:
+            raise GenerationError(f"speculative depth {depth}: fuse.batch_invariant runs the verify pass's int4 linears "
+                                  f"on the tensor-core kernel, at most {rows} rows, so depth <= {rows - 1} (or "
+                                  "fuse.batch_invariant=false)")
         if graphs and cache.ring_pos.device.type != "cuda":
             raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=static or eager on a CPU")
         self.drafter, self.k, self.replay = drafter, depth, replay

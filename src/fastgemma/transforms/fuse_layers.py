@@ -196,9 +196,10 @@ class FuseLayers:
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
         more rows): the others would never read it."""
-        from ..kernels.mma_table import INVARIANT_CONFIGS, MMA_CONFIGS, settle_cuda_entries, table_pairs
+        from ..kernels.mma_table import INVARIANT_CONFIGS, MAX_ROWS, MMA_CONFIGS, settle_cuda_entries, table_pairs
         from .quant import Int4Linear
 
+        model.max_verify_rows = None  # the rows a wider step may take (SpecGenerator: depth + 1), None: no limit
         if not (self.int4_mma and self.backend == "triton"):
             return
         for line in settle_cuda_entries(next(model.parameters()).device):
@@ -213,6 +214,8 @@ class FuseLayers:
                 pairs = role == "gate_up" and table_pairs(*shape)
                 if not mod.mma or mod.mma_pairs != pairs:
                     mod.enable_mma(pairs)
+        if self.batch_invariant and any(getattr(mod, "mma", False) for _, mod in mods):
+            model.max_verify_rows = MAX_ROWS  # one config at every row count: the kernel's rows at most
 
     def describe(self) -> dict:
         from ..kernels.attention_tiles import qkv_tiles_text
