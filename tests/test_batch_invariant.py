@@ -273,7 +273,7 @@ def test_verify_rows_limit_refuses_a_deeper_speculation(monkeypatch):
     monkeypatch.setattr(fuse_layers, "_layer_linears", lambda i, layer: {"in": lin})
     saved = dict(MMA_CONFIGS)
     try:
-        set_table({**saved, (64, 128, False): MmaConfig(1, 1), (64, 128): MmaConfig(1, 1)})  # entries for the small shape
+        set_table({**saved, (64, 128, False): MmaConfig(1, 1), (64, 128): MmaConfig(1, 1)})  # the small shape
         fuse_layers.FuseLayers(backend="triton", int4_mma=True)._enable_mma(model)
         assert lin.mma and model.max_verify_rows is None  # the default path: each row count its own config
         fuse_layers.FuseLayers(backend="triton", int4_mma=True, qkv_kernel=True,

@@ -167,9 +167,9 @@ class SpecGenerator(Generator):
                                   f"runs depth + 1 rows, the cache's step_rows is {cache.step_rows}); got {depth!r}")
         rows = getattr(model, "max_verify_rows", None)
         if rows is not None and depth + 1 > rows:
-            raise GenerationError(f"speculative depth {depth}: fuse.batch_invariant runs the verify pass's int4 linears "
-                                  f"on the tensor-core kernel, at most {rows} rows, so depth <= {rows - 1} (or "
-                                  "fuse.batch_invariant=false)")
+            raise GenerationError(f"speculative depth {depth}: fuse.batch_invariant runs the verify pass's int4 "
+                                  f"linears on the tensor-core kernel, at most {rows} rows, so depth <= {rows - 1} "
+                                  "(or fuse.batch_invariant=false)")
         if graphs and cache.ring_pos.device.type != "cuda":
             raise RuntimeError("graphs=cuda_graph needs a CUDA device; use graphs=static or eager on a CPU")
         self.drafter, self.k, self.replay = drafter, depth, replay
