@@ -335,10 +335,10 @@ def main(argv=None):
     lengths = a.prompt_len
     prompts, max_ctx = random_prompts(cfg, lengths, a.prompts, a.new)
     depths = [int(x) for x in a.depths.split(",") if x]
-    rows = getattr(model, "max_verify_rows", None)  # fuse.batch_invariant on the tensor-core kernel: 8
-    if rows is not None and max(depths + [a.mtp_depth]) + 1 > rows:
+    max_rows = getattr(model, "max_verify_rows", None)  # fuse.batch_invariant on the tensor-core kernel: 8
+    if max_rows is not None and max(depths + [a.mtp_depth]) + 1 > max_rows:
         raise SystemExit(f"--depths {a.depths} (--mtp-depth {a.mtp_depth}): with 'inv' in --variant the verify pass's "
-                         f"int4 linears take at most {rows} rows, so depths <= {rows - 1}")
+                         f"int4 linears take at most {max_rows} rows, so depths <= {max_rows - 1}")
     profiles = [p for p in a.profiles.split(",") if p]
     rows = []
     profiled = False

@@ -195,7 +195,8 @@ class FuseLayers:
 
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
-        more rows): the others would never read it."""
+        more rows): the others would never read it. Records `model.max_verify_rows`: the kernel's rows
+        under batch_invariant once a linear holds the copy (one config at every row count), else None."""
         from ..kernels.mma_table import INVARIANT_CONFIGS, MAX_ROWS, MMA_CONFIGS, settle_cuda_entries, table_pairs
         from .quant import Int4Linear
 
