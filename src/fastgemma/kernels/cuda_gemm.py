@@ -41,6 +41,26 @@ def nvcc() -> str | None:
 
 
 MAX_CLUSTER = 8  # CTAs a cluster may hold without the non-portable opt-in
+TRIGGER_ENV = "FASTGEMMA_W4_TRIGGER"
+AFTER_LOOP = 9999  # a trigger point past every K slice's groups: after the main loop
+
+
+def parse_trigger(text: str) -> tuple[int, int]:
+    """'ONE,ROWS' -> TRIGGER: the groups (128 k each) of its K slice a warp of the plain kernel sums before its CTA
+    lets the next kernel launch under it (PDL), at one row and at several; 0 at its start, AFTER_LOOP (or any count
+    past the slice's groups) after its main loop."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{TRIGGER_ENV} takes 'ONE,ROWS', the groups a warp sums before the dependents may launch at "
+                         f"one row and at several (0: at the start; {AFTER_LOOP}: after the main loop), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+# when the plain kernel lets its dependents launch: at several rows at its start (the verify pass: down's programs
+# load their words under this kernel's stream), at one row after its main loop (there they crowd it: the
+# batch-invariant step 2.128 -> 2.027 ms, the verify pass 2.001 -> 2.086 with it after the loop at every row count,
+# run LU). Built into each library (its name carries it); $FASTGEMMA_W4_TRIGGER ('ONE,ROWS') sets it for a process
+TRIGGER = parse_trigger(os.environ.get(TRIGGER_ENV, f"{AFTER_LOOP},0"))
 EPILOGUES = {"none": 0, "geglu": 1}
 
 
@@ -85,11 +105,12 @@ def variant(warps: int, stages: int, KS: int, splits: int, epi: int) -> str:
 
 
 def build_command(compiler: str, warps: int, stages: int, KS: int, splits: int, epi: int, src: Path,
-                  out: Path) -> list[str]:
-    """nvcc's command line for one (warps, stages, K slice, cluster, epilogue) library."""
+                  out: Path, trigger: tuple[int, int] = (AFTER_LOOP, 0)) -> list[str]:
+    """nvcc's command line for one (warps, stages, K slice, cluster, epilogue) library, the plain kernel's
+    dependents let launch after `trigger` (one row, several: TRIGGER) groups."""
     return [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-            f"-DFG_NW={warps}", f"-DFG_S={stages}", f"-DFG_KS={KS}", f"-DFG_C={splits}", f"-DFG_EPI={epi}", str(src),
-            "-o", str(out)]
+            f"-DFG_NW={warps}", f"-DFG_S={stages}", f"-DFG_KS={KS}", f"-DFG_C={splits}", f"-DFG_EPI={epi}",
+            f"-DFG_TRIG1={trigger[0]}", f"-DFG_TRIGN={trigger[1]}", str(src), "-o", str(out)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +124,8 @@ def library(warps: int, stages: int, KS: int, splits: int, epi: int) -> ctypes.C
     text = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     name = variant(warps, stages, KS, splits, epi)
+    if TRIGGER != (AFTER_LOOP, 0):
+        name += f"_t{TRIGGER[0]}_{TRIGGER[1]}"
     key = hashlib.sha1(text + version.encode() + name.encode()).hexdigest()[:16]
     path = cache_dir() / f"w4_gemm_{name}_{key}.so"
     if not path.exists():
@@ -110,8 +133,8 @@ def library(warps: int, stages: int, KS: int, splits: int, epi: int) -> ctypes.C
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         print(f"fastgemma: building the CUDA W4A16 kernel ({warps} warps x {stages} stages, K slice {KS} x {splits}, "
               f"epilogue {epi}) into {path}", file=sys.stderr, flush=True)
-        r = subprocess.run(build_command(compiler, warps, stages, KS, splits, epi, SOURCE, tmp), capture_output=True,
-                           text=True)
+        r = subprocess.run(build_command(compiler, warps, stages, KS, splits, epi, SOURCE, tmp, TRIGGER),
+                           capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"nvcc failed to build the CUDA W4A16 kernel:\n{r.stderr[-3000:]}")
         os.replace(tmp, path)  # atomic: a concurrent process sees the whole library or none

@@ -7,7 +7,8 @@
 // ring of S shared-memory stages with cp.async; a lane reads back only what it copied, so the ring needs no barrier.
 // x's slice (8 rows, a row past M a copy of row M - 1) and its sums per group are staged once a CTA after the PDL
 // wait; the first S groups of words are requested before it. The group loop is unrolled (constant stage indices).
-// The dependents' launch (PDL): at the start for several rows, after the main loop for one (runs LU, LV).
+// The dependents' launch (PDL): after TRIG groups of a warp's loop, FG_TRIG1 at one row (default after the main loop)
+// and FG_TRIGN at several (default at the start; runs LU, LV; kernels/cuda_gemm.py's TRIGGER).
 // Arithmetic per 64-k block as mma_w4a16's TILE_ASM (4 LOP3 + 3 shifts and one mma per 8 weights a lane); per
 // group out += s P + (z - 128 s) sum x, the sums of x by plain fp32 adds (16 threads a group, in shuffle order).
 // K split (C > 1): the C CTAs of a thread-block cluster take one K slice each of the same NW tiles; their partial
@@ -16,7 +17,7 @@
 // it, and is the same at every M. The norm fold's consumer (w4_fold_kernel, C = 1): the same tile loop on the
 // producer's two rows, the residual norm's scalars from its partial sums applied in the store, h written on the
 // side (kernels/norm_fold.py). Built by kernels/cuda_gemm.py with nvcc (sm_90a), one library per
-// (FG_NW, FG_S, FG_KS, FG_C, FG_EPI), holding fg_w4_gemm and, where FG_C is 1, fg_w4_fold.
+// (FG_NW, FG_S, FG_KS, FG_C, FG_EPI, FG_TRIG1, FG_TRIGN), holding fg_w4_gemm and, where FG_C is 1, fg_w4_fold.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -207,7 +208,7 @@ struct WarpTile {
 
 // the warp's tile over its K slice into acc (rows g, g + 8 of B columns tq * 2, tq * 2 + 1), from the ring that
 // `start` filled and x staged in shared memory
-template <int NW, int S, int KS, int C>
+template <int TRIG, int NW, int S, int KS, int C>
 __device__ __forceinline__ void tile_sums(const WarpTile<NW, S, KS, C>& w, float* acc) {
   using W = WarpTile<NW, S, KS, C>;
   const u32* xrow = w.xs + w.g * W::XW + w.tq * 8;
@@ -225,6 +226,9 @@ __device__ __forceinline__ void tile_sums(const WarpTile<NW, S, KS, C>& w, float
     if (gi + S < W::NG) w.issue(s, gi + S);
     cp_commit();
     scale_group(acc, p, zv, *(const float2*)(w.xsum + gi * 8 + w.tq * 2));
+    // TRIG groups summed: the dependents may launch (0 or past the last group: not here; gi is a constant once
+    // unrolled, so one iteration holds it)
+    if (gi + 1 == TRIG && TRIG < W::NG) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
 }
 
@@ -262,16 +266,15 @@ __device__ __forceinline__ void cluster_reduce(const WarpTile<NW, S, KS, C>& w, 
 // x: [M, K] bf16 (row stride stride_xm elements, rows 16-byte aligned); words [tiles, K/64, 32] uint4; sz
 // [tiles, K/128, 8] uint2 (rows g, g + 8: bf16 scale low, zero high); out [M, N] (EPI 1: N / 2) bf16 (row stride
 // stride_om). NW warps a CTA, one tile each; S ring stages a warp; K = KS x C, C CTAs a cluster (one slice each).
-template <int NW, int S, int KS, int C, int EPI>
+// TRIG: the groups of its K slice a warp sums before its CTA lets the dependents launch (griddepcontrol.
+// launch_dependents): 0 at its start, KS / 128 or more after its main loop.
+template <int NW, int S, int KS, int C, int EPI, int TRIG>
 __global__ void __launch_bounds__(NW * 32, 1)
 w4_gemm_kernel(const u32* x, const uint4* __restrict__ words, const uint2* __restrict__ sz,
                u16* __restrict__ out, int M, int stride_xm, int stride_om, int n_tiles) {
   using W = WarpTile<NW, S, KS, C>;
   extern __shared__ uint4 smem[];
-  // the dependents' launch: at the start for several rows (the verify pass: the next GEMM's programs load their
-  // words under this kernel's stream), after the main loop for one row (there they crowd it: the batch-invariant
-  // step 2.128 -> 2.027 ms, the verify pass 2.001 -> 2.086 with it after the loop at every row count, run LU)
-  if (M > 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if constexpr (TRIG <= 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const W w(smem, words, sz, n_tiles);
   w.start();
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -279,8 +282,9 @@ w4_gemm_kernel(const u32* x, const uint4* __restrict__ words, const uint2* __res
   __syncthreads();
   if (C == 1 && !w.live) return;  // with C > 1 every thread meets the cluster barriers
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (w.live) tile_sums(w, acc);
-  if (M == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (w.live) tile_sums<TRIG>(w, acc);
+  // every thread (the warps past the last tile sum nothing; where the loop triggered, a second changes nothing)
+  if constexpr (TRIG > 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if constexpr (C == 1) {
     store_unit<EPI>(out, acc[0], acc[2], w.t, w.g, w.tq * 2, M, stride_om);
     store_unit<EPI>(out, acc[1], acc[3], w.t, w.g, w.tq * 2 + 1, M, stride_om);
@@ -357,7 +361,7 @@ w4_fold_kernel(const u32* rows, const uint4* __restrict__ words, const uint2* __
   }
   if (!w.live) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  tile_sums(w, acc);
+  tile_sums<0>(w, acc);
   // the scalars made again from shared memory, not held through the main loop, and the output row count and stride
   // as arguments (m_out = 1): with constants and held scalars ptxas took 183-191 registers against the plain
   // kernel's 152, and the kernel ran 2.4-5 us slower (runs JR-JW; the plain kernel's body with these arguments in
@@ -375,6 +379,12 @@ __host__ __device__ constexpr int w4_gemm_smem() {
 
 #ifdef FG_NW
 #include <cuda_runtime.h>
+#ifndef FG_TRIG1
+#define FG_TRIG1 (FG_KS / 128)
+#endif
+#ifndef FG_TRIGN
+#define FG_TRIGN 0
+#endif
 // one launch of `kernel` (its shared-memory limit raised once a device): grid CTAs, clusters of `cluster`, PDL if
 // asked; 0 on success, else the CUDA error code (cudaGetErrorString names it)
 template <auto kernel, typename... Args>
@@ -408,9 +418,14 @@ static int fg_launch(int grid, int cluster, void* stream, int pdl, Args... args)
 
 extern "C" int fg_w4_gemm(const void* x, const void* words, const void* sz, void* out, int M, int stride_xm,
                           int stride_om, int n_tiles, void* stream, int pdl) {
-  return fg_launch<w4_gemm_kernel<FG_NW, FG_S, FG_KS, FG_C, FG_EPI>>(
-      (n_tiles + FG_NW - 1) / FG_NW * FG_C, FG_C, stream, pdl, (const u32*)x, (const uint4*)words, (const uint2*)sz,
-      (u16*)out, M, stride_xm, stride_om, n_tiles);
+  const int grid = (n_tiles + FG_NW - 1) / FG_NW * FG_C;
+  if (M > 1)
+    return fg_launch<w4_gemm_kernel<FG_NW, FG_S, FG_KS, FG_C, FG_EPI, FG_TRIGN>>(
+        grid, FG_C, stream, pdl, (const u32*)x, (const uint4*)words, (const uint2*)sz, (u16*)out, M, stride_xm,
+        stride_om, n_tiles);
+  return fg_launch<w4_gemm_kernel<FG_NW, FG_S, FG_KS, FG_C, FG_EPI, FG_TRIG1>>(
+      grid, FG_C, stream, pdl, (const u32*)x, (const uint4*)words, (const uint2*)sz, (u16*)out, M, stride_xm,
+      stride_om, n_tiles);
 }
 
 #if FG_C == 1
