@@ -144,21 +144,24 @@ def test_build_command_targets_sm90a_with_the_variant_macros(tmp_path):
     cmd = cuda_gemm.build_command("nvcc", 5, 10, 1280, 8, 0, cuda_gemm.SOURCE, tmp_path / "x.so")
     assert cmd[0] == "nvcc" and "-gencode=arch=compute_90a,code=sm_90a" in cmd and "-shared" in cmd
     assert {"-DFG_NW=5", "-DFG_S=10", "-DFG_KS=1280", "-DFG_C=8", "-DFG_EPI=0"} <= set(cmd)
-    # the shipped trigger points: one row after the main loop, several at the start
-    assert {f"-DFG_TRIG1={cuda_gemm.AFTER_LOOP}", "-DFG_TRIGN=0"} <= set(cmd)
+    # the kernel's own trigger points (the source's defaults: one row once the last group is asked for, several at
+    # the start), or those given
+    assert not any(a.startswith("-DFG_TRIG") for a in cmd)
     cmd = cuda_gemm.build_command("nvcc", 5, 8, 2560, 1, 1, cuda_gemm.SOURCE, tmp_path / "x.so", (12, 4))
     assert {"-DFG_TRIG1=12", "-DFG_TRIGN=4"} <= set(cmd)
     src = cuda_gemm.SOURCE.read_text()
-    assert "extern \"C\" int fg_w4_gemm" in src and "FG_TRIG1" in src and "FG_TRIGN" in src
+    assert "extern \"C\" int fg_w4_gemm" in src
+    assert "#define FG_TRIG1 (FG_KS / 128 > FG_S ? FG_KS / 128 - FG_S : 1)" in src and "#define FG_TRIGN 0" in src
 
 
 def test_trigger_points_parse_and_refuse_what_is_not_two_counts():
     assert cuda_gemm.parse_trigger("9999,0") == (cuda_gemm.AFTER_LOOP, 0)
+    assert cuda_gemm.parse_trigger("") is None  # the kernel's own points
     assert cuda_gemm.parse_trigger(" 12, 8") == (12, 8)
-    for bad in ("12", "12,8,4", "-1,0", "a,0", ""):
+    for bad in ("12", "12,8,4", "-1,0", "a,0", ","):
         with pytest.raises(ValueError, match="ONE,ROWS"):
             cuda_gemm.parse_trigger(bad)
-    assert cuda_gemm.TRIGGER == cuda_gemm.parse_trigger(os.environ.get(cuda_gemm.TRIGGER_ENV, "9999,0"))
+    assert cuda_gemm.TRIGGER == cuda_gemm.parse_trigger(os.environ.get(cuda_gemm.TRIGGER_ENV, ""))
 
 
 def test_no_nvcc_is_a_clear_error(monkeypatch):

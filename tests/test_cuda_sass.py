@@ -23,28 +23,42 @@ VARIANTS = [(5, 8, 2560, 1, 1), (4, 10, 1280, 8, 0), (5, 16, 512, 5, 0), (4, 8, 
 FOLD_VARIANTS = [(5, 8, 2560, 1, 1, "fold"), (5, 16, 2560, 1, 0, "fold")]
 
 
-def kernel_sass(nw, s, ks, c, epi, kind="gemm"):
-    name = (f"w4_gemm_kernel<{nw}, {s}, {ks}, {c}, {epi}>" if kind == "gemm" else
-            f"w4_fold_kernel<{nw}, {s}, {ks}, {epi}>")
+def one_row_trigger(s, ks):
+    """The source's FG_TRIG1 default: the groups a warp sums at one row before the dependents may launch (once its
+    last group is asked for; after the first where the ring holds them all from the start)."""
+    return ks // 128 - s if ks // 128 > s else 1
+
+
+def kernel_sass(nw, s, ks, c, epi, kind="rows"):
+    """kind: 'rows' (the plain kernel as several rows launch it: TRIG 0), 'one' (one row: TRIG FG_TRIG1), 'fold'."""
+    name = (f"w4_fold_kernel<{nw}, {s}, {ks}, {epi}>" if kind == "fold" else
+            f"w4_gemm_kernel<{nw}, {s}, {ks}, {c}, {epi}, {0 if kind == 'rows' else one_row_trigger(s, ks)}>")
     return instructions(sass(SOURCE, name))
 
 
-@pytest.mark.parametrize("variant", VARIANTS + FOLD_VARIANTS,
-                         ids=lambda v: cuda_gemm.variant(*v[:5]) + ("_fold" if len(v) > 5 else ""))
+CASES = [(*v, kind) for v in VARIANTS for kind in ("rows", "one")] + FOLD_VARIANTS
+
+
+@pytest.mark.parametrize("variant", CASES, ids=lambda v: cuda_gemm.variant(*v[:5]) + "_" + v[5])
 def test_sass_keeps_the_pdl_order_and_no_local_memory(variant):
-    nw, s, ks, c, epi = variant[:5]
+    nw, s, ks, c, epi, kind = variant
     ins = kernel_sass(*variant)
     # opcodes, the never-executed ones (`@!PT`: ptxas' padding) left out
     ops = [i.split()[1] if i.startswith("@") else i.split()[0] for i in ins if not i.startswith("@!PT ")]
-    # griddepcontrol.wait / launch_dependents: the plain kernel triggers at its start for several rows and after its
-    # main loop for one (runs LU, LV), the fold's consumer at its start
-    fold = len(variant) > 5
-    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == (1 if fold else 2)
+    # griddepcontrol.wait / launch_dependents: the plain kernel triggers at its start for several rows (run LU), for
+    # one once a warp has asked for its last group and again, every thread, after its main loop (run NG); the fold's
+    # consumer at its start
+    assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == (2 if kind == "one" else 1)
     wait = ops.index("ACQBULK")
     trig = [i for i, o in enumerate(ops) if o == "PREEXIT"]
-    assert trig[0] < wait
-    if not fold:
-        assert trig[1] > max(i for i, o in enumerate(ops) if o.startswith("HMMA."))
+    mma = [i for i, o in enumerate(ops) if o.startswith("HMMA.")]
+    if kind == "one":
+        copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
+        # the first after the group's copies and the sums of `one_row_trigger` groups, the second after every mma
+        assert wait < trig[0] and copies[-1] < trig[0] and trig[1] > mma[-1], (trig, copies[-1], mma[-1])
+        assert sum(i < trig[0] for i in mma) == one_row_trigger(s, ks) * 8
+    else:
+        assert trig[0] < wait
     before = ops[:wait]
     # before the wait only the weights' copies into the ring: no global load at all (x comes after)
     loads = [o for o in before if o.startswith(("LDG.", "LD.", "LDS.")) or o == "LDS"]  # not LDGSTS, LDGDEPBAR
@@ -52,7 +66,7 @@ def test_sass_keeps_the_pdl_order_and_no_local_memory(variant):
     assert sum(o.startswith("LDGSTS") for o in before) == 3 * min(s, ks // 128)  # 2 word blocks + scales a group
     # x (and the fold's partials, a, y, post, scalar): coherent loads; the plain kernel's all 16-byte x loads
     assert all(".STRONG." in o for o in ops if o.startswith("LDG."))
-    assert len(variant) > 5 or all(o.startswith("LDG.E.128.STRONG") for o in ops if o.startswith("LDG."))
+    assert kind == "fold" or all(o.startswith("LDG.E.128.STRONG") for o in ops if o.startswith("LDG."))
     assert not [o for o in ops if o.startswith(("STL", "LDL"))], "local memory (spills)"
     # every shuffle a plain one: a loop of per-thread trip counts before them made ptxas emulate them as collectives
     # (WARPSYNC.COLLECTIVE; the fold consumer 2.4x slower, run JQ)

@@ -45,10 +45,12 @@ TRIGGER_ENV = "FASTGEMMA_W4_TRIGGER"
 AFTER_LOOP = 9999  # a trigger point past every K slice's groups: after the main loop
 
 
-def parse_trigger(text: str) -> tuple[int, int]:
+def parse_trigger(text: str) -> tuple[int, int] | None:
     """'ONE,ROWS' -> TRIGGER: the groups (128 k each) of its K slice a warp of the plain kernel sums before its CTA
     lets the next kernel launch under it (PDL), at one row and at several; 0 at its start, AFTER_LOOP (or any count
-    past the slice's groups) after its main loop."""
+    past the slice's groups) after its main loop. '' -> None: the kernel's own points."""
+    if not text:
+        return None
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise ValueError(f"{TRIGGER_ENV} takes 'ONE,ROWS', the groups a warp sums before the dependents may launch at "
@@ -56,11 +58,13 @@ def parse_trigger(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-# when the plain kernel lets its dependents launch: at several rows at its start (the verify pass: down's programs
-# load their words under this kernel's stream), at one row after its main loop (there they crowd it: the
-# batch-invariant step 2.128 -> 2.027 ms, the verify pass 2.001 -> 2.086 with it after the loop at every row count,
-# run LU). Built into each library (its name carries it); $FASTGEMMA_W4_TRIGGER ('ONE,ROWS') sets it for a process
-TRIGGER = parse_trigger(os.environ.get(TRIGGER_ENV, f"{AFTER_LOOP},0"))
+# when the plain kernel lets its dependents launch; None: the kernel's own points, at several rows at its start (the
+# verify pass: down's programs load their words under this kernel's stream; 12 or 16 groups of 20 in: k=7 verify
+# 1.909 -> 1.958 / 1.974 ms, run NF), at one row once a warp has asked for its last group (KS / 128 - S: 12 of
+# gate|up's 20; the batch-invariant step 1.908 -> 1.892 ms, run NG; at its start 0.10 ms slower, run LU: down's 1,280
+# programs crowd it). $FASTGEMMA_W4_TRIGGER ('ONE,ROWS') builds others into a process's libraries (their names carry
+# it), for an A/B
+TRIGGER = parse_trigger(os.environ.get(TRIGGER_ENV, ""))
 EPILOGUES = {"none": 0, "geglu": 1}
 
 
@@ -105,12 +109,13 @@ def variant(warps: int, stages: int, KS: int, splits: int, epi: int) -> str:
 
 
 def build_command(compiler: str, warps: int, stages: int, KS: int, splits: int, epi: int, src: Path,
-                  out: Path, trigger: tuple[int, int] = (AFTER_LOOP, 0)) -> list[str]:
-    """nvcc's command line for one (warps, stages, K slice, cluster, epilogue) library, the plain kernel's
-    dependents let launch after `trigger` (one row, several: TRIGGER) groups."""
+                  out: Path, trigger: tuple[int, int] | None = None) -> list[str]:
+    """nvcc's command line for one (warps, stages, K slice, cluster, epilogue) library; `trigger` (one row, several:
+    TRIGGER): the groups the plain kernel sums before its dependents may launch (None: the kernel's own points)."""
+    trig = [] if trigger is None else [f"-DFG_TRIG1={trigger[0]}", f"-DFG_TRIGN={trigger[1]}"]
     return [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-            f"-DFG_NW={warps}", f"-DFG_S={stages}", f"-DFG_KS={KS}", f"-DFG_C={splits}", f"-DFG_EPI={epi}",
-            f"-DFG_TRIG1={trigger[0]}", f"-DFG_TRIGN={trigger[1]}", str(src), "-o", str(out)]
+            f"-DFG_NW={warps}", f"-DFG_S={stages}", f"-DFG_KS={KS}", f"-DFG_C={splits}", f"-DFG_EPI={epi}", *trig,
+            str(src), "-o", str(out)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +129,7 @@ def library(warps: int, stages: int, KS: int, splits: int, epi: int) -> ctypes.C
     text = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     name = variant(warps, stages, KS, splits, epi)
-    if TRIGGER != (AFTER_LOOP, 0):
+    if TRIGGER is not None:
         name += f"_t{TRIGGER[0]}_{TRIGGER[1]}"
     key = hashlib.sha1(text + version.encode() + name.encode()).hexdigest()[:16]
     path = cache_dir() / f"w4_gemm_{name}_{key}.so"

@@ -7,8 +7,8 @@
 // ring of S shared-memory stages with cp.async; a lane reads back only what it copied, so the ring needs no barrier.
 // x's slice (8 rows, a row past M a copy of row M - 1) and its sums per group are staged once a CTA after the PDL
 // wait; the first S groups of words are requested before it. The group loop is unrolled (constant stage indices).
-// The dependents' launch (PDL): after TRIG groups of a warp's loop, FG_TRIG1 at one row (default after the main loop)
-// and FG_TRIGN at several (default at the start; runs LU, LV; kernels/cuda_gemm.py's TRIGGER).
+// The dependents' launch (PDL): after TRIG groups of a warp's loop, FG_TRIG1 at one row (default once the warp has
+// asked for its last group, KS / 128 - S) and FG_TRIGN at several (default at the start; runs LU, LV, NF, NG).
 // Arithmetic per 64-k block as mma_w4a16's TILE_ASM (4 LOP3 + 3 shifts and one mma per 8 weights a lane); per
 // group out += s P + (z - 128 s) sum x, the sums of x by plain fp32 adds (16 threads a group, in shuffle order).
 // K split (C > 1): the C CTAs of a thread-block cluster take one K slice each of the same NW tiles; their partial
@@ -380,7 +380,8 @@ __host__ __device__ constexpr int w4_gemm_smem() {
 #ifdef FG_NW
 #include <cuda_runtime.h>
 #ifndef FG_TRIG1
-#define FG_TRIG1 (FG_KS / 128)
+// one row: once the warp's last group is asked for (its copy issued in the loop), the S groups in flight still to sum
+#define FG_TRIG1 (FG_KS / 128 > FG_S ? FG_KS / 128 - FG_S : 1)
 #endif
 #ifndef FG_TRIGN
 #define FG_TRIGN 0
