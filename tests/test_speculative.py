@@ -391,3 +391,30 @@ def test_fused_spec_with_the_drafter_head_kernel_equals_ar(model, wide_tiles):
     cache = KVCache(TINY, 1, len(PROMPT) + 12, window=12, dtype=torch.float32)
     g = SpecGenerator(m, cache, d, 4, replay=Replay("frontier", seed=4)).generate(PROMPT, 12)
     assert g.tokens == ar_tokens(model, 12, 12)
+
+
+def test_a_fused_verify_pass_without_batch_invariant_is_pointed_at_it(caplog):
+    """spec on fuse=layers' verify pass without fuse.batch_invariant: the user is told its tokens may leave the AR
+    step's and which switch makes them equal; not with the switch on, not past its 8 rows, not without the fused
+    pass."""
+    import logging
+
+    from fastgemma.engine.steps import StaticStep
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.spec import MtpSpec, invariant_hint
+
+    plain = synthetic_model(TINY, "cpu", torch.float32, seed=0)
+    assert invariant_hint(plain, 7) is None  # no fused verify pass
+    fused = synthetic_model(TINY, "cpu", torch.float32, seed=0)
+    FuseLayers(backend="torch").apply(fused)
+    hint = invariant_hint(fused, 7)
+    assert hint and "fuse.batch_invariant=true" in hint and "8 rows" in hint
+    assert invariant_hint(fused, 8) is None  # 9 rows: the invariant pass cannot take them
+    inv = synthetic_model(TINY, "cpu", torch.float32, seed=0)
+    FuseLayers(backend="torch", qkv_kernel=True, batch_invariant=True).apply(inv)
+    assert inv.batch_invariant and invariant_hint(inv, 7) is None
+    # the spec group says it once, when it builds the generator
+    cache = KVCache(TINY, 1, 64, device="cpu", dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="fastgemma"):
+        MtpSpec(depth=3, drafter_seed=1).make_generator(fused, cache, StaticStep(fused, cache), None, 64)
+    assert [r.getMessage() for r in caplog.records].count(invariant_hint(fused, 3)) == 1

@@ -27,6 +27,19 @@ SYNTHETIC_MTP = ("spec=mtp with spec.drafter=synthetic: the drafter's weights ar
                  "spec.drafter=DIR loads google/gemma-4-E4B-it-assistant")
 
 
+def invariant_hint(model, depth: int) -> str | None:
+    """What to tell a user whose speculative run takes fuse=layers' verify pass without fuse.batch_invariant (where
+    the tensor-core kernels could take its depth + 1 rows), or None."""
+    from ..kernels.mma_table import MAX_ROWS
+
+    if getattr(model, "fused_verify", None) is None or getattr(model, "batch_invariant", False) or depth >= MAX_ROWS:
+        return None
+    return (f"spec with fuse=layers and fuse.batch_invariant=false: the verify pass's {depth + 1} rows round otherwise "
+            "than the one-row step, so the speculative tokens may leave the AR step's (E4B on an H100: at token 8, "
+            "run ND); fuse.batch_invariant=true (depth <= 7) makes them the AR step's bit for bit, and on the int4 "
+            "body its verify pass is the faster one (the README's k=7 recipe)")
+
+
 class NoSpec:
     """One token per step from the engine's step. depth: accepted and unused (spec.depth may be swept across
     spec=none,mtp,replay); any non-negative count means plain AR."""
@@ -100,6 +113,9 @@ class MtpSpec:
         from ..engine.speculative import SpecGenerator
 
         graphs, compiled, warmup = _step_flags(step)
+        hint = invariant_hint(model, self.depth)
+        if hint:
+            log.warning(hint)
         return SpecGenerator(model, cache, self.build_drafter(model), self.depth, step=step, sampler=sampler,
                              prefill_chunk=prefill_chunk, replay=self.replay(), graphs=graphs, compile=compiled,
                              warmup_iters=warmup)
