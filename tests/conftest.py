@@ -2,6 +2,7 @@
 transformers, saved to disk, with the same weights in fastgemma."""
 from __future__ import annotations
 
+import functools
 import os
 
 # read when @triton.jit decorates, so before any fastgemma kernel module is imported
@@ -25,7 +26,9 @@ if _interp._patch_lang_tensor.__name__ == "_patch_lang_tensor":
     _interp._patch_lang_tensor = _patch_lang_tensor_np24
 
 
+@functools.lru_cache(maxsize=None)
 def _lang_modules(fn) -> frozenset:
+    """The triton.language modules fn's globals hold (what the interpreter patches for it), once a function."""
     import triton.language as tl
 
     return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
