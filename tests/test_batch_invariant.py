@@ -286,3 +286,46 @@ def test_verify_rows_limit_refuses_a_deeper_speculation(monkeypatch):
     with pytest.raises(GenerationError, match=r"depth 8: .*at most 8 rows, so depth <= 7"):
         SpecGenerator(target, cache, drafter=None, depth=8)
     assert SpecGenerator(target, cache, drafter=None, depth=7).k == 7
+
+
+def test_auto_follows_the_speculation_and_the_body(caplog):
+    """fuse.batch_invariant=auto (the group's default) turns the switch on only where speculative decoding
+    verifies on the int4 tensor-core body (the measured recipe: `experiment=frontier spec=replay
+    spec.depth=7`), turning the fold and the start kernel off with it, and leaves it off with a logged reason
+    otherwise: plain AR, a depth past the kernel's rows, another body or sampler, an int4 head, the twins. An
+    explicit true / false is kept; another word is refused in one line."""
+    import logging
+
+    from fgcli_helpers import TINY as CLI_TINY
+    from fgcli_helpers import compose_cfg
+
+    from fastgemma.build import BuildError, build_parts
+
+    def fuse_for(*over):
+        cfg = compose_cfg([*CLI_TINY, "experiment=frontier", *over])
+        return build_parts(cfg, dict(cfg.hydra.runtime.choices)).fuse
+
+    with caplog.at_level(logging.INFO, logger="fastgemma.transforms.fuse_layers"):
+        on = fuse_for("spec=replay", "spec.depth=7")
+    assert on.auto_invariant and on.batch_invariant
+    assert not (on.norm_fold or on.attn_fold or on.start_kernel) and on.describe()["batch_invariant_auto"]
+    assert "fuse.batch_invariant=auto: on (speculative depth 7" in caplog.text
+    assert "norm_fold is off" in caplog.text and not any(r.levelno >= logging.WARNING for r in caplog.records)
+    assert fuse_for("spec=mtp", "spec.depth=1").batch_invariant
+    for over, why in [((), "no speculative decoding"), (("spec=mtp", "spec.depth=8"), "9 verify rows"),
+                      (("spec=replay", "quant=int8"), "measured on quant=int4"),
+                      (("spec=replay", "fuse.int4_mma=false", "fuse.norm_fold=false", "fuse.attn_fold=false"),
+                       "measured on quant=int4"),
+                      (("spec=replay", "sampler=argmax"), "sampler=fused_argmax"),
+                      (("spec=replay", "lm_head=int4", "~lm_head.dtype", "~lm_head.source"), "an int4 head"),
+                      (("spec=replay", "fuse.backend=torch"), "the twins")]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fastgemma.transforms.fuse_layers"):
+            off = fuse_for(*over)
+        assert not off.batch_invariant and off.start_kernel and off.norm_fold == off.int4_mma, over
+        assert "fuse.batch_invariant=auto: off (" in caplog.text and why in caplog.text, (over, caplog.text)
+    kept = fuse_for("spec=replay", "fuse.batch_invariant=false")
+    assert not kept.batch_invariant and not kept.auto_invariant and kept.norm_fold
+    assert fuse_for("fuse.batch_invariant=true").batch_invariant  # AR too, as asked
+    with pytest.raises(BuildError, match="fuse.batch_invariant is true, false or auto, got 'maybe'"):
+        fuse_for("fuse.batch_invariant=maybe")

@@ -328,7 +328,11 @@ def instantiate_group(cfg: DictConfig, group: str, choices: dict | None = None):
 
 
 def build_parts(cfg: DictConfig, choices: dict) -> Parts:
-    return Parts(**{g: instantiate_group(cfg, g, choices) for g in TECHNIQUES})
+    parts = Parts(**{g: instantiate_group(cfg, g, choices) for g in TECHNIQUES})
+    settle = getattr(parts.fuse, "settle_auto", None)
+    if settle is not None:  # a choice that follows the other groups' (fuse.batch_invariant=auto)
+        settle(parts)
+    return parts
 
 
 def needs_cuda(obj) -> bool:

@@ -60,7 +60,7 @@ class FuseLayers:
 
     def __init__(self, backend: str = "triton", pdl: bool = False, attn_pdl: bool = False, qkv_kernel: bool = False,
                  attn_merge: bool = False, int4_mma: bool = False, attn_qkv: bool = False,
-                 batch_invariant: bool = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
+                 batch_invariant: bool | str = False, draft_loop: bool = False, attn_tiles="", norm_fold: bool = False,
                  attn_fold: bool = False, tail_norm: bool = False, start_kernel: bool = False,
                  draft_merge: bool = False):
         from ..kernels.attention_tiles import parse_qkv_tiles
@@ -69,32 +69,21 @@ class FuseLayers:
             raise ValueError(f"fuse=layers backend must be triton or torch, got {backend!r}")
         if draft_loop and backend != "triton":
             raise ValueError("fuse.draft_loop is one Triton kernel: it needs fuse.backend=triton")
-        if batch_invariant and not qkv_kernel:
-            # without qkv_kernel the q/k/v norms are inductor's reductions, sized by the step's rows
-            raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true")
+        if isinstance(batch_invariant, str) and batch_invariant != "auto":
+            raise ValueError(f"fuse.batch_invariant is true, false or auto, got {batch_invariant!r}")
+        self.auto_invariant = batch_invariant == "auto"  # settled by `settle_auto` once the other groups are built
+        invariant = bool(batch_invariant) and not self.auto_invariant
         if norm_fold and not int4_mma:  # (like int4_mma, it does nothing on the torch backend)
             raise ValueError("fuse.norm_fold folds the norms into the tensor-core int4 GEMVs: it needs "
                              "fuse.int4_mma=true")
-        if norm_fold and batch_invariant:
-            # its rounding differs from the verify pass's norm kernel: the rows would no longer match, so the
-            # exact-tokens switch wins (a recipe with the fold, e.g. experiment=frontier, + batch_invariant)
-            log.warning("fuse.norm_fold is off under fuse.batch_invariant: the fold rounds otherwise than the "
-                        "verify pass's norm kernel")
-            norm_fold = False
-        if start_kernel and batch_invariant:
-            # its cos / sin round as CUDA's cosf / sinf, the verify pass's as inductor's: the rows would differ
-            log.warning("fuse.start_kernel is off under fuse.batch_invariant: the verify pass computes the step's "
-                        "inputs otherwise")
-            start_kernel = False
-        if attn_fold and not batch_invariant and not (norm_fold and attn_qkv):  # (batch_invariant: off with the fold)
+        if attn_fold and not invariant and not (norm_fold and attn_qkv):  # (batch_invariant: off with the fold)
             raise ValueError("fuse.attn_fold folds the attention's combine into o as the norm fold's producer: it "
                              "needs fuse.norm_fold=true and fuse.attn_qkv=true")
-        self.norm_fold = bool(norm_fold)
-        self.attn_fold = bool(attn_fold) and self.norm_fold
-        self.batch_invariant = bool(batch_invariant)
+        self._asked = dict(norm_fold=bool(norm_fold), attn_fold=bool(attn_fold), start_kernel=bool(start_kernel))
+        self.qkv_kernel = bool(qkv_kernel)
+        self._settle(invariant, log.warning)
         self.tail_norm = bool(tail_norm)
-        self.start_kernel = bool(start_kernel)
-        self.backend, self.pdl, self.attn_pdl, self.qkv_kernel = backend, bool(pdl), bool(attn_pdl), bool(qkv_kernel)
+        self.backend, self.pdl, self.attn_pdl = backend, bool(pdl), bool(attn_pdl)
         self.attn_merge = bool(attn_merge)
         self.draft_merge = bool(draft_merge) or self.attn_merge
         self.int4_mma = bool(int4_mma)
@@ -108,6 +97,65 @@ class FuseLayers:
             raise ValueError("fuse.attn_tiles sets the tiles of the attention's q/k/v mode: it needs "
                              "fuse.attn_qkv=true")
         self.merge = MergeProjections()
+
+    def _settle(self, batch_invariant: bool, say) -> None:
+        """The switch and what it turns off: the norm fold (and the attention fold, its producer) rounds otherwise
+        than the verify pass's norm kernel, the start kernel's cos / sin as CUDA's cosf / sinf, the verify pass's
+        as inductor's, so the exact-tokens switch wins (a recipe with them, e.g. experiment=frontier, + the
+        switch); `say` tells the user which ones went."""
+        if batch_invariant and not self.qkv_kernel:
+            # without qkv_kernel the q/k/v norms are inductor's reductions, sized by the step's rows
+            raise ValueError("fuse.batch_invariant needs fuse.qkv_kernel=true")
+        asked = self._asked
+        self.batch_invariant = bool(batch_invariant)
+        self.norm_fold = asked["norm_fold"] and not batch_invariant
+        self.attn_fold = asked["attn_fold"] and self.norm_fold
+        self.start_kernel = asked["start_kernel"] and not batch_invariant
+        if batch_invariant and asked["norm_fold"]:
+            say("fuse.norm_fold is off under fuse.batch_invariant: the fold rounds otherwise than the verify pass's "
+                "norm kernel")
+        if batch_invariant and asked["start_kernel"]:
+            say("fuse.start_kernel is off under fuse.batch_invariant: the verify pass computes the step's inputs "
+                "otherwise")
+
+    def settle_auto(self, parts) -> None:
+        """fuse.batch_invariant=auto, given the other groups' objects: on where speculative decoding verifies on the
+        int4 body's tensor-core kernels (measured there: the AR step's tokens bit for bit and the faster verify
+        pass, the README's k=7 recipe), else off; the AR step alone is faster without it. Logs which and why."""
+        if not self.auto_invariant:
+            return
+        why = self._invariant_blocker(parts)
+        if why is None:
+            self._settle(True, log.info)
+            log.info("fuse.batch_invariant=auto: on (speculative depth %d on the int4 tensor-core body: the verify "
+                     "pass's rows are the AR step's bit for bit)", parts.spec.depth)
+        else:
+            log.info("fuse.batch_invariant=auto: off (%s)", why)
+
+    def _invariant_blocker(self, parts) -> str | None:
+        """Why auto leaves the switch off, or None."""
+        from ..kernels.mma_table import MAX_ROWS
+        from .lm_head import Int4Head
+        from .quant import Int4Quant
+        from .sampler import FusedArgmax
+        from .spec import MtpSpec
+
+        if not isinstance(parts.spec, MtpSpec):
+            return "no speculative decoding: the one-row step is faster without it"
+        if parts.spec.depth + 1 > MAX_ROWS:
+            return (f"spec.depth={parts.spec.depth}: {parts.spec.depth + 1} verify rows, the tensor-core kernel's "
+                    f"one-row configs take {MAX_ROWS}")
+        if self.backend != "triton":
+            return "fuse.backend=torch: the twins"
+        if not (isinstance(parts.quant, Int4Quant) and self.int4_mma):
+            return "it is measured on quant=int4 with fuse.int4_mma=true"
+        if not self.qkv_kernel:
+            return "it needs fuse.qkv_kernel=true"
+        if isinstance(parts.lm_head, Int4Head):
+            return "an int4 head picks through a kernel whose tiles follow the row count"
+        if not isinstance(parts.sampler, FusedArgmax):
+            return "it needs sampler=fused_argmax"
+        return None
 
     def apply(self, model):
         from ..kernels.draft_head import draft_head_op, draft_head_ref
@@ -224,6 +272,7 @@ class FuseLayers:
         return {**self.merge.describe(), "fused_layers": True, "fused_backend": self.backend, "pdl": self.pdl,
                 "attn_pdl": self.attn_pdl, "qkv_kernel": self.qkv_kernel, "attn_merge": self.attn_merge,
                 "draft_merge": self.draft_merge, "int4_mma": self.int4_mma, "attn_qkv": self.attn_qkv,
-                "batch_invariant": self.batch_invariant, "draft_loop": self.draft_loop,
+                "batch_invariant": self.batch_invariant, "batch_invariant_auto": self.auto_invariant,
+                "draft_loop": self.draft_loop,
                 "attn_tiles": qkv_tiles_text(self.attn_tiles), "norm_fold": self.norm_fold, "attn_fold": self.attn_fold,
                 "tail_norm": self.tail_norm, "start_kernel": self.start_kernel, "verify_epilogues": True}
