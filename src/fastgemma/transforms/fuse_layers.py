@@ -148,7 +148,9 @@ class FuseLayers:
         if self.backend != "triton":
             return "fuse.backend=torch: the twins"
         if not (isinstance(parts.quant, Int4Quant) and self.int4_mma):
-            return "it is measured on quant=int4 with fuse.int4_mma=true"
+            # (a checkpoint already in int4 loads with quant=bf16: its group size is known only once loaded)
+            return ("it is measured on quant=int4 with fuse.int4_mma=true; a checkpoint already in int4 takes "
+                    "fuse.batch_invariant=true by hand")
         if not self.qkv_kernel:
             return "it needs fuse.qkv_kernel=true"
         if isinstance(parts.lm_head, Int4Head):
