@@ -307,25 +307,108 @@ def test_auto_follows_the_speculation_and_the_body(caplog):
 
     with caplog.at_level(logging.INFO, logger="fastgemma.transforms.fuse_layers"):
         on = fuse_for("spec=replay", "spec.depth=7")
-    assert on.auto_invariant and on.batch_invariant
+    assert on.auto_invariant and on.batch_invariant and on._auto_pending  # the model confirms it (test below)
     assert not (on.norm_fold or on.attn_fold or on.start_kernel) and on.describe()["batch_invariant_auto"]
-    assert "fuse.batch_invariant=auto: on (speculative depth 7" in caplog.text
-    assert "norm_fold is off" in caplog.text and not any(r.levelno >= logging.WARNING for r in caplog.records)
+    assert "fuse.batch_invariant=auto" not in caplog.text  # said once the model confirms it
     assert fuse_for("spec=mtp", "spec.depth=1").batch_invariant
+    assert fuse_for("spec=replay", "quant=bf16")._auto_pending  # a checkpoint may hold the int4 body
     for over, why in [((), "no speculative decoding"), (("spec=mtp", "spec.depth=8"), "9 verify rows"),
-                      (("spec=replay", "quant=int8"), "measured on quant=int4"),
+                      (("spec=replay", "quant=int8"), "measured on the int4 body"),
                       (("spec=replay", "fuse.int4_mma=false", "fuse.norm_fold=false", "fuse.attn_fold=false"),
-                       "measured on quant=int4"),
+                       "measured on the int4 body"),
                       (("spec=replay", "sampler=argmax"), "sampler=fused_argmax"),
                       (("spec=replay", "lm_head=int4", "~lm_head.dtype", "~lm_head.source"), "an int4 head"),
                       (("spec=replay", "fuse.backend=torch"), "the twins")]:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="fastgemma.transforms.fuse_layers"):
             off = fuse_for(*over)
-        assert not off.batch_invariant and off.start_kernel and off.norm_fold == off.int4_mma, over
+        assert not (off.batch_invariant or off._auto_pending) and off.start_kernel, over
+        assert off.norm_fold == off.int4_mma, over
         assert "fuse.batch_invariant=auto: off (" in caplog.text and why in caplog.text, (over, caplog.text)
     kept = fuse_for("spec=replay", "fuse.batch_invariant=false")
     assert not kept.batch_invariant and not kept.auto_invariant and kept.norm_fold
     assert fuse_for("fuse.batch_invariant=true").batch_invariant  # AR too, as asked
     with pytest.raises(BuildError, match="fuse.batch_invariant is true, false or auto, got 'maybe'"):
         fuse_for("fuse.batch_invariant=maybe")
+
+
+def test_auto_is_confirmed_by_the_model(caplog):
+    """Where the groups leave fuse.batch_invariant=auto on, the built model decides (`FuseLayers.validate`): on, with
+    the steps installed so and its log lines, where every int4 linear of the body has a one-row tensor-core config
+    (quantized here, or loaded in int4 under quant=bf16); off again, the steps installed without it and the folds
+    back, where the body has no int4 linear on the kernel (bf16) or one lacks a config (another model's shapes, a
+    group size the kernel does not take), instead of the build failing as the explicit switch does."""
+    import logging
+
+    from fgcli_helpers import TINY as CLI_TINY
+    from fgcli_helpers import compose_cfg
+
+    from fastgemma.build import build_parts
+    from fastgemma.kernels import mma_table
+    from fastgemma.kernels.mma_table import MmaConfig, set_table
+    from fastgemma.transforms.fuse_layers import FuseLayers
+    from fastgemma.transforms.fused_layer_ops import _layer_linears
+    from fastgemma.transforms.quant import Int4Linear, Int4Quant
+    from fastgemma.weights.synthetic import synthetic_model
+
+    SKIP = ("per_layer_projection", "per_layer_input_gate")  # K = 16 in the tiny model; quant=int4's own
+
+    def int4_body(group_size=64):
+        model = synthetic_model(SMALL, "cpu", torch.bfloat16, seed=3)
+        Int4Quant(group_size=group_size, skip=SKIP, backend="torch").apply(model)
+        return model
+
+    def built(group_size, *over, table="all", loaded=False):
+        """(the fuse object, the model) after fuse, quant and validate, as the build runs them. group_size: the
+        int4 body's (None: bf16); loaded: its layers int4 before fuse applies (a checkpoint's); table: the int4
+        shapes given a one-row entry ("all": every one the body holds)."""
+        cfg = compose_cfg([*CLI_TINY, "experiment=frontier", "spec=replay", "spec.depth=3", *over])
+        fuse = build_parts(cfg, dict(cfg.hydra.runtime.choices)).fuse
+        model = int4_body(group_size) if loaded else synthetic_model(SMALL, "cpu", torch.bfloat16, seed=3)
+        model = fuse.apply(model) or model
+        if group_size and not loaded:
+            Int4Quant(group_size=group_size, skip=SKIP, backend="torch").apply(model)
+        gate_up = {id(_layer_linears(i, layer)["gate_up"]) for i, layer in enumerate(model.layers)}
+        entries = {(m.out_features, m.in_features): MmaConfig(2 if id(m) in gate_up else 1, 1)
+                   for m in model.modules() if isinstance(m, Int4Linear)}
+        set_table({**saved, **{k: c for k, c in entries.items() if table == "all" or k in table}})
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fastgemma.transforms.fuse_layers"):
+            fuse.validate(model)
+        return fuse, model
+
+    saved = dict(mma_table.MMA_CONFIGS)
+    try:
+        fuse, model = built(64)
+        assert fuse.batch_invariant and model.batch_invariant and not fuse._auto_pending
+        assert model.fused_decode.keywords["batch_invariant"] and not model.fused_decode.keywords["norm_fold"]
+        assert model.max_verify_rows == 8 and "fuse.batch_invariant=auto: on (speculative depth 3" in caplog.text
+        assert "norm_fold is off" in caplog.text
+        assert not any(r.levelno >= logging.WARNING and "batch_invariant" in r.getMessage() for r in caplog.records)
+        fuse, model = built(64, "quant=bf16", loaded=True)  # a checkpoint's int4 layers under quant=bf16: the same
+        assert fuse.batch_invariant and model.fused_verify.keywords["batch_invariant"]
+
+        down = (SMALL.hidden_size, SMALL.intermediate_size)
+        for group_size, over, table, why in [
+                (None, ("quant=bf16",), "all", "the body has no int4 linear on the tensor-core kernel"),
+                (64, (), (), "the body has no int4 linear"),  # shapes outside the table (another model's)
+                (32, (), "all", "the body has no int4 linear"),  # a group size the kernel does not take
+                (64, (), (down,), "one-row configs (fuse.int4_mma=true, kernels/mma_table.MMA_CONFIGS); none for")]:
+            fuse, model = built(group_size, *over, table=table)
+            assert not (fuse.batch_invariant or model.batch_invariant or fuse._auto_pending), why
+            assert "fuse.batch_invariant=auto: off (" in caplog.text and why in caplog.text, (why, caplog.text)
+            dec = model.fused_decode.keywords
+            assert not dec["batch_invariant"] and dec["norm_fold"] and dec["start_kernel"] and dec["attn_fold"]
+            assert not model.fused_verify.keywords["batch_invariant"] and model.max_verify_rows is None
+        # the copies made for the switch's one-row configs (down's here) are dropped with it
+        assert not any(m.mma for m in model.modules() if isinstance(m, Int4Linear))
+
+        explicit = FuseLayers(backend="triton", qkv_kernel=True, int4_mma=True, batch_invariant=True)
+        model = synthetic_model(SMALL, "cpu", torch.bfloat16, seed=3)
+        explicit.apply(model)
+        Int4Quant(group_size=64, skip=SKIP, backend="torch").apply(model)
+        set_table(saved)
+        with pytest.raises(ValueError, match="one-row configs"):  # the explicit switch is refused, as before
+            explicit.validate(model)
+    finally:
+        set_table(saved)

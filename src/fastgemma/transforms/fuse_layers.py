@@ -72,6 +72,8 @@ class FuseLayers:
         if isinstance(batch_invariant, str) and batch_invariant != "auto":
             raise ValueError(f"fuse.batch_invariant is true, false or auto, got {batch_invariant!r}")
         self.auto_invariant = batch_invariant == "auto"  # settled by `settle_auto` once the other groups are built
+        self._auto_pending = False  # auto left on by the groups: `validate` asks the model
+        self._auto_depth = None
         invariant = bool(batch_invariant) and not self.auto_invariant
         if norm_fold and not int4_mma:  # (like int4_mma, it does nothing on the torch backend)
             raise ValueError("fuse.norm_fold folds the norms into the tensor-core int4 GEMVs: it needs "
@@ -121,22 +123,24 @@ class FuseLayers:
     def settle_auto(self, parts) -> None:
         """fuse.batch_invariant=auto, given the other groups' objects: on where speculative decoding verifies on the
         int4 body's tensor-core kernels (measured there: the AR step's tokens bit for bit and the faster verify
-        pass, the README's k=7 recipe), else off; the AR step alone is faster without it. Logs which and why."""
+        pass, the README's k=7 recipe), else off; the AR step alone is faster without it. What the groups decide
+        is settled here and logged; a choice they leave open waits for the model (`validate`: whether its body is
+        int4, quantized here or loaded so, with a one-row tensor-core config for every int4 linear)."""
         if not self.auto_invariant:
             return
         why = self._invariant_blocker(parts)
+        self._auto_pending = why is None
         if why is None:
-            self._settle(True, log.info)
-            log.info("fuse.batch_invariant=auto: on (speculative depth %d on the int4 tensor-core body: the verify "
-                     "pass's rows are the AR step's bit for bit)", parts.spec.depth)
+            self._settle(True, lambda msg: None)  # said in `validate`, once the model confirms it
         else:
             log.info("fuse.batch_invariant=auto: off (%s)", why)
+        self._auto_depth = getattr(parts.spec, "depth", None)
 
     def _invariant_blocker(self, parts) -> str | None:
-        """Why auto leaves the switch off, or None."""
+        """Why auto leaves the switch off, from the groups alone, or None (the model may still: `_model_blocker`)."""
         from ..kernels.mma_table import MAX_ROWS
         from .lm_head import Int4Head
-        from .quant import Int4Quant
+        from .quant import Int4Quant, NoQuant
         from .sampler import FusedArgmax
         from .spec import MtpSpec
 
@@ -147,10 +151,9 @@ class FuseLayers:
                     f"one-row configs take {MAX_ROWS}")
         if self.backend != "triton":
             return "fuse.backend=torch: the twins"
-        if not (isinstance(parts.quant, Int4Quant) and self.int4_mma):
-            # (a checkpoint already in int4 loads with quant=bf16: its group size is known only once loaded)
-            return ("it is measured on quant=int4 with fuse.int4_mma=true; a checkpoint already in int4 takes "
-                    "fuse.batch_invariant=true by hand")
+        if not (isinstance(parts.quant, (Int4Quant, NoQuant)) and self.int4_mma):
+            # NoQuant: a checkpoint already in int4 keeps its layers int4 (`_model_blocker` looks)
+            return "it is measured on the int4 body (quant=int4, or a checkpoint in int4) with fuse.int4_mma=true"
         if not self.qkv_kernel:
             return "it needs fuse.qkv_kernel=true"
         if isinstance(parts.lm_head, Int4Head):
@@ -159,12 +162,42 @@ class FuseLayers:
             return "it needs sampler=fused_argmax"
         return None
 
+    def _model_blocker(self, model) -> str | None:
+        """Why auto leaves the switch off, from the built model, or None: a body with no int4 linear on the tensor-core
+        kernel (bf16, or another model's shapes), or what `_invariant_problem` would refuse."""
+        from .quant import Int4Linear
+
+        if not any(isinstance(mod, Int4Linear) and mod.mma for i, layer in enumerate(model.layers)
+                   for mod in _layer_linears(i, layer).values()):
+            return ("the body has no int4 linear on the tensor-core kernel (a bf16 body, or shapes outside its "
+                    "table): it is measured on the int4 body")
+        return self._invariant_problem(model)
+
+    def _confirm_auto(self, model) -> None:
+        """auto, once the groups left it on: the model confirms it (logged with what it turns off), or it goes off
+        and the steps are installed again without it."""
+        self._auto_pending = False
+        why = self._model_blocker(model)
+        if why is None:
+            self._settle(True, log.info)
+            log.info("fuse.batch_invariant=auto: on (speculative depth %s on the int4 tensor-core body: the verify "
+                     "pass's rows are the AR step's bit for bit)", self._auto_depth)
+            return
+        self._settle(False, log.info)
+        log.info("fuse.batch_invariant=auto: off (%s)", why)
+        self._install(model)
+
     def apply(self, model):
+        model = self.merge.apply(model) or model
+        self._install(model)
+        return model
+
+    def _install(self, model) -> None:
+        """The fused steps on `model` as the switches stand (again where auto's switch changes in `validate`)."""
         from ..kernels.draft_head import draft_head_op, draft_head_ref
         from ..kernels.fused_gemv import fused_gemv_op, fused_gemv_ref
         from ..kernels.fused_w4a16 import fused_w4a16_op, fused_w4a16_ref
 
-        model = self.merge.apply(model) or model
         head = draft_head_ref
         if self.backend == "triton":
             gemv, gemv4, head = fused_gemv_op, fused_w4a16_op, draft_head_op
@@ -204,44 +237,51 @@ class FuseLayers:
         self._enable_mma(model)
         model.draft_head = head  # kernels/draft_head.py (or its twin): the fused drafter's head
         model.batch_invariant = self.batch_invariant  # the greedy pick reads it (transforms/sampler.py)
-        return model
 
     def validate(self, model) -> None:
         """Every linear the fused step reads is dense, int4 or int8 (after quant and the other groups ran);
-        with int4_mma, the int4 ones get the tensor-core kernel's copy of their weights; with
-        batch_invariant, no int8 linear (its one-row GEMV and its wider matmul sum in other orders), every
-        int4 linear (the PLE context projection too) has a one-row entry in the kernel's table and the head
-        picks in one kernel at every row count."""
-        from .quant_int8 import Int8Linear
-
+        with int4_mma, the int4 ones get the tensor-core kernel's copy of their weights; auto's switch, where
+        the groups left it on, confirmed by the model or turned off (`_confirm_auto`); with batch_invariant,
+        what `_invariant_problem` names is refused."""
         for i, layer in enumerate(model.layers):
             _layer_linears(i, layer)
-        if self.batch_invariant and any(isinstance(m, Int8Linear) for m in model.modules()):
-            raise ValueError("fuse.batch_invariant has no int8 form: the one-row int8 GEMV and the wider int8 "
-                             "matmul sum in other orders; use quant=int4 or bf16 with it, or batch_invariant=false")
         self._enable_mma(model)
-        if self.batch_invariant and self.backend == "triton":
-            self._check_invariant(model)
+        if self._auto_pending:
+            self._confirm_auto(model)
+        problem = self._invariant_problem(model) if self.batch_invariant else None
+        if problem:
+            raise ValueError(problem)
 
-    def _check_invariant(self, model) -> None:
+    def _invariant_problem(self, model) -> str | None:
+        """What batch_invariant cannot keep row-invariant on `model`, or None: an int8 linear (its one-row GEMV and
+        its wider matmul sum in other orders); on the Triton backend, an int4 linear (the PLE context projection
+        too) without a one-row entry in the tensor-core kernel's table, or an int4 head (its tiles follow the row
+        count)."""
         from .lm_head import decode_head
         from .quant import Int4Linear
+        from .quant_int8 import Int8Linear
 
+        if any(isinstance(m, Int8Linear) for m in model.modules()):
+            return ("fuse.batch_invariant has no int8 form: the one-row int8 GEMV and the wider int8 matmul sum in "
+                    "other orders; use quant=int4 or bf16 with it, or batch_invariant=false")
+        if self.backend != "triton":
+            return None
         epilogues = {"gate_up": "geglu", "ple_gate": "gelu_mul"}
         named = [(f"layers.{i}.{role}", mod, epilogues.get(role, "none"))
                  for i, layer in enumerate(model.layers) for role, mod in _layer_linears(i, layer).items()]
         if model.ple_projected:
             named.append(("per_layer_model_projection", model.per_layer_model_projection, "none"))
         # the runtime's own lookup: None without int4_mma's copy, an epilogue the kernel lacks, or no config
-        bad = [f"{name} ({mod.out_features} x {mod.in_features}, {epi})" for name, mod, epi in named
+        bad = [f"{name} ({mod.out_features} x {mod.in_features}, g{mod.group_size}, {epi})" for name, mod, epi in named
                if isinstance(mod, Int4Linear) and _mma_cfg(mod, 1, epi, torch.bfloat16, invariant=True) is None]
         if bad:
-            raise ValueError("fuse.batch_invariant runs int4 linears on the tensor-core kernel's one-row configs "
-                             f"(fuse.int4_mma=true, kernels/mma_table.MMA_CONFIGS); none for {', '.join(bad[:4])}"
-                             + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""))
+            return ("fuse.batch_invariant runs int4 linears on the tensor-core kernel's one-row configs "
+                    f"(fuse.int4_mma=true, kernels/mma_table.MMA_CONFIGS); none for {', '.join(bad[:4])}"
+                    + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""))
         if getattr(decode_head(model), "kind", None) == "int4":
-            raise ValueError("fuse.batch_invariant: an int4 head picks through the w4a16 GEMV, whose tiles follow the "
-                             "row count; use lm_head=full, int8 or pruned")
+            return ("fuse.batch_invariant: an int4 head picks through the w4a16 GEMV, whose tiles follow the row "
+                    "count; use lm_head=full, int8 or pruned")
+        return None
 
     def _enable_mma(self, model) -> None:
         """The fragment-order copy for the int4 linears whose shape the kernel's table has (one or
@@ -265,6 +305,8 @@ class FuseLayers:
                 pairs = role == "gate_up" and table_pairs(*shape)
                 if not mod.mma or mod.mma_pairs != pairs:
                     mod.enable_mma(pairs)
+            elif shape and mod.mma:  # held for the switch's configs, which auto turned off again
+                mod.disable_mma()
         if self.batch_invariant and any(getattr(mod, "mma", False) for _, mod in mods):
             model.max_verify_rows = MAX_ROWS  # one config at every row count: the kernel's rows at most
 

@@ -96,6 +96,11 @@ class Int4Linear(nn.Module):
         self._pack_mma()
         return self.mma
 
+    def disable_mma(self) -> None:
+        """Drop the fragment-order copy (its memory); the other kernels never read it."""
+        self.mma = False
+        self._pack_mma()
+
     def _pack_mma(self) -> None:
         from fastgemma.kernels.mma_w4a16 import pack_mma, pack_mma_sz
 

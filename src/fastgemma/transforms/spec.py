@@ -32,12 +32,13 @@ def invariant_hint(model, depth: int) -> str | None:
     the tensor-core kernels could take its depth + 1 rows), or None."""
     from ..kernels.mma_table import MAX_ROWS
 
-    if getattr(model, "fused_verify", None) is None or getattr(model, "batch_invariant", False) or depth >= MAX_ROWS:
+    if getattr(model, "fused_verify", None) is None or getattr(model, "batch_invariant", False) or depth + 1 > MAX_ROWS:
         return None
-    return (f"spec with fuse=layers and fuse.batch_invariant=false: the verify pass's {depth + 1} rows round otherwise "
-            "than the one-row step, so the speculative tokens may leave the AR step's (synthetic E4B on an H100: from "
-            "token 8, docs/h100.md); fuse.batch_invariant=true (depth <= 7) makes them the AR step's bit for bit, and "
-            "on the int4 body its verify pass is the faster one (the README's k=7 recipe)")
+    return (f"spec with fuse=layers and fuse.batch_invariant off (false, or auto: its log line says why): the verify "
+            f"pass's {depth + 1} rows round otherwise than the one-row step, so the speculative tokens may leave the "
+            "AR step's (synthetic E4B on an H100: from token 8, docs/h100.md); fuse.batch_invariant=true (depth <= 7) "
+            "makes them the AR step's bit for bit, and on the int4 body its verify pass is the faster one (the "
+            "README's k=7 recipe)")
 
 
 class NoSpec:
