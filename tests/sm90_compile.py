@@ -410,8 +410,8 @@ def accept_line():
 
 
 def step_edge_lines():
-    """kernels/step_start.py at E4B's sizes (hidden 2,560; RoPE halves 128 and 256; the PLE row 10,752) with the
-    first norm and the table, kernels/step_advance.py at one row and kernels/gather_rows.py ("edge" lines: name,
+    """kernels/step_start.py at E4B's sizes (hidden 2,560; RoPE halves 128 and 256; the PLE row 10,752) and E2B's
+    (hidden 1,536, the PLE row 8,960) with the first norm and the table, kernels/step_advance.py at one row and kernels/gather_rows.py ("edge" lines: name,
     registers, spill bytes, the libdevice cos / sin calls' trace in the PTX: calls to __nv_ functions left
     unresolved, sin / cos.approx)."""
     import inspect
@@ -425,11 +425,13 @@ def step_edge_lines():
     # the kernel's runtime arguments in its order: other pointers are bf16 rows
     names = [n for n in inspect.signature(_step_start_kernel.fn).parameters if n.islower()]
     sig = {n: kinds.get(n, "*bf16") for n in names}
-    ce = dict(H=2560, BH=4096, NP=10752, CHUNK=PLE_CHUNK, HS=128, BS=128, HF=256, BF=256, HAS_PRE=True,
-              HAS_TABLE=True, INTERPRET=False)
-    ptx, regs, spills = build(_step_start_kernel, sig, ce, [i for i, n in enumerate(names) if n.endswith("_ptr")], 4)
-    print(f"edge\tstep start E4B\t{regs}\t{spills}\t{ptx.count('call.uni')}\t"
-          f"{len(re.findall(r'(sin|cos)[.]approx', ptx))}")
+    for name, H, NP in (("E4B", 2560, 10752), ("E2B", 1536, 8960)):  # E2B: x's block (2,048) unlike a PLE chunk's
+        ce = dict(H=H, BH=triton.next_power_of_2(H), NP=NP, CHUNK=PLE_CHUNK, HS=128, BS=128, HF=256, BF=256,
+                  HAS_PRE=True, HAS_TABLE=True, INTERPRET=False)
+        ptx, regs, spills = build(_step_start_kernel, sig, ce, [i for i, n in enumerate(names) if n.endswith("_ptr")],
+                                  4)
+        print(f"edge\tstep start {name}\t{regs}\t{spills}\t{ptx.count('call.uni')}\t"
+              f"{len(re.findall(r'(sin|cos)[.]approx', ptx))}")
     sig = {"nxt_ptr": "*i64", "tok_ptr": "*i64", "pos_ptr": "*i64", "out_ptr": "*i64", "count_ptr": "*i64",
            "stride_out": "i32", "width": "i32"}
     ptx, regs, spills = build(_step_advance_kernel, sig, dict(B=1, BLOCK=2), [0, 1, 2, 3, 4], 1)

@@ -95,10 +95,11 @@ def test_gpu_only_variants_compile_for_sm90():
     # the speculative step's accept (one warp): a barrier between the reads of the values it updates in place
     # and its writes, per batch row and before the step counter; the PTX lays the row loop out rotated, so
     # the stores before its first barrier are the previous row's tail (pos, hits, tries, the log: 4)
-    # the step's edges in one launch each (kernels/step_start.py at E4B's sizes, step_advance.py, gather_rows.py): no
-    # spills, libdevice's cos / sin inlined (no call left, no approximate sin / cos: CUDA's cosf / sinf, as torch's)
+    # the step's edges in one launch each (kernels/step_start.py at E4B's and E2B's sizes, step_advance.py,
+    # gather_rows.py): no spills, libdevice's cos / sin inlined (no call left, no approximate sin / cos: CUDA's cosf /
+    # sinf, as torch's)
     edge = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "edge"}
-    assert set(edge) == {"step start E4B", "step advance", "gather rows"}, edge
+    assert set(edge) == {"step start E4B", "step start E2B", "step advance", "gather rows"}, edge
     assert all(spills == 0 and calls == 0 and approx == 0 for _, spills, calls, approx in edge.values()), edge
     accept = {f[1]: [int(x) for x in f[2:]] for f in lines if f[0] == "accept"}
     regs, spills, bars, stores_before = accept["accept k=7 replay"]

@@ -71,10 +71,10 @@ def _step_start_kernel(ids_ptr, pos_ptr, emb_ptr, scale, pre_ptr, eps, off, tab_
             pre = tl.load(pre_ptr + k, mask=ok, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
             tl.store(xn_ptr + k, _rnd(x * inv * (pre + off), DT).to(DT), mask=ok)
-    elif HAS_TABLE:
+    elif HAS_TABLE:  # (names of their own: a name set in both branches must have one shape, BH's = CHUNK's)
         c = (pid - 1) * CHUNK + tl.arange(0, CHUNK)
-        ok = c < NP
-        tl.store(ple_ptr + c, tl.load(tab_ptr + tok * NP + c, mask=ok), mask=ok)
+        c_ok = c < NP
+        tl.store(ple_ptr + c, tl.load(tab_ptr + tok * NP + c, mask=c_ok), mask=c_ok)
 
 
 def _check(ids, pos, emb, pre, table, inv_freq_sliding, inv_freq_full, ring_pos):
