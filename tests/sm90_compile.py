@@ -411,9 +411,9 @@ def accept_line():
 
 def step_edge_lines():
     """kernels/step_start.py at E4B's sizes (hidden 2,560; RoPE halves 128 and 256; the PLE row 10,752) and E2B's
-    (hidden 1,536, the PLE row 8,960) with the first norm and the table, kernels/step_advance.py at one row and kernels/gather_rows.py ("edge" lines: name,
-    registers, spill bytes, the libdevice cos / sin calls' trace in the PTX: calls to __nv_ functions left
-    unresolved, sin / cos.approx)."""
+    (hidden 1,536, the PLE row 8,960) with the first norm and the table, kernels/step_advance.py at one row and
+    kernels/gather_rows.py ("edge" lines: name, registers, spill bytes, the libdevice cos / sin calls' trace in the
+    PTX: calls to __nv_ functions left unresolved, sin / cos.approx)."""
     import inspect
 
     from fastgemma.kernels.gather_rows import CHUNK, _gather_rows_kernel
