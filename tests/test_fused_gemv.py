@@ -87,6 +87,29 @@ def test_fused_w4a16_matches_twin(case, group, dtype, words):
         assert ((h.float() - href.float()).abs().max() / href.float().abs().max()).item() < tol
 
 
+def test_default_tiles_fit_a_long_k():
+    """A shape outside the tile tables with K past 16 default blocks of 512 (E2B's down: K = 12,288) gets wider K
+    blocks instead of a refusal: the int4 fused GEMV (the geglu-free residual prologue, against its twin) and the
+    dense GEMV's default config; a config given by hand is still refused."""
+    from fastgemma.kernels.fused_w4a16 import fused_w4a16, fused_w4a16_ref
+    from fastgemma.kernels.gemv import MAX_KB, default_config
+    from fastgemma.kernels.int4_pack import pack_int4, quantize_int4
+    from fastgemma.kernels.w4a16_table import W4A16Config
+
+    N, K = 16, 12288
+    t = _tensors(N, K, torch.float32, seed=6)
+    q, sc, zr = quantize_int4(t["w"].float(), 128)
+    qw = pack_int4(q)
+    kw = dict(y=t["y"], post=t["post"], pre=t["pre"], eps=1e-6)
+    out, h = fused_w4a16(t["a"], qw, sc, zr, 128, **kw)
+    ref, href = fused_w4a16_ref(t["a"], qw, sc, zr, 128, **kw)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5 and torch.allclose(h, href, atol=1e-6)
+    with pytest.raises(ValueError, match="unrolls at most 16 K blocks; K=12288 needs block_k >= 768"):
+        fused_w4a16(t["a"], qw, sc, zr, 128, config=W4A16Config(4, 512, 1, 2), **kw)
+    assert all(-(-k // default_config(1536, k).block_k) <= MAX_KB for k in (2560, 10240, 12288, 24576))
+    assert default_config(1536, 2560).block_k == 512 and default_config(1536, 12288).block_k == 1024
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("words", [True, False])

@@ -14,6 +14,8 @@ the activation dtype, then the dense twin: what the unfused torch path computes)
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -227,6 +229,12 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
     return rows
 
 
+def _fit_block_k(K: int) -> int:
+    """The narrowest power-of-two K block that leaves at most MAX_KB blocks (resolve_config then fits it to the
+    group size and to K)."""
+    return triton.next_power_of_2(triton.cdiv(K, MAX_KB))
+
+
 def _check_int4(a, qweight, scales, zeros, group_size):
     N, K = qweight.shape[0], qweight.shape[1] * 2
     if qweight.dtype != torch.uint8 or scales.shape != (K // group_size, N) or zeros.shape != scales.shape:
@@ -247,6 +255,8 @@ def fused_w4a16(a, qweight, scales, zeros, group_size: int, y=None, post=None, s
     run = _Launch(a, y, post, scale, pre, aux, N, K, qweight.device, epilogue, pdl)
     # block_k: a group multiple dividing K
     cfg = resolve_config(1, N, K, group_size, config or TILES.get((N, K, run.flags["PRO"], run.epi)))
+    if K // cfg.block_k > MAX_KB and config is None:  # a default tile on a long K (E2B's down, 12,288): wider blocks
+        cfg = resolve_config(1, N, K, group_size, dataclasses.replace(cfg, block_k=_fit_block_k(K)))
     if K // cfg.block_k > MAX_KB:
         raise ValueError(f"fused_w4a16 unrolls at most {MAX_KB} K blocks; K={K} needs block_k >= {K // MAX_KB}")
     bn = max(cfg.block_n, 2) if run.epi == 1 else cfg.block_n

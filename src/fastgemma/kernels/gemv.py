@@ -231,9 +231,10 @@ CONFIGS: dict[tuple[int, int], GemvConfig] = {
 
 
 def default_config(N: int, K: int) -> GemvConfig:
-    """BLOCK_K 512 (a warp reads 1 KB of a row per load); BLOCK_N halves from 8 until there are
-    >= 4 waves of programs; warps so that a thread holds <= 16 accumulators per K block."""
-    bk = min(512, triton.next_power_of_2(K))
+    """BLOCK_K 512 (a warp reads 1 KB of a row per load; wider where K holds more than MAX_KB such blocks, e.g.
+    E2B's down, 12,288); BLOCK_N halves from 8 until there are >= 4 waves of programs; warps so that a thread holds
+    <= 16 accumulators per K block."""
+    bk = max(min(512, triton.next_power_of_2(K)), triton.next_power_of_2(triton.cdiv(K, MAX_KB)))
     bn = 8
     while bn > 1 and triton.cdiv(N, bn) < 4 * _SMS:
         bn //= 2
