@@ -94,6 +94,14 @@ def main():
         ce = dict(K=K, GROUP=128, BLOCK_N=bn, BLOCK_K=bk, PRO=pro, HAS_SCALE=pro == 2 and epi == 0,
                   HAS_PRE=pro == 2 and epi != 2, EPI=epi, PDL=True, WORDS=words, ASM=True, EXACT=False)
         cases.append((name, _fused_w4a16_kernel, int4_sig, ce, tuple(range(11)), warps))
+    # E2B's down (1,536 x 12,288, no tile in the tables) on the default tile widened for its long K
+    from fastgemma.kernels.fused_w4a16 import _fit_long_k
+    from fastgemma.kernels.w4a16_table import resolve_config
+
+    c = _fit_long_k(resolve_config(1, 1536, 12288, 128), 1536, 12288, 128)
+    cases.append(("int4 fused plain down E2B", _fused_w4a16_kernel, int4_sig,
+                  dict(K=12288, GROUP=128, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=0, HAS_SCALE=False, HAS_PRE=False,
+                       EPI=0, PDL=True, WORDS=c.words, ASM=True, EXACT=False), tuple(range(11)), c.num_warps))
     # quant=int8's fused GEMV (kernels/fused_w8a16.py, its codes as int32 words) on the dense one's pinned tiles
     int8_sig = {n: "*bf16" for n in ("a_ptr", "y_ptr", "post_ptr", "scale_ptr", "pre_ptr", "h_ptr")}
     int8_sig.update(w_ptr="*i8", ws_ptr="*fp32", aux_ptr="*bf16", out_ptr="*bf16", N="i32", HALF="i32",

@@ -229,10 +229,13 @@ def bench_tiles(cases: dict | None = None, candidates=None, group_size: int = 12
     return rows
 
 
-def _fit_block_k(K: int) -> int:
-    """The narrowest power-of-two K block that leaves at most MAX_KB blocks (resolve_config then fits it to the
-    group size and to K)."""
-    return triton.next_power_of_2(triton.cdiv(K, MAX_KB))
+def _fit_long_k(cfg: W4A16Config, N: int, K: int, group_size: int) -> W4A16Config:
+    """A tile whose K blocks are more than MAX_KB, widened: the narrowest power-of-two block that leaves at most
+    MAX_KB (resolve_config then fits it to the group size and to K), its warps grown as much, so that a thread holds
+    the words it held (E2B's down at 4 x 1,024: 4 warps, 128 registers, no spills; 2 warps spill 1.5 KB)."""
+    bk = triton.next_power_of_2(triton.cdiv(K, MAX_KB))
+    warps = min(16, cfg.num_warps * max(1, bk // cfg.block_k))
+    return resolve_config(1, N, K, group_size, dataclasses.replace(cfg, block_k=bk, num_warps=warps))
 
 
 def _check_int4(a, qweight, scales, zeros, group_size):
@@ -256,7 +259,7 @@ def fused_w4a16(a, qweight, scales, zeros, group_size: int, y=None, post=None, s
     # block_k: a group multiple dividing K
     cfg = resolve_config(1, N, K, group_size, config or TILES.get((N, K, run.flags["PRO"], run.epi)))
     if K // cfg.block_k > MAX_KB and config is None:  # a default tile on a long K (E2B's down, 12,288): wider blocks
-        cfg = resolve_config(1, N, K, group_size, dataclasses.replace(cfg, block_k=_fit_block_k(K)))
+        cfg = _fit_long_k(cfg, N, K, group_size)
     if K // cfg.block_k > MAX_KB:
         raise ValueError(f"fused_w4a16 unrolls at most {MAX_KB} K blocks; K={K} needs block_k >= {K // MAX_KB}")
     bn = max(cfg.block_n, 2) if run.epi == 1 else cfg.block_n
