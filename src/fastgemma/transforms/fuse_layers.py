@@ -72,8 +72,7 @@ class FuseLayers:
         if isinstance(batch_invariant, str) and batch_invariant != "auto":
             raise ValueError(f"fuse.batch_invariant is true, false or auto, got {batch_invariant!r}")
         self.auto_invariant = batch_invariant == "auto"  # settled by `settle_auto` once the other groups are built
-        self._auto_pending = False  # auto left on by the groups: `validate` asks the model
-        self._auto_depth = None
+        self._auto_depth = None  # the speculative depth where auto was left on by the groups: `validate` asks the model
         invariant = bool(batch_invariant) and not self.auto_invariant
         if norm_fold and not int4_mma:  # (like int4_mma, it does nothing on the torch backend)
             raise ValueError("fuse.norm_fold folds the norms into the tensor-core int4 GEMVs: it needs "
@@ -129,12 +128,16 @@ class FuseLayers:
         if not self.auto_invariant:
             return
         why = self._invariant_blocker(parts)
-        self._auto_pending = why is None
-        if why is None:
+        if why is None:  # (an MtpSpec: its depth)
+            self._auto_depth = parts.spec.depth
             self._settle(True, lambda msg: None)  # said in `validate`, once the model confirms it
         else:
             log.info("fuse.batch_invariant=auto: off (%s)", why)
-        self._auto_depth = getattr(parts.spec, "depth", None)
+
+    @property
+    def _auto_pending(self) -> bool:
+        """auto left on by the groups, not yet confirmed by the model."""
+        return self._auto_depth is not None
 
     def _invariant_blocker(self, parts) -> str | None:
         """Why auto leaves the switch off, from the groups alone, or None (the model may still: `_model_blocker`)."""
@@ -176,12 +179,12 @@ class FuseLayers:
     def _confirm_auto(self, model) -> None:
         """auto, once the groups left it on: the model confirms it (logged with what it turns off), or it goes off
         and the steps are installed again without it."""
-        self._auto_pending = False
+        depth, self._auto_depth = self._auto_depth, None
         why = self._model_blocker(model)
         if why is None:
             self._settle(True, log.info)
-            log.info("fuse.batch_invariant=auto: on (speculative depth %s on the int4 tensor-core body: the verify "
-                     "pass's rows are the AR step's bit for bit)", self._auto_depth)
+            log.info("fuse.batch_invariant=auto: on (speculative depth %d on the int4 tensor-core body: the verify "
+                     "pass's rows are the AR step's bit for bit)", depth)
             return
         self._settle(False, log.info)
         log.info("fuse.batch_invariant=auto: off (%s)", why)
